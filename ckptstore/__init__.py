@@ -1,0 +1,44 @@
+"""ckptstore: fast, safe ML training checkpoints on local disk, NFS, S3 and GCS.
+
+Importing ckptstore imports no heavy dependency: torch, JAX and the cloud clients are imported
+by the modules that need them, on first use.
+"""
+
+from ckptstore.config import Settings, default_settings
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    InvalidKeyError,
+    InvalidRangeError,
+    InvalidURLError,
+    MissingDependencyError,
+    NotFoundError,
+    NotSupportedError,
+    StoreError,
+)
+from ckptstore.store import ObjectMeta, Store, open_store, register_backend
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AlreadyExistsError",
+    "CkptStoreError",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "InvalidKeyError",
+    "InvalidRangeError",
+    "InvalidURLError",
+    "MissingDependencyError",
+    "NotFoundError",
+    "NotSupportedError",
+    "ObjectMeta",
+    "Settings",
+    "Store",
+    "StoreError",
+    "__version__",
+    "default_settings",
+    "open_store",
+    "register_backend",
+]

@@ -1,0 +1,63 @@
+"""One background event-loop thread that runs store coroutines for synchronous callers.
+
+Synchronous entry points (``ckptstore.save``, the CheckpointManager, the DCP adapter) call
+:func:`run` to block on a coroutine or :func:`submit` to get a ``concurrent.futures.Future``.
+Every coroutine runs on the same loop, so a store (and its HTTP client) opened there is only
+ever used from that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+__all__ = ["loop", "run", "submit"]
+
+_T = TypeVar("_T")
+_lock = threading.Lock()
+_loop: asyncio.AbstractEventLoop | None = None
+_thread: threading.Thread | None = None
+
+
+def loop() -> asyncio.AbstractEventLoop:
+    """The background loop, started on first use (and again after a fork)."""
+    global _loop, _thread
+    with _lock:
+        if _loop is None or _thread is None or not _thread.is_alive():
+            new_loop = asyncio.new_event_loop()
+            thread = threading.Thread(
+                target=new_loop.run_forever, name="ckptstore-loop", daemon=True
+            )
+            thread.start()
+            _loop, _thread = new_loop, thread
+        return _loop
+
+
+def submit(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
+    """Schedule ``coro`` on the background loop; returns its future."""
+    return asyncio.run_coroutine_threadsafe(coro, loop())
+
+
+def run(coro: Coroutine[Any, Any, _T]) -> _T:
+    """Run ``coro`` on the background loop and wait for its result.
+
+    Raises:
+        RuntimeError: if called from the background loop itself (it would deadlock).
+    """
+    if _thread is threading.current_thread():
+        coro.close()
+        raise RuntimeError("ckptstore.background.run called from the background loop")
+    return submit(coro).result()
+
+
+def _stop() -> None:
+    if _loop is not None and _thread is not None and _thread.is_alive():
+        _loop.call_soon_threadsafe(_loop.stop)
+        _thread.join(timeout=5)
+
+
+atexit.register(_stop)

@@ -1,0 +1,110 @@
+"""Tunables, gathered in one place.
+
+Every field is a named, documented parameter whose default says its unit. Each can be
+overridden by an environment variable ``CKPTSTORE_<FIELD NAME IN CAPITALS>``, read once when
+:func:`default_settings` is first called, or per store by passing ``settings=`` or the field
+name as a keyword to :func:`ckptstore.open_store`. Sizes accept a plain byte count or a suffix:
+``64MiB``, ``8M``, ``1GiB``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["Settings", "default_settings", "parse_size"]
+
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([KMGT]?)(i?B?)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(value: str | int) -> int:
+    """Parse ``"64MiB"``, ``"8M"``, ``"4096"`` or an int into a byte count (binary units)."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"size must be >= 0, got {value}")
+        return value
+    match = _SIZE_RE.match(value)
+    if not match:
+        raise ValueError(f"cannot parse size {value!r}; use bytes or a suffix such as 64MiB")
+    return int(match.group(1)) * _UNITS[match.group(2).upper()]
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Tunables shared by every store and by the checkpoint layout.
+
+    Attributes:
+        part_size: bytes per part of a multipart write; also the unit of parallel ranged
+            reads of one large object.
+        multipart_threshold: objects at least this many bytes are written as multipart uploads.
+        max_concurrency: parallel requests one store keeps in flight.
+        max_inflight_bytes: bytes of request bodies one store keeps in flight.
+        io_threads: threads for blocking POSIX I/O (writes and reads release the GIL).
+        coalesce_gap: ranged reads of one object closer than this many bytes are merged.
+        coalesce_limit: a merged ranged read is never larger than this many bytes.
+        durable: fsync written files and their directories before a put returns (local, nfs).
+    """
+
+    part_size: int = 32 << 20
+    multipart_threshold: int = 64 << 20
+    max_concurrency: int = 16
+    max_inflight_bytes: int = 1 << 30
+    io_threads: int = 8
+    coalesce_gap: int = 1 << 20
+    coalesce_limit: int = 64 << 20
+    durable: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"Settings.{field.name} must be an int, got {value!r}")
+        if self.part_size <= 0:
+            raise ValueError(f"Settings.part_size must be > 0, got {self.part_size}")
+        if self.max_concurrency <= 0 or self.io_threads <= 0:
+            raise ValueError("Settings.max_concurrency and Settings.io_threads must be > 0")
+        if self.max_inflight_bytes < self.part_size:
+            raise ValueError("Settings.max_inflight_bytes must be at least one part_size")
+
+    def replace(self, **changes: Any) -> Settings:
+        """Return a copy with ``changes`` applied; values may be strings (as from a URL)."""
+        return dataclasses.replace(self, **_coerce(changes))
+
+    @classmethod
+    def field_names(cls) -> frozenset[str]:
+        return frozenset(f.name for f in dataclasses.fields(cls))
+
+
+def _coerce(values: Mapping[str, Any]) -> dict[str, Any]:
+    types = {f.name: f.type for f in dataclasses.fields(Settings)}
+    out: dict[str, Any] = {}
+    for name, value in values.items():
+        if name not in types:
+            raise TypeError(f"unknown setting {name!r}; known: {', '.join(sorted(types))}")
+        if isinstance(value, str):
+            if types[name] == "bool":
+                lowered = value.strip().lower()
+                if lowered not in {"1", "0", "true", "false", "yes", "no"}:
+                    raise ValueError(f"setting {name}={value!r} is not a boolean")
+                value = lowered in {"1", "true", "yes"}
+            else:
+                value = parse_size(value)
+        out[name] = value
+    return out
+
+
+@functools.cache
+def default_settings() -> Settings:
+    """Settings with ``CKPTSTORE_*`` environment overrides applied (read once)."""
+    env = {
+        name: os.environ[f"CKPTSTORE_{name.upper()}"]
+        for name in Settings.field_names()
+        if f"CKPTSTORE_{name.upper()}" in os.environ
+    }
+    return Settings().replace(**env)

@@ -1,0 +1,91 @@
+"""Every error ckptstore raises, in one tree.
+
+Each leaf also subclasses the builtin exception a caller already catches, so code written
+against plain files keeps working (``except FileNotFoundError`` catches a missing S3 key)::
+
+    CkptStoreError (Exception)
+    ├── InvalidKeyError        (ValueError)         a key that could escape or alias the root
+    ├── InvalidURLError        (ValueError)         a URL no backend can open
+    ├── InvalidRangeError      (ValueError)         a byte range outside its object
+    ├── NotFoundError          (FileNotFoundError)  a key, step or bucket that does not exist
+    ├── AlreadyExistsError     (FileExistsError)    put-if-absent found the key present
+    │   └── CommitConflictError                     another attempt committed this step first
+    ├── CorruptCheckpointError (ValueError)         bytes or a manifest fail verification
+    ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
+    ├── MissingDependencyError (ImportError)        an optional client library is not installed
+    └── StoreError             (OSError)            the backend failed after its retries
+
+Backends translate their client's exceptions into this tree in one table each; messages name
+the URL or key and say what to do next, and never carry credentials or signed query strings.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AlreadyExistsError",
+    "CkptStoreError",
+    "CommitConflictError",
+    "CorruptCheckpointError",
+    "InvalidKeyError",
+    "InvalidRangeError",
+    "InvalidURLError",
+    "MissingDependencyError",
+    "NotFoundError",
+    "NotSupportedError",
+    "StoreError",
+]
+
+
+class CkptStoreError(Exception):
+    """Base of every error raised by ckptstore."""
+
+
+class InvalidKeyError(CkptStoreError, ValueError):
+    """A key is empty, absolute, contains ``..``, a backslash, NUL or an empty segment."""
+
+    def __init__(self, key: object, reason: str) -> None:
+        self.key = key
+        self.reason = reason
+        super().__init__(f"invalid key {key!r}: {reason}")
+
+
+class InvalidURLError(CkptStoreError, ValueError):
+    """A URL names no known backend or is malformed."""
+
+
+class InvalidRangeError(CkptStoreError, ValueError):
+    """A byte range is negative, reversed, or reaches past the end of its object."""
+
+
+class NotFoundError(CkptStoreError, FileNotFoundError):
+    """A key, step or bucket does not exist."""
+
+
+class AlreadyExistsError(CkptStoreError, FileExistsError):
+    """``put(..., mode="create")`` found the key already present."""
+
+
+class CommitConflictError(AlreadyExistsError):
+    """Another save attempt committed the same step first; this attempt stays invisible."""
+
+
+class CorruptCheckpointError(CkptStoreError, ValueError):
+    """Bytes read back fail their crc32c or length, or a manifest fails validation."""
+
+
+class NotSupportedError(CkptStoreError, NotImplementedError):
+    """A backend cannot perform an operation, or cannot perform it safely."""
+
+    def __init__(self, operation: str, backend: str, hint: str = "") -> None:
+        self.operation = operation
+        self.backend = backend
+        message = f"{operation} is not supported by the {backend} backend"
+        super().__init__(f"{message}: {hint}" if hint else message)
+
+
+class MissingDependencyError(CkptStoreError, ImportError):
+    """A backend's client library is not installed; the message carries the install command."""
+
+
+class StoreError(CkptStoreError, OSError):
+    """A backend request failed after retries (network, permissions, server errors)."""

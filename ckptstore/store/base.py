@@ -1,0 +1,620 @@
+"""The storage contract every backend implements.
+
+A :class:`Store` maps ``/``-separated keys, relative to the root the store was opened on, to
+immutable byte objects. Every method is a coroutine. The class is split the way
+``object_store`` and zarr split theirs: a small required core of single requests that each
+backend implements (the ``_``-prefixed abstract methods), and the public surface built on it
+here, once, for every backend:
+
+* keys are validated before any I/O, so no backend can be handed ``../x`` or ``a//b``;
+* a large ``put`` becomes a multipart upload whose parts go out in parallel, and any failure
+  aborts it, so no half-written object or orphaned part outlives the call;
+* a large ``read_into`` becomes parallel ranged reads straight into the caller's buffer;
+* ``get_ranges`` and ``read_ranges_into`` merge nearby ranges and fetch the groups in parallel;
+* every single request runs under one per-store bound on concurrency
+  (``Settings.max_concurrency``), so callers may ``gather`` freely.
+
+Buffers passed to ``put`` are used through a ``memoryview`` and never copied in Python; a
+backend copies only where its medium must hold the bytes (the memory store keeps them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import contextlib
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
+
+from ckptstore.config import Settings, default_settings
+from ckptstore.errors import (
+    InvalidKeyError,
+    InvalidRangeError,
+    NotFoundError,
+    NotSupportedError,
+)
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    from numpy.typing import NDArray
+    from typing_extensions import Buffer as _Buffer
+
+    #: What ``put`` accepts and ``read_into`` fills: anything exposing the buffer protocol.
+    Buffer: TypeAlias = _Buffer | NDArray[Any]
+
+__all__ = [
+    "TEMP_PREFIX",
+    "Capabilities",
+    "MultipartUpload",
+    "ObjectMeta",
+    "PutMode",
+    "Store",
+    "as_bytes_view",
+    "coalesce_ranges",
+    "validate_key",
+    "validate_prefix",
+]
+
+PutMode = Literal["overwrite", "create"]
+_PUT_MODES = ("overwrite", "create")
+
+#: File-name prefix of in-progress writes on POSIX backends. Keys may not use it, listings
+#: never show it, and garbage collection may remove such files once their writer is gone.
+TEMP_PREFIX = ".ckptstore-tmp."
+
+_MAX_KEY_BYTES = 1024  # S3's key limit; the strictest of our backends
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """What ``head`` and ``list`` report of one object.
+
+    Attributes:
+        key: the key relative to the store root.
+        size: length in bytes.
+        etag: a version token (S3 ETag, GCS generation, POSIX mtime/inode), if the backend has one.
+        last_modified: seconds since the epoch, if known.
+    """
+
+    key: str
+    size: int
+    etag: str | None = None
+    last_modified: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a backend can do, for callers that plan around it.
+
+    Attributes:
+        atomic_create: ``put(mode="create")`` is an atomic put-if-absent under concurrency.
+        multipart: large puts are split into parts that upload in parallel.
+        min_part_size: smallest allowed part except the last, in bytes.
+        max_part_size: largest allowed part, in bytes.
+        max_parts: most parts one multipart upload may have.
+        local_path: keys map to files on a mounted filesystem (mmap-able).
+    """
+
+    atomic_create: bool
+    multipart: bool = True
+    min_part_size: int = 1
+    max_part_size: int = 1 << 62
+    max_parts: int = 1 << 31
+    local_path: bool = False
+
+
+def validate_key(key: str) -> str:
+    """Return ``key`` if it is a safe relative key, else raise :class:`InvalidKeyError`."""
+    if not isinstance(key, str):
+        raise InvalidKeyError(key, f"keys are str, not {type(key).__name__}")
+    if not key:
+        raise InvalidKeyError(key, "empty key")
+    if key.startswith("/"):
+        raise InvalidKeyError(key, "keys are relative to the store root; remove the leading '/'")
+    if "\\" in key:
+        raise InvalidKeyError(key, "backslashes are not allowed; separate segments with '/'")
+    if "\x00" in key:
+        raise InvalidKeyError(key, "NUL bytes are not allowed")
+    for segment in key.split("/"):
+        if segment == "":
+            raise InvalidKeyError(key, "empty segment ('//' or a trailing '/')")
+        if segment in (".", ".."):
+            raise InvalidKeyError(key, f"'{segment}' segments are not allowed")
+        if segment.startswith(TEMP_PREFIX):
+            raise InvalidKeyError(key, f"segments starting {TEMP_PREFIX!r} are reserved")
+    if len(key.encode("utf-8", "surrogatepass")) > _MAX_KEY_BYTES:
+        raise InvalidKeyError(key, f"longer than {_MAX_KEY_BYTES} bytes")
+    return key
+
+
+def validate_prefix(prefix: str) -> str:
+    """Validate a listing prefix: ``""``, or a key-like string that may end with ``/``."""
+    if prefix == "":
+        return prefix
+    validate_key(prefix.removesuffix("/")) if prefix != "/" else validate_key("")
+    return prefix
+
+
+def as_bytes_view(data: Buffer, key: str) -> memoryview:
+    """View ``data`` as flat unsigned bytes without copying; refuse non-contiguous buffers."""
+    try:
+        view = memoryview(data)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+    except TypeError:
+        raise TypeError(
+            f"put({key!r}): data must be a bytes-like object (bytes, bytearray, memoryview, "
+            f"numpy array), not {type(data).__name__}"
+        ) from None
+    if not view.c_contiguous:
+        raise ValueError(
+            f"put({key!r}): the buffer is not C-contiguous; ckptstore does not copy buffers, "
+            "so make it contiguous first (numpy.ascontiguousarray)"
+        )
+    if view.format == "B" and view.ndim == 1:
+        return view
+    return view.cast("B")
+
+
+def _check_range(key: str, start: int, end: int | None) -> None:
+    if start < 0 or (end is not None and end < start):
+        raise InvalidRangeError(f"invalid byte range [{start}, {end}) of {key!r}")
+
+
+def coalesce_ranges(
+    ranges: Sequence[tuple[int, int]], *, gap: int, limit: int
+) -> list[tuple[int, int, list[int]]]:
+    """Group ranges so that each group is fetched by one request.
+
+    Ranges whose gap to the previous group is at most ``gap`` bytes join it while the group
+    stays within ``limit`` bytes. Returns ``(start, end, member indices)`` per group, in
+    ascending order of start; members index into ``ranges``.
+    """
+    order = sorted(range(len(ranges)), key=lambda i: ranges[i][0])
+    groups: list[tuple[int, int, list[int]]] = []
+    for i in order:
+        start, end = ranges[i]
+        if groups:
+            g_start, g_end, members = groups[-1]
+            new_end = max(g_end, end)
+            if start - g_end <= gap and new_end - g_start <= limit:
+                groups[-1] = (g_start, new_end, [*members, i])
+                continue
+        groups.append((start, end, [i]))
+    return groups
+
+
+class MultipartUpload(ABC):
+    """One object written as numbered parts, then completed or aborted.
+
+    Part ``i`` (from 0) covers bytes ``[i * part_size, (i + 1) * part_size)``; every part but
+    the last is exactly ``part_size`` bytes. Parts may be uploaded concurrently and in any
+    order. Nothing is visible under the key until :meth:`complete` returns; :meth:`abort`
+    removes every uploaded part. Use as an async context manager to abort on any exception.
+    """
+
+    def __init__(self, key: str, part_size: int, mode: PutMode) -> None:
+        self.key = key
+        self.part_size = part_size
+        self.mode = mode
+        self._sizes: dict[int, int] = {}
+
+    async def put_part(self, index: int, data: Buffer) -> None:
+        """Upload part ``index`` (from 0) from a bytes-like object, without copying it."""
+        view = as_bytes_view(data, self.key)
+        if index < 0:
+            raise ValueError(f"part index must be >= 0, got {index}")
+        if len(view) > self.part_size:
+            raise ValueError(
+                f"part {index} of {self.key!r} is {len(view)} bytes, over part_size "
+                f"{self.part_size}"
+            )
+        await self._put_part(index, view)
+        self._sizes[index] = len(view)
+
+    async def complete(self) -> ObjectMeta:
+        """Make the object visible; with ``mode="create"`` raise if the key already exists."""
+        count = len(self._sizes)
+        if sorted(self._sizes) != list(range(count)):
+            missing = sorted(set(range(max(self._sizes, default=-1) + 1)) - set(self._sizes))
+            raise ValueError(f"multipart upload of {self.key!r} is missing parts {missing}")
+        short = [i for i, n in self._sizes.items() if i < count - 1 and n != self.part_size]
+        if short:
+            raise ValueError(
+                f"multipart upload of {self.key!r}: parts {short} are shorter than part_size "
+                f"{self.part_size}; only the last part may be"
+            )
+        return await self._complete(count, sum(self._sizes.values()))
+
+    async def abort(self) -> None:
+        """Discard every uploaded part. Safe to call more than once."""
+        await self._abort()
+
+    @abstractmethod
+    async def _put_part(self, index: int, data: memoryview) -> None: ...
+
+    @abstractmethod
+    async def _complete(self, part_count: int, size: int) -> ObjectMeta: ...
+
+    @abstractmethod
+    async def _abort(self) -> None: ...
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is not None:
+            await asyncio.shield(self.abort())
+
+
+class Store(ABC):
+    """An async key-to-bytes store rooted at one URL.
+
+    Subclasses implement the single-request primitives (``_put``, ``_create_multipart``,
+    ``_get``, ``_read_into``, ``_head``, ``_list``, ``_delete``) and ``from_url``; they inherit
+    validation, parallel multipart writes, parallel and coalesced ranged reads, and the
+    concurrency bound from this class.
+    """
+
+    #: URL schemes this backend serves (the registry reads it for error messages).
+    schemes: ClassVar[tuple[str, ...]] = ()
+    #: Whether ``?name=value`` query options in a URL are options to the store.
+    url_query_options: ClassVar[bool] = False
+
+    def __init__(self, *, settings: Settings | None = None) -> None:
+        self.settings = settings if settings is not None else default_settings()
+        self._slots: asyncio.Semaphore | None = None
+
+    # ----------------------------------------------------------------- construction
+
+    @classmethod
+    @abstractmethod
+    def from_url(cls, url: str, **options: Any) -> Store:
+        """Open the store at ``url``; ``options`` are backend options and Settings fields."""
+
+    @property
+    @abstractmethod
+    def url(self) -> str:
+        """The URL of the store root, without credentials or query options."""
+
+    @property
+    @abstractmethod
+    def capabilities(self) -> Capabilities:
+        """What this backend can do."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+    def _limit(self) -> asyncio.Semaphore:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.settings.max_concurrency)
+        return self._slots
+
+    # ----------------------------------------------------------------- writes
+
+    async def put(self, key: str, data: Buffer, *, mode: PutMode = "overwrite") -> None:
+        """Write one object from a bytes-like ``data``, replacing or refusing an existing one.
+
+        Args:
+            key: relative key, validated before any I/O.
+            data: bytes, bytearray, memoryview or a C-contiguous numpy array; never copied.
+            mode: ``"overwrite"`` replaces an existing object; ``"create"`` is an atomic
+                put-if-absent that raises :class:`~ckptstore.errors.AlreadyExistsError` if the
+                key exists (exactly one of N concurrent creators wins).
+
+        The object is visible only complete: a reader sees the old object, the new one, or
+        nothing, never a prefix. Objects of at least ``Settings.multipart_threshold`` bytes are
+        uploaded as parallel parts where the backend supports it.
+        """
+        validate_key(key)
+        _check_mode(mode)
+        if mode == "create" and not self.capabilities.atomic_create:
+            raise NotSupportedError(
+                "put(mode='create')", type(self).__name__, "this store has no atomic create"
+            )
+        view = as_bytes_view(data, key)
+        caps = self.capabilities
+        if caps.multipart and len(view) >= self.settings.multipart_threshold:
+            await self._put_parallel(key, view, mode)
+            return
+        async with self._limit():
+            await self._put(key, view, mode)
+
+    async def create_multipart(
+        self, key: str, *, mode: PutMode = "overwrite", part_size: int | None = None
+    ) -> MultipartUpload:
+        """Start a multipart upload of ``key`` whose parts the caller uploads.
+
+        Use it for objects produced in pieces; for a buffer already in memory :meth:`put`
+        does the splitting and parallelism. The caller must ``complete`` or ``abort``
+        (``async with`` aborts on error).
+        """
+        validate_key(key)
+        _check_mode(mode)
+        if mode == "create" and not self.capabilities.atomic_create:
+            raise NotSupportedError(
+                "create_multipart(mode='create')", type(self).__name__, "no atomic create"
+            )
+        size = self.settings.part_size if part_size is None else part_size
+        caps = self.capabilities
+        if not caps.min_part_size <= size <= caps.max_part_size:
+            raise ValueError(
+                f"part_size {size} is outside this backend's limits "
+                f"[{caps.min_part_size}, {caps.max_part_size}]"
+            )
+        return await self._create_multipart(key, size, mode)
+
+    def part_size_for(self, size: int) -> int:
+        """The part size to upload ``size`` bytes in: the configured one, grown if needed so
+        the upload stays within ``max_parts``."""
+        caps = self.capabilities
+        part = max(self.settings.part_size, caps.min_part_size)
+        if -(-size // part) > caps.max_parts:
+            part = -(-size // caps.max_parts)
+        if part > caps.max_part_size:
+            raise ValueError(
+                f"{size} bytes cannot be uploaded in at most {caps.max_parts} parts of at most "
+                f"{caps.max_part_size} bytes"
+            )
+        return part
+
+    async def _put_parallel(self, key: str, view: memoryview, mode: PutMode) -> None:
+        part = self.part_size_for(len(view))
+        upload = await self._create_multipart(key, part, mode)
+        async with upload:
+
+            async def send(index: int) -> None:
+                async with self._limit():
+                    await upload.put_part(index, view[index * part : (index + 1) * part])
+
+            await _gather_all(send(i) for i in range(max(1, -(-len(view) // part))))
+            await upload.complete()
+
+    # ----------------------------------------------------------------- reads
+
+    async def get(self, key: str) -> bytes:
+        """Read a whole object in one request."""
+        validate_key(key)
+        async with self._limit():
+            return await self._get(key)
+
+    async def get_range(self, key: str, start: int, end: int | None = None) -> bytes:
+        """Read bytes ``[start, end)`` (``end=None``: to the end of the object).
+
+        Raises :class:`~ckptstore.errors.InvalidRangeError` if the range reaches past the end.
+        """
+        validate_key(key)
+        _check_range(key, start, end)
+        if end is None:
+            if start == 0:
+                async with self._limit():
+                    return await self._get(key)
+            return await self._tail(key, start)
+        out = bytearray(end - start)
+        await self.read_into(key, start, out)
+        return bytes(out)
+
+    async def _tail(self, key: str, start: int) -> bytes:
+        meta = await self.head(key)
+        if start > meta.size:
+            raise InvalidRangeError(f"range start {start} is past the end of {key!r} ({meta.size})")
+        out = bytearray(meta.size - start)
+        await self.read_into(key, start, out)
+        return bytes(out)
+
+    async def read_into(self, key: str, start: int, out: Buffer) -> None:
+        """Fill the writable buffer ``out`` with the object's bytes from ``start`` on.
+
+        Large reads are split into ``Settings.part_size`` ranges fetched in parallel straight
+        into ``out``; nothing is copied twice.
+        """
+        validate_key(key)
+        view = _writable_view(out, key)
+        _check_range(key, start, start + len(view))
+        if len(view) == 0:
+            await self.head(key)  # a missing key is still an error
+            return
+        part = self.settings.part_size
+
+        async def fetch(offset: int) -> None:
+            async with self._limit():
+                await self._read_into(key, start + offset, view[offset : offset + part])
+
+        await _gather_all(fetch(off) for off in range(0, len(view), part))
+
+    async def read_ranges_into(self, key: str, requests: Sequence[tuple[int, Buffer]]) -> None:
+        """Fill each ``(start, out)`` buffer from the object, merging nearby ranges.
+
+        Ranges within ``Settings.coalesce_gap`` of each other are fetched as one request into
+        a scratch buffer and scattered (one memcpy each); a lone range is read straight into
+        its buffer. Groups are fetched in parallel.
+        """
+        validate_key(key)
+        views = [(start, _writable_view(out, key)) for start, out in requests]
+        ranges = [(start, start + len(view)) for start, view in views]
+        for start, end in ranges:
+            _check_range(key, start, end)
+        groups = coalesce_ranges(
+            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
+        )
+
+        async def fetch(g_start: int, g_end: int, members: list[int]) -> None:
+            if len(members) == 1:
+                await self.read_into(key, g_start, views[members[0]][1])
+                return
+            scratch = bytearray(g_end - g_start)
+            await self.read_into(key, g_start, scratch)
+            for i in members:
+                start, view = views[i]
+                view[:] = scratch[start - g_start : start - g_start + len(view)]
+
+        await _gather_all(fetch(*group) for group in groups)
+
+    async def get_ranges(
+        self, key: str, ranges: Sequence[tuple[int, int]]
+    ) -> builtins.list[memoryview]:
+        """Read several ``[start, end)`` ranges of one object, merged and fetched in parallel.
+
+        Returns read-only views in the order of ``ranges``; merged ranges share one buffer.
+        """
+        validate_key(key)
+        for start, end in ranges:
+            _check_range(key, start, end)
+        groups = coalesce_ranges(
+            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
+        )
+        results: list[memoryview | None] = [None] * len(ranges)
+
+        async def fetch(g_start: int, g_end: int, members: list[int]) -> None:
+            buf = bytearray(g_end - g_start)
+            await self.read_into(key, g_start, buf)
+            view = memoryview(buf).toreadonly()
+            for i in members:
+                start, end = ranges[i]
+                results[i] = view[start - g_start : end - g_start]
+
+        await _gather_all(fetch(*group) for group in groups)
+        return [r if r is not None else memoryview(b"") for r in results]
+
+    async def head(self, key: str) -> ObjectMeta:
+        """Size and version of one object; :class:`~ckptstore.errors.NotFoundError` if absent."""
+        validate_key(key)
+        async with self._limit():
+            return await self._head(key)
+
+    async def exists(self, key: str) -> bool:
+        """Whether ``key`` exists (one ``head``)."""
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    # ----------------------------------------------------------------- listing, deletes
+
+    async def list(self, prefix: str = "") -> AsyncIterator[ObjectMeta]:
+        """Every object whose key starts with ``prefix`` (a string prefix, as in S3), sorted
+        by key. In-progress writes are never listed."""
+        validate_prefix(prefix)
+        async for meta in self._list(prefix):
+            yield meta
+
+    async def list_keys(self, prefix: str = "") -> builtins.list[str]:
+        """The keys :meth:`list` yields, as a list."""
+        return [meta.key async for meta in self.list(prefix)]
+
+    async def list_prefixes(self, prefix: str = "") -> builtins.list[str]:
+        """The distinct next ``/``-segments under ``prefix`` (which is ``""`` or ends with
+        ``/``), each returned with its trailing ``/``, sorted. Objects directly under
+        ``prefix`` are not included.
+
+        The default walks :meth:`list`; backends with a delimiter listing override it.
+        """
+        if prefix and not prefix.endswith("/"):
+            raise ValueError(f"list_prefixes: prefix {prefix!r} must be empty or end with '/'")
+        validate_prefix(prefix)
+        return await self._list_prefixes(prefix)
+
+    async def _list_prefixes(self, prefix: str) -> builtins.list[str]:
+        found: set[str] = set()
+        async for meta in self._list(prefix):
+            rest = meta.key[len(prefix) :]
+            if "/" in rest:
+                found.add(prefix + rest.split("/", 1)[0] + "/")
+        return sorted(found)
+
+    async def delete(self, keys: Iterable[str]) -> None:
+        """Delete objects in batches; keys that do not exist are ignored."""
+        batch = [validate_key(key) for key in keys]
+        if not batch:
+            return
+        async with self._limit():
+            await self._delete(batch)
+
+    async def delete_prefix(self, prefix: str) -> int:
+        """Delete every object under ``prefix``; returns how many were deleted."""
+        if not prefix:
+            raise ValueError("delete_prefix needs a non-empty prefix; refusing to empty the root")
+        keys = await self.list_keys(prefix)
+        await self.delete(keys)
+        return len(keys)
+
+    async def close(self) -> None:  # noqa: B027  (optional hook, not abstract)
+        """Release clients, pools and threads. The store is unusable afterwards."""
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    # ----------------------------------------------------------------- backend primitives
+
+    @abstractmethod
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        """One single-request write; ``mode="create"`` must be atomic put-if-absent."""
+
+    @abstractmethod
+    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+        """Start a multipart upload (one request at most)."""
+
+    @abstractmethod
+    async def _get(self, key: str) -> bytes:
+        """Read a whole object in one request."""
+
+    @abstractmethod
+    async def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        """Fill ``out`` from ``start`` in one request; raise InvalidRangeError if short."""
+
+    @abstractmethod
+    async def _head(self, key: str) -> ObjectMeta: ...
+
+    @abstractmethod
+    def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        """Objects under ``prefix``, sorted by key, temp files excluded."""
+
+    @abstractmethod
+    async def _delete(self, keys: builtins.list[str]) -> None:
+        """Delete ``keys`` (any number; the backend batches); missing keys are ignored."""
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in _PUT_MODES:
+        raise ValueError(f"mode must be one of {_PUT_MODES}, got {mode!r}")
+
+
+def _writable_view(out: Buffer, key: str) -> memoryview:
+    view = memoryview(out)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+    if view.readonly:
+        raise ValueError(f"read of {key!r}: the destination buffer is read-only")
+    if not view.c_contiguous:
+        raise ValueError(f"read of {key!r}: the destination buffer is not C-contiguous")
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+async def _gather_all(coros: Iterable[Any]) -> None:
+    """Run coroutines concurrently; on the first failure cancel the rest, wait for them to
+    stop, and raise that failure (``asyncio.gather`` would leave them running)."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    if not tasks:
+        return
+    try:
+        await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        raise

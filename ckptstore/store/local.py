@@ -1,0 +1,468 @@
+"""Local POSIX directories: plain paths and ``file://`` URLs.
+
+How a write becomes durable and atomic here:
+
+1. The bytes go into a temp file beside the final name (``.ckptstore-tmp.<pid>.<random>``),
+   written with ``pwrite`` from a thread pool (the GIL is released during the copy), so parts
+   of a large object are written in parallel.
+2. The temp file is fsynced and closed.
+3. It is published under its key: ``rename`` for ``mode="overwrite"``, and ``link`` for
+   ``mode="create"``. ``link`` fails with ``EEXIST`` if the name exists, which makes it an
+   atomic put-if-absent on every POSIX filesystem; rename would silently replace the name, and
+   ``renameat2(RENAME_NOREPLACE)`` is missing on many filesystems and on NFS.
+4. The directory holding the new name (and any directory this write created) is fsynced, so
+   the name survives a power loss, not only the bytes.
+
+A reader never sees a partial object under its final name: until step 3 the bytes exist only
+under the temp name, which listings hide and which :func:`temp_files` finds for cleanup after
+a crash (the writer's pid is in the name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import functools
+import os
+import stat
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, ClassVar, TypeVar
+from urllib.parse import unquote, urlsplit
+
+from ckptstore.config import Settings
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    InvalidRangeError,
+    InvalidURLError,
+    NotFoundError,
+    StoreError,
+)
+from ckptstore.store.base import (
+    TEMP_PREFIX,
+    Capabilities,
+    MultipartUpload,
+    ObjectMeta,
+    PutMode,
+    Store,
+)
+from ckptstore.store.options import split_settings
+
+__all__ = ["LocalStore", "temp_files"]
+
+_T = TypeVar("_T")
+# Linux moves at most this many bytes per read/write call; larger buffers take several calls.
+_MAX_IO = 0x7FFFF000
+
+
+def _write_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + _MAX_IO], offset + done)
+
+
+def _read_all(fd: int, out: memoryview, offset: int) -> int:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done : done + _MAX_IO]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def temp_files(root: str | os.PathLike[str]) -> Iterator[str]:
+    """Paths of in-progress (or crashed) writes under ``root``, for cleanup tools."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            if name.startswith(TEMP_PREFIX):
+                yield os.path.join(dirpath, name)
+
+
+class LocalStore(Store):
+    """A directory on a local filesystem."""
+
+    schemes = ("file",)
+    #: Names a listing skips besides our temp files.
+    _hidden_prefixes: ClassVar[tuple[str, ...]] = (TEMP_PREFIX,)
+
+    def __init__(self, root: str | os.PathLike[str], *, settings: Settings | None = None) -> None:
+        super().__init__(settings=settings)
+        self._root = os.path.abspath(os.fspath(root))
+        self._executor: ThreadPoolExecutor | None = None
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> LocalStore:
+        settings, rest = split_settings(options)
+        if rest:
+            raise TypeError(f"{cls.__name__}: unknown options {sorted(rest)}")
+        return cls(cls._path_from_url(url), settings=settings)
+
+    @classmethod
+    def _path_from_url(cls, url: str) -> str:
+        if "://" not in url:
+            return os.path.expanduser(url)
+        parts = urlsplit(url)
+        if parts.netloc not in ("", "localhost"):
+            raise InvalidURLError(
+                f"{url!r}: {parts.scheme}:// takes a local path ({parts.scheme}:///abs/path); "
+                f"host {parts.netloc!r} is not supported"
+            )
+        if not parts.path:
+            raise InvalidURLError(f"{url!r} names no directory")
+        return unquote(parts.path)
+
+    @property
+    def root(self) -> str:
+        """The absolute directory this store writes under."""
+        return self._root
+
+    @property
+    def url(self) -> str:
+        return "file://" + self._root
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities(atomic_create=True, multipart=True, local_path=True)
+
+    def local_path(self, key: str) -> str:
+        """The file that holds ``key`` (for mmap); the key is validated."""
+        from ckptstore.store.base import validate_key
+
+        return self._path(validate_key(key))
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self._root, *key.split("/"))
+
+    async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                self.settings.io_threads, thread_name_prefix="ckptstore-io"
+            )
+        return await asyncio.get_running_loop().run_in_executor(
+            self._executor, functools.partial(fn, *args)
+        )
+
+    async def close(self) -> None:
+        # docstring inherited
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+    @contextlib.contextmanager
+    def _translate(self, key: str, action: str) -> Iterator[None]:
+        """Map OS errors onto the ckptstore tree, naming the key and the file."""
+        try:
+            yield
+        except CkptStoreError:
+            raise
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise NotFoundError(f"{self.url}/{key} does not exist") from None
+        except PermissionError as exc:
+            raise StoreError(
+                exc.errno,
+                f"permission denied {action} {self._path(key)}: check the directory's "
+                "owner and mode",
+            ) from exc
+        except OSError as exc:
+            raise StoreError(exc.errno, f"{action} {self._path(key)} failed: {exc}") from exc
+
+    # ------------------------------------------------------------------ writing
+
+    def _temp_name(self) -> str:
+        return f"{TEMP_PREFIX}{os.getpid()}.{uuid.uuid4().hex}"
+
+    def _make_parents(self, directory: str) -> list[str]:
+        """``mkdir -p`` that returns the directories it created (to fsync their parents)."""
+        missing: list[str] = []
+        current = directory
+        while not os.path.isdir(current):
+            missing.append(current)
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
+        created: list[str] = []
+        for path in reversed(missing):
+            try:
+                os.mkdir(path)
+            except FileExistsError:
+                continue
+            created.append(path)
+        return created
+
+    def _open_temp(self, final: str) -> tuple[int, str, list[str]]:
+        """Create the temp file for ``final``; retried if a concurrent delete pruned the
+        directory between our mkdir and open."""
+        directory = os.path.dirname(final)
+        created: list[str] = []
+        for attempt in range(5):
+            created += self._make_parents(directory)
+            temp = os.path.join(directory, self._temp_name())
+            try:
+                fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError:
+                if attempt == 4:
+                    raise
+                continue
+            return fd, temp, created
+        raise AssertionError("unreachable")
+
+    def _publish(self, temp: str, final: str, mode: PutMode, key: str) -> None:
+        """Make the fully written, fsynced temp file visible under ``final``."""
+        if mode == "overwrite":
+            os.replace(temp, final)
+            return
+        try:
+            os.link(temp, final)
+        except FileExistsError:
+            raise AlreadyExistsError(f"{self.url}/{key} already exists") from None
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+
+    def _sync_dir(self, path: str) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _sync_dirs(self, directory: str, created: list[str]) -> None:
+        if not self.settings.durable:
+            return
+        for path in dict.fromkeys([directory, *(os.path.dirname(c) for c in created)]):
+            self._sync_dir(path)
+
+    def _finish(
+        self, fd: int, temp: str, final: str, mode: PutMode, key: str, created: list[str]
+    ) -> None:
+        try:
+            if self.settings.durable:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self._publish(temp, final, mode, key)
+        self._sync_dirs(os.path.dirname(final), created)
+
+    def _write_file(self, key: str, data: memoryview, mode: PutMode) -> None:
+        final = self._path(key)
+        with self._translate(key, "writing"):
+            fd, temp, created = self._open_temp(final)
+            try:
+                try:
+                    _write_all(fd, data, 0)
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._finish(fd, temp, final, mode, key, created)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        await self._run(self._write_file, key, data, mode)
+
+    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+        final = self._path(key)
+        with self._translate(key, "writing"):
+            fd, temp, created = await self._run(self._open_temp, final)
+        return _LocalUpload(self, key, part_size, mode, fd, temp, final, created)
+
+    # ------------------------------------------------------------------ reading
+
+    def _read_file(self, key: str) -> bytes:
+        with self._translate(key, "reading"), open(self._path(key), "rb", buffering=0) as f:
+            return f.readall()
+
+    def _read_range(self, key: str, start: int, out: memoryview) -> None:
+        with self._translate(key, "reading"):
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                n = _read_all(fd, out, start)
+            finally:
+                os.close(fd)
+        if n != len(out):
+            raise InvalidRangeError(
+                f"range [{start}, {start + len(out)}) reaches past the end of {self.url}/{key} "
+                f"({start + n} bytes)"
+            )
+
+    async def _get(self, key: str) -> bytes:
+        return await self._run(self._read_file, key)
+
+    async def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        await self._run(self._read_range, key, start, out)
+
+    def _stat(self, key: str) -> os.stat_result:
+        with self._translate(key, "reading"):
+            st = os.stat(self._path(key))
+        if not stat.S_ISREG(st.st_mode):
+            raise NotFoundError(f"{self.url}/{key} does not exist (it is a directory)")
+        return st
+
+    async def _head(self, key: str) -> ObjectMeta:
+        st = await self._run(self._stat, key)
+        return _meta(key, st)
+
+    # ------------------------------------------------------------------ listing, deleting
+
+    def _hidden(self, name: str) -> bool:
+        return name.startswith(self._hidden_prefixes)
+
+    def _walk(self, prefix: str) -> list[ObjectMeta]:
+        base, _, _ = prefix.rpartition("/")
+        start = os.path.join(self._root, *base.split("/")) if base else self._root
+        found: list[ObjectMeta] = []
+        stack = [(start, base + "/" if base else "")]
+        while stack:
+            directory, key_prefix = stack.pop()
+            try:
+                entries = list(os.scandir(directory))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                if self._hidden(entry.name):
+                    continue
+                key = key_prefix + entry.name
+                if entry.is_dir(follow_symlinks=False):
+                    if key.startswith(prefix) or prefix.startswith(key + "/"):
+                        stack.append((entry.path, key + "/"))
+                elif key.startswith(prefix) and entry.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        found.append(_meta(key, entry.stat(follow_symlinks=False)))
+        found.sort(key=lambda m: m.key)
+        return found
+
+    async def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        with self._translate(prefix or ".", "listing"):
+            found = await self._run(self._walk, prefix)
+        for meta in found:
+            yield meta
+
+    def _has_object(self, directory: str) -> bool:
+        for dirpath, dirs, files in os.walk(directory):
+            if any(not self._hidden(name) for name in files):
+                return True
+            dirs[:] = [d for d in dirs if not self._hidden(d)]
+            del dirpath
+        return False
+
+    def _subdirs(self, prefix: str) -> list[str]:
+        directory = (
+            os.path.join(self._root, *prefix.rstrip("/").split("/")) if prefix else self._root
+        )
+        try:
+            entries = list(os.scandir(directory))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        return sorted(
+            prefix + e.name + "/"
+            for e in entries
+            if not self._hidden(e.name)
+            and e.is_dir(follow_symlinks=False)
+            and self._has_object(e.path)
+        )
+
+    async def _list_prefixes(self, prefix: str) -> list[str]:
+        with self._translate(prefix or ".", "listing"):
+            return await self._run(self._subdirs, prefix)
+
+    def _remove(self, keys: list[str]) -> None:
+        parents: set[str] = set()
+        for key in keys:
+            path = self._path(key)
+            with self._translate(key, "deleting"):
+                try:
+                    os.unlink(path)
+                except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                    continue
+                except PermissionError:
+                    if os.path.isdir(path):  # a prefix of other keys, not an object
+                        continue
+                    raise
+            parents.add(os.path.dirname(path))
+        # Prune directories left empty, deepest first, never the root itself.
+        for directory in sorted(parents, key=len, reverse=True):
+            while directory != self._root and directory.startswith(self._root + os.sep):
+                try:
+                    os.rmdir(directory)
+                except OSError as exc:
+                    if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.EBUSY):
+                        break
+                    raise
+                directory = os.path.dirname(directory)
+
+    async def _delete(self, keys: list[str]) -> None:
+        await self._run(self._remove, keys)
+
+
+def _meta(key: str, st: os.stat_result) -> ObjectMeta:
+    return ObjectMeta(
+        key, st.st_size, f"{st.st_ino:x}-{st.st_mtime_ns:x}-{st.st_size:x}", st.st_mtime
+    )
+
+
+class _LocalUpload(MultipartUpload):
+    """Parts are ``pwrite``s into one temp file at ``index * part_size``."""
+
+    def __init__(
+        self,
+        store: LocalStore,
+        key: str,
+        part_size: int,
+        mode: PutMode,
+        fd: int,
+        temp: str,
+        final: str,
+        created: list[str],
+    ) -> None:
+        super().__init__(key, part_size, mode)
+        self._store = store
+        self._fd: int | None = fd
+        self._temp = temp
+        self._final = final
+        self._created = created
+
+    def _check_open(self) -> int:
+        if self._fd is None:
+            raise ValueError(f"multipart upload of {self.key!r} is already completed or aborted")
+        return self._fd
+
+    async def _put_part(self, index: int, data: memoryview) -> None:
+        fd = self._check_open()
+        with self._store._translate(self.key, "writing"):
+            await self._store._run(_write_all, fd, data, index * self.part_size)
+
+    def _complete_sync(self, size: int) -> ObjectMeta:
+        fd = self._check_open()
+        self._fd = None
+        store = self._store
+        with store._translate(self.key, "writing"):
+            try:
+                os.ftruncate(fd, size)  # parts never extend past size; this pins the length
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                store._finish(fd, self._temp, self._final, self.mode, self.key, self._created)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._temp)
+            return _meta(self.key, os.stat(self._final))
+
+    async def _complete(self, part_count: int, size: int) -> ObjectMeta:
+        return await self._store._run(self._complete_sync, size)
+
+    def _abort_sync(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._temp)
+
+    async def _abort(self) -> None:
+        await self._store._run(self._abort_sync)
