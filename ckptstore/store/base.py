@@ -180,7 +180,8 @@ def coalesce_ranges(
             g_start, g_end, members = groups[-1]
             new_end = max(g_end, end)
             if start - g_end <= gap and new_end - g_start <= limit:
-                groups[-1] = (g_start, new_end, [*members, i])
+                members.append(i)  # in place: copying the list made this quadratic
+                groups[-1] = (g_start, new_end, members)
                 continue
         groups.append((start, end, [i]))
     return groups
@@ -451,9 +452,10 @@ class Store(ABC):
                 return
             scratch = bytearray(g_end - g_start)
             await self.read_into(key, g_start, scratch)
+            source = memoryview(scratch)  # slicing the bytearray itself would copy twice
             for i in members:
                 start, view = views[i]
-                view[:] = scratch[start - g_start : start - g_start + len(view)]
+                view[:] = source[start - g_start : start - g_start + len(view)]
 
         await _gather_all(fetch(*group) for group in groups)
 
