@@ -82,7 +82,10 @@ def test_credentials_refuse_anonymous_requests(tmp_path: Path) -> None:
         info.value.close()
         assert info.value.code == 403
         pid = server.pid
+        grpc_ports = [port for name, port in server.ports.items() if name.endswith("_grpc")]
     assert not process_is(pid, "weed")
+    for port in grpc_ports:  # weed's fixed-path unix sockets are cleaned up too
+        assert not list(Path("/tmp").glob(f"seaweedfs-*-grpc-{port}.sock"))
 
 
 @pytest.mark.nfs

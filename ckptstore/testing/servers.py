@@ -46,6 +46,7 @@ __all__ = [
     "fuse_unavailable_reason",
     "free_ports",
     "process_is",
+    "remove_grpc_sockets",
     "stop_pid",
     "unmount",
     "wait_for",
@@ -143,6 +144,20 @@ def stop_pid(pid: int, *, program: str, timeout: float = 20.0, popen: Any = None
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             wait_for(gone, timeout=10.0, what=f"killing {program} (pid {pid})")
+
+
+def remove_grpc_sockets(ports: dict[str, int]) -> None:
+    """Remove the gRPC unix sockets a stopped ``weed mini`` left behind.
+
+    ``weed`` puts them at fixed ``/tmp/seaweedfs-<role>-grpc-<port>.sock`` paths (no flag moves
+    them) and does not always remove them; ``ports`` is :attr:`SeaweedFS.ports`.
+    """
+    for role in ("master", "volume", "filer", "s3", "admin"):
+        port = ports.get(f"{role}_grpc")
+        path = Path(f"/tmp/seaweedfs-{role}-grpc-{port}.sock")
+        if port is not None and path.is_socket():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def _die_with_parent() -> None:
@@ -442,6 +457,7 @@ class SeaweedFS(_Managed):
             mount.stop()
         self._mounts.clear()
         self._reap(timeout)
+        remove_grpc_sockets(self.ports)
 
     def __enter__(self) -> Self:
         return self.start()
