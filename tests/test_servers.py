@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -12,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from ckptstore.testing.servers import FuseMount, SeaweedFS, free_ports, process_is
+from ckptstore.testing.servers import (
+    FuseMount,
+    SeaweedFS,
+    free_ports,
+    fuse_unavailable_reason,
+    process_is,
+)
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_free_ports_are_distinct_loopback_ports() -> None:
@@ -111,3 +122,39 @@ def test_mount_stops_cleanly(seaweedfs: SeaweedFS, tmp_path: Path) -> None:
     assert not os.path.ismount(tmp_path / "extra-mnt")
     assert not process_is(pid, "weed")
     assert os.listdir(tmp_path / "extra-mnt") == []
+
+
+@pytest.mark.nfs
+def test_script_starts_reports_and_stops_a_server(tmp_path: Path) -> None:
+    if fuse_unavailable_reason() is not None:
+        pytest.skip(fuse_unavailable_reason())
+    script = [sys.executable, str(ROOT / "scripts" / "seaweedfs.py")]
+    workdir, mnt = tmp_path / "sw", tmp_path / "mnt"
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*script, *args, "--dir", str(workdir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    started = run("start", "--mount", str(mnt), "--tls")
+    assert started.returncode == 0, started.stderr
+    state = json.loads((workdir / "state.json").read_text())
+    try:
+        assert process_is(state["pid"], "weed")
+        assert process_is(state["mount"]["pid"], "weed")
+        assert os.path.ismount(mnt)
+        assert state["s3_https_endpoint"].startswith("https://127.0.0.1:")
+        assert run("start").returncode == 1  # refuses to start a second one
+        status = run("status")
+        assert status.returncode == 0
+        assert json.loads(status.stdout)["running"] is True
+    finally:
+        stopped = run("stop")
+    assert stopped.returncode == 0, stopped.stderr
+    assert not process_is(state["pid"], "weed")
+    assert not process_is(state["mount"]["pid"], "weed")
+    assert not os.path.ismount(mnt)
+    assert run("status").returncode == 1
