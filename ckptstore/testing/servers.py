@@ -282,7 +282,7 @@ class SeaweedFS(_Managed):
         workdir: directory for data, logs, sockets and certificates (created if missing).
         access_key, secret_key: S3 credentials to require; anonymous access if both are None.
         tls: also serve S3 over HTTPS with a self-signed certificate (:attr:`ca_file`).
-        start_timeout: seconds to wait for readiness (``weed mini`` takes about 10 s).
+        start_timeout: seconds to wait for readiness (``weed mini`` took 1-10 s here).
         tie_to_parent: stop the server when the starting thread exits (fixtures); scripts that
             leave the server running pass False.
     """
@@ -327,7 +327,8 @@ class SeaweedFS(_Managed):
 
     @property
     def filer_address(self) -> str:
-        """``127.0.0.1:PORT`` of the filer, what ``weed mount -filer=`` takes."""
+        """``127.0.0.1:PORT``: the filer's HTTP address (``weed mount`` needs
+        :attr:`filer_peer_address`, since our gRPC port is not HTTP + 10000)."""
         return f"{_LOOPBACK}:{self.ports['filer']}"
 
     @property
