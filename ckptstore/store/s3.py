@@ -28,9 +28,12 @@ Why each piece is the way it is:
   means another writer won. A server that ignores the header would let two writers both
   "win", so the first create on a store runs a probe (write a scratch object twice with the
   condition; the second must fail) and, if the server ignores it, refuses ``mode="create"``
-  unless the user declared ``single_writer=True``. When a create was retried after a lost
-  response and then meets 412, the object's ETag is compared with the ETag our own bytes give:
-  equal means the first attempt landed, and the put reports success.
+  unless the user declared ``single_writer=True``. When a create meets 412, the object's ETag
+  is compared with the ETag our own bytes give: equal means an earlier attempt of this same put
+  landed and only its reply was lost (botocore resends, and so does aiohttp, unseen by
+  botocore, when a keep-alive connection drops), and the put reports success. So a create
+  whose key already holds exactly the bytes sent succeeds; the commit layer's manifests carry
+  an attempt id, so two attempts never send the same bytes.
 * **Errors** are translated in one table (:data:`_ERROR_TABLE`); messages name the
   ``s3://`` URL and the fix, and never carry credentials or signatures (AWS echoes the
   signature in SignatureDoesNotMatch bodies, so only the code and message are kept).
@@ -617,8 +620,10 @@ class S3Store(Store):
                         await self._probe_multipart(client, full)
                 except bx.ClientError as exc:
                     code, status = _error_code(exc)
-                    if attempt == 1 and (status == 412 or code == "PreconditionFailed"):
-                        return True
+                    if status == 412 or code == "PreconditionFailed":
+                        if attempt == 1:
+                            return True
+                        continue  # the key is ours alone: a lost reply, the write landed
                     self._raise(exc, "probe conditional write", name)
             return False
         finally:
@@ -682,15 +687,17 @@ class S3Store(Store):
         except bx.ClientError as exc:
             code, status = _error_code(exc)
             if mode == "create" and (status == 412 or code == "PreconditionFailed"):
-                if _retry_attempts(exc) > 0:
-                    digest = await asyncio.to_thread(_md5_hex, data)
-                    if await self._landed(key, digest):
-                        _log.info(
-                            "put %s: a retry met 412 but the object holds exactly the bytes "
-                            "sent; the first attempt landed and its response was lost",
-                            self._where(key),
-                        )
-                        return
+                # A retried request (botocore's, or aiohttp's own resend on a dropped
+                # keep-alive connection, which botocore never sees) may meet the object its
+                # first attempt wrote: the same bytes under the key mean this put landed.
+                digest = await asyncio.to_thread(_md5_hex, data)
+                if await self._landed(key, digest):
+                    _log.info(
+                        "put %s: met 412, but the object holds exactly the bytes sent; an "
+                        "earlier attempt landed and its response was lost",
+                        self._where(key),
+                    )
+                    return
                 raise AlreadyExistsError(
                     f"{self._where(key)} already exists (put-if-absent lost to another writer)"
                 ) from None
@@ -1092,11 +1099,7 @@ class _S3Upload(MultipartUpload):
             code, status = _error_code(exc)
             lost = code in ("PreconditionFailed", "NoSuchUpload") or status == 412
             # a retry after a lost response: the first Complete may have landed
-            if (
-                lost
-                and _retry_attempts(exc) > 0
-                and await store._landed(self.key, _multipart_etag(etags))
-            ):
+            if lost and await store._landed(self.key, _multipart_etag(etags)):
                 self._finished = True
                 return await store._head(self.key)
             if self.mode == "create" and (status == 412 or code == "PreconditionFailed"):
