@@ -1,1 +1,1 @@
-"""pytest plugins that start real servers for the tests (registered in tests/conftest.py)."""
+"""Pytest plugins that start real servers for the tests (registered in tests/conftest.py)."""
