@@ -299,6 +299,8 @@ class S3Store(Store):
 
     schemes: ClassVar[tuple[str, ...]] = ("s3",)
     url_query_options: ClassVar[bool] = True
+    #: Keys per ListObjectsV2 page (S3's maximum; tests lower it to exercise pagination).
+    list_page_size: int = 1000
 
     def __init__(
         self,
@@ -867,11 +869,30 @@ class S3Store(Store):
 
     async def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
         # docstring inherited
+        # S3 lists in UTF-8 byte order, but not every S3-compatible server does: SeaweedFS
+        # walks its directory tree, so "a/b" comes before "a.x". The pages are gathered and
+        # sorted (one pass to check, a sort only if needed) to keep the contract's order.
+        found: builtins.list[ObjectMeta] = []
+        ordered = True
+        async for meta in self._list_pages(prefix):
+            if found and meta.key < found[-1].key:
+                ordered = False
+            found.append(meta)
+        if not ordered:
+            found.sort(key=lambda meta: meta.key)
+        for meta in found:
+            yield meta
+
+    async def _list_pages(self, prefix: str) -> AsyncIterator[ObjectMeta]:
         client = await self._get_client()
         cut = len(self._root)
         token: str | None = None
         while True:
-            params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._root + prefix}
+            params: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": self._root + prefix,
+                "MaxKeys": self.list_page_size,
+            }
             if token:
                 params["ContinuationToken"] = token
             try:
@@ -904,6 +925,7 @@ class S3Store(Store):
                 "Bucket": self.bucket,
                 "Prefix": self._root + prefix,
                 "Delimiter": "/",
+                "MaxKeys": self.list_page_size,
             }
             if token:
                 params["ContinuationToken"] = token
