@@ -1,4 +1,4 @@
 from __future__ import annotations
 
 # Test servers, each a module of session-scoped fixtures.
-pytest_plugins = ["tests.servers.fakegcs", "tests.servers.httpfault"]
+pytest_plugins = ["tests.servers.seaweed", "tests.servers.fakegcs", "tests.servers.httpfault"]
