@@ -38,10 +38,11 @@ class FakeGCS:
     root: Path
 
     @classmethod
-    def start(cls, workdir: Path) -> FakeGCS:
-        """Start the emulator with data and log under ``workdir``; wait until it answers."""
+    def start(cls, workdir: Path, *, backend: str = "filesystem") -> FakeGCS:
+        """Start the emulator with data (``backend="filesystem"``) and log under ``workdir``;
+        wait until it answers. ``backend="memory"`` keeps objects in the emulator's memory."""
         workdir.mkdir(parents=True, exist_ok=True)
-        return start_fake_gcs(workdir / "data", workdir / "server.log")
+        return start_fake_gcs(workdir / "data", workdir / "server.log", backend=backend)
 
     def __enter__(self) -> Self:
         return self
@@ -89,7 +90,7 @@ def _free_port() -> int:
         return port
 
 
-def start_fake_gcs(root: Path, log: Path) -> FakeGCS:
+def start_fake_gcs(root: Path, log: Path, *, backend: str = "filesystem") -> FakeGCS:
     """Start the emulator with its data under ``root``; wait until it answers."""
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
@@ -101,7 +102,7 @@ def start_fake_gcs(root: Path, log: Path) -> FakeGCS:
                 "-host", "127.0.0.1",
                 "-port", str(port),
                 "-external-url", endpoint,
-                "-backend", "filesystem",
+                "-backend", backend,
                 "-filesystem-root", str(root),
                 "-log-level", "error",
             ],
