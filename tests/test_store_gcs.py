@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.parse
 import urllib.request
 import uuid
@@ -256,3 +257,19 @@ async def test_open_store_routes_gs_urls_with_query_options(
         open_store(f"gs://{gcs_bucket}/x", endpoint=fake_gcs.endpoint)
     with pytest.raises(InvalidURLError, match="no bucket"):
         open_store("gs:///x")
+
+
+async def test_remove_stale_writes_deletes_abandoned_parts(
+    fake_gcs: FakeGCS, gcs_bucket: str
+) -> None:
+    async with open_gcs(fake_gcs, gcs_bucket) as store:
+        await store.put("step/kept", b"an object, never a stale write")
+        upload = await store.create_multipart("step/abandoned", part_size=1 << 16)
+        await upload.put_part(0, bytes(1 << 16))
+        await upload.put_part(1, b"tail")  # the writer "dies": no complete, no abort
+        names = raw_names(fake_gcs, gcs_bucket, store._prefix)
+        assert len(names) == 3
+        assert await store.list_keys() == ["step/kept"]
+        assert await store.remove_stale_writes("step/", older_than=time.time() - 3600) == 0
+        assert await store.remove_stale_writes("step/", older_than=time.time() + 60) == 2
+        assert raw_names(fake_gcs, gcs_bucket, store._prefix) == [store._prefix + "step/kept"]

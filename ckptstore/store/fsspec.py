@@ -229,7 +229,7 @@ class FsspecStore(Store):
             return await self._call(name, *args, **kwargs)
         except FileExistsError as exc:
             raise AlreadyExistsError(f"{self.url}/{key} already exists") from exc
-        except FileNotFoundError as exc:
+        except (FileNotFoundError, IsADirectoryError) as exc:
             raise NotFoundError(f"{self.url}/{key} does not exist") from exc
         except (NotFoundError, AlreadyExistsError, InvalidRangeError):
             raise
@@ -251,7 +251,6 @@ class FsspecStore(Store):
 
     async def _get(self, key: str) -> bytes:
         # docstring inherited
-        await self._head(key)  # fsspec may list a directory or return b"" for one
         data: bytes = await self._call_translated("cat_file", key, self._path(key))
         return data
 

@@ -66,6 +66,7 @@ from ckptstore.store.base import (
     ObjectMeta,
     PutMode,
     Store,
+    validate_prefix,
 )
 from ckptstore.store.options import parse_bool, split_settings
 
@@ -356,6 +357,9 @@ class GCSStore(Store):
         crc = _crc32c_b64(data)
         params = {"uploadType": "multipart"}
         if create:
+            # If a first attempt commits but its response is lost, the retry gets 412 and
+            # this raises AlreadyExistsError; the commit layer tells that case apart by the
+            # attempt id inside the object, which a store cannot know.
             params["ifGenerationMatch"] = "0"
 
         def body() -> aiohttp.MultipartWriter:
@@ -543,6 +547,26 @@ class GCSStore(Store):
                 if not _is_temp(name[cut:]):
                     found.add(name[cut:])
         return sorted(found)
+
+    async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
+        """Delete temporary part objects of uploads abandoned before ``older_than``.
+
+        A writer that dies between uploading parts and ``compose`` leaves its parts as
+        ``.ckptstore-tmp.*`` objects beside the key; they are never listed as keys, so only
+        this finds them. Parts last updated before ``older_than`` (seconds since the epoch)
+        are deleted; returns how many.
+        """
+        validate_prefix(prefix)
+        cut = len(self._prefix)
+        stale: builtins.list[str] = []
+        async for page in self._list_pages(prefix, delimiter=None):
+            for item in page.get("items", []):
+                updated = _parse_time(item.get("updated"))
+                if _is_temp(item["name"][cut:]) and updated is not None and updated < older_than:
+                    stale.append(item["name"])
+        if stale:
+            await self._delete_names(stale)
+        return len(stale)
 
     async def _delete(self, keys: builtins.list[str]) -> None:
         # docstring inherited
