@@ -120,3 +120,19 @@ async def test_unknown_protocol_is_refused() -> None:
 
     with pytest.raises(InvalidURLError, match="no backend"):
         open_store("nosuchproto://x/y")
+
+
+async def test_url_reopens_the_same_store(tmp_path: Path) -> None:
+    name = f"url-{uuid.uuid4().hex[:8]}"
+    cases = {
+        f"fsspec+memory://{name}/run": f"fsspec+memory://{name}/run",
+        # fsspec's local filesystem calls itself file://, which is ckptstore's LocalStore
+        f"local://{tmp_path}/run": f"fsspec+file://{tmp_path}/run",
+    }
+    for url, expected in cases.items():
+        store = open_store(url)
+        assert store.url == expected
+        await store.put("k", url.encode())
+        again = open_store(store.url)
+        assert isinstance(again, FsspecStore)
+        assert await again.get("k") == url.encode()

@@ -129,9 +129,12 @@ class FsspecStore(Store):
     @property
     def url(self) -> str:
         # docstring inherited
-        return (
-            f"{self.protocol}://{self._root.lstrip('/')}" if self._root else f"{self.protocol}://"
-        )
+        from ckptstore.store.registry import registered_schemes
+
+        # "memory://" would reopen ckptstore's own memory store, not fsspec's
+        forced = _FORCE_PREFIX if self.protocol in registered_schemes() else ""
+        path = self._root if self.protocol in ("file", "local") else self._root.lstrip("/")
+        return f"{forced}{self.protocol}://{path}"
 
     @property
     def capabilities(self) -> Capabilities:
