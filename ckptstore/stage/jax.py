@@ -32,7 +32,8 @@ _SAME_SIZE_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def _copy_shard(dst: NDArray[Any], index: tuple[slice, ...], data: jax.Array) -> None:
     src = np.asarray(data)
-    out = dst[(*index, ...)]  # a view even for 0-d arrays
+    view_index: tuple[Any, ...] = (*index, ...)  # with the ellipsis, a view even when 0-d
+    out = dst[view_index]
     # Copy custom (ml_dtypes) types as same-sized unsigned ints: a raw copy numpy runs without
     # the GIL, where a user-defined dtype might hold it.
     uint = _SAME_SIZE_UINT.get(src.dtype.itemsize)
