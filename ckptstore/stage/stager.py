@@ -322,7 +322,7 @@ def contiguous_chunks(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tupl
     return [(start, min(start + step, count)) for start in range(0, count, step)] or [(0, 0)]
 
 
-def _target_kind(like: Any) -> ArrayKind | None:
+def target_kind(like: Any) -> ArrayKind | None:
     """The array kind a restore-target leaf asks for, or ``None`` for a non-array leaf."""
     if isinstance(like, np.ndarray | np.generic):
         return kind_named("numpy")
@@ -363,30 +363,37 @@ def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = No
         ValueError: a target leaf's shape differs from the saved one.
     """
     fixed = kind_named(target) if isinstance(target, str) else None
-    kinds: dict[str, ArrayKind] = {}
-
-    def saved_kind(leaf_attrs: dict[str, Any]) -> ArrayKind:
-        name = str(leaf_attrs.get("framework", "numpy"))
-        if name not in kinds:
-            kinds[name] = kind_named(name)
-        return kinds[name]
 
     def rebuild(path: Path, leaf: Any) -> Any:
         if not isinstance(leaf, np.ndarray):
             return leaf
-        leaf_attrs = attrs.get(path, {})
-        if fixed is not None:
-            return fixed.rebuild(leaf, leaf_attrs, None)
-        like = _lookup(target, path) if target is not None else None
-        kind = _target_kind(like) if like is not None else None
-        if kind is None:
-            return saved_kind(leaf_attrs).rebuild(leaf, leaf_attrs, None)
-        like_shape = getattr(like, "shape", None)
-        shape = leaf.shape if like_shape is None else tuple(like_shape)
-        if shape != leaf.shape:
-            raise ValueError(
-                f"restore target at {_show(path)} has shape {shape}, the checkpoint {leaf.shape}"
-            )
-        return kind.rebuild(leaf, leaf_attrs, like)
+        like = _lookup(target, path) if target is not None and fixed is None else None
+        try:
+            return rebuild_leaf(leaf, attrs.get(path, {}), fixed, like)
+        except ValueError as exc:
+            raise ValueError(f"{_show(path)}: {exc}") from None
 
     return map_leaves(rebuild, tree)
+
+
+def rebuild_leaf(
+    array: NDArray[Any], attrs: dict[str, Any], kind: ArrayKind | None, like: Any | None
+) -> Any:
+    """One restored host array as the array a caller wants.
+
+    ``kind`` (a framework asked for every leaf) wins; else ``like``, a target leaf, gives the
+    type, dtype and placement; else the leaf is rebuilt as ``attrs`` say it was saved.
+
+    Raises:
+        ValueError: ``like``'s shape differs from ``array``'s.
+    """
+    if kind is not None:
+        return kind.rebuild(array, attrs, None)
+    like_kind = target_kind(like) if like is not None else None
+    if like_kind is None:
+        return kind_named(str(attrs.get("framework", "numpy"))).rebuild(array, attrs, None)
+    like_shape = getattr(like, "shape", None)
+    shape = array.shape if like_shape is None else tuple(like_shape)
+    if shape != array.shape:
+        raise ValueError(f"the restore target has shape {shape}, the checkpoint {array.shape}")
+    return like_kind.rebuild(array, attrs, like)
