@@ -22,8 +22,7 @@ def test_save_returns_after_staging_and_writes_in_the_background() -> None:
     state = {"w": np.arange(1000, dtype=np.float32)}
 
     async def write(staged: StagedState) -> None:
-        while not release.is_set():  # held open until the test lets it go
-            await asyncio.sleep(0.001)
+        await asyncio.to_thread(release.wait)  # held open until the test lets it go
         written.append(staged.tree["w"].tobytes())
 
     handle = saver.submit(1, lambda: stager.stage(state), write)
@@ -44,8 +43,7 @@ def test_only_one_save_in_flight_by_default() -> None:
     order: list[str] = []
 
     async def slow(staged: StagedState) -> None:
-        while not release.is_set():
-            await asyncio.sleep(0.001)
+        await asyncio.to_thread(release.wait)
         order.append("write1")
 
     async def fast(staged: StagedState) -> None:
