@@ -98,12 +98,16 @@ def test_background_error_raised_on_next_save_and_on_wait_once_each() -> None:
 
 def test_errors_of_several_saves_in_flight_are_all_reported() -> None:
     saver = AsyncSaver(max_in_flight=3)
+    release = threading.Event()
 
     async def fail(staged: StagedState) -> None:
+        await asyncio.to_thread(release.wait)
         raise ValueError("bad")
 
     for step in range(3):
         saver.submit(step, lambda: Stager().stage({}), fail)
+    assert saver.in_flight == 3
+    release.set()
     raised = 0
     for _ in range(3):
         try:
