@@ -61,6 +61,9 @@ class SaveHandle:
         self.step = step
         self.timing = timing
         self._future = future
+        self._started = time.perf_counter()
+        #: Seconds from the end of staging to the end of the write and commit, once done.
+        self.write_seconds: float | None = None
 
     def done(self) -> bool:
         """Whether the write and commit have finished (successfully or not)."""
@@ -123,6 +126,7 @@ class AsyncSaver:
     def _finished(self, handle: SaveHandle) -> None:
         with self._lock:
             if handle in self._in_flight:
+                handle.write_seconds = time.perf_counter() - handle._started
                 self._in_flight.remove(handle)
                 error = handle._future.exception()
                 if error is not None:
