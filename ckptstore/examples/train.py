@@ -54,7 +54,7 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, ba
     x, y = teacher_batch(step, batch)
     loss = torch.nn.functional.mse_loss(model(x), y)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     opt.step()
     return float(loss.detach())
 
@@ -126,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                 assert handle is not None
                 handles.append(handle)
                 blocked += handle.timing.blocked
-                done = [h for h in handles[:-1] if h.write_seconds is not None]
-                prev = f", previous write {done[-1].write_seconds * 1e3:.0f} ms" if done else ""
+                done = [h.write_seconds for h in handles[:-1] if h.write_seconds is not None]
+                prev = f", previous write {done[-1] * 1e3:.0f} ms" if done else ""
                 timing = handle.timing
                 print(
                     f"step {step:5d}  loss {loss:.5f}  save blocked {timing.blocked * 1e3:6.1f} ms "

@@ -62,7 +62,8 @@ def train_step(state: dict[str, Any], x: jax.Array, y: jax.Array) -> tuple[dict[
     c1, c2 = 1 - b1**count, 1 - b2**count
 
     def update(p: jax.Array, m: jax.Array, v: jax.Array) -> jax.Array:
-        return (p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)).astype(p.dtype)
+        new: jax.Array = (p - lr * (m / c1) / (jnp.sqrt(v / c2) + eps)).astype(p.dtype)
+        return new
 
     params = jax.tree.map(update, state["params"], mu, nu)
     return {"params": params, "mu": mu, "nu": nu, "count": count}, loss
@@ -77,7 +78,7 @@ def fresh_state(width: int, seed: int) -> dict[str, Any]:
 def differences(a: Any, b: Any) -> list[str]:
     leaves_a, tree_a = jax.tree.flatten_with_path(a)
     leaves_b, tree_b = jax.tree.flatten_with_path(b)
-    if tree_a != tree_b:
+    if str(tree_a) != str(tree_b):
         return [f"structure differs: {tree_a} vs {tree_b}"]
     out = []
     for (path, x), (_, y) in zip(leaves_a, leaves_b, strict=True):
