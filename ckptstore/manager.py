@@ -26,6 +26,7 @@ least ``keep_time_interval`` seconds separate it from the last step kept that wa
 from __future__ import annotations
 
 import datetime
+import json
 import math
 import os
 import time
@@ -46,7 +47,7 @@ from ckptstore.layout.commit import (
 )
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
-from ckptstore.layout.tree import flatten, select_paths, unflatten
+from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
 from ckptstore.stage import StagedState, Stager, map_leaves
 from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
 from ckptstore.store.base import Store
@@ -184,19 +185,29 @@ class CheckpointManager:
             return False
         manager_meta = {"time": self._clock(), "metrics": metrics}
         document = {_META_KEY: manager_meta, "user": metadata}
+        try:
+            json.dumps(document)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
+        flats: list[FlatState] = []
 
         def stage() -> StagedState:
-            return self._stager.stage(state)
+            staged = self._stager.stage(state)
+            try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
+                tree = map_leaves(
+                    lambda path, leaf: (
+                        _Staged(leaf, staged.attrs[path]) if path in staged.attrs else leaf
+                    ),
+                    staged.tree,
+                )
+                flats.append(flatten(tree, convert=_convert))
+            except BaseException:
+                staged.release()
+                raise
+            return staged
 
         async def write(staged: StagedState) -> None:
-            tree = map_leaves(
-                lambda path, leaf: (
-                    _Staged(leaf, staged.attrs[path]) if path in staged.attrs else leaf
-                ),
-                staged.tree,
-            )
-            flat = flatten(tree, convert=_convert)
-            await write_checkpoint(self._store, flat, step=step, metadata=document)
+            await write_checkpoint(self._store, flats[0], step=step, metadata=document)
             self._info[step] = (manager_meta["time"], metrics)
             await self._retain()
 

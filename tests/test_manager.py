@@ -185,6 +185,18 @@ def test_close_raises_an_unreported_background_error() -> None:
         mgr.save(1, {"a": np.ones(3)})
 
 
+def test_unstorable_leaves_and_metadata_fail_the_save_call_itself() -> None:
+    with CheckpointManager(memory_store("bad")) as mgr:
+        with pytest.raises(TypeError, match="bad/leaf"):
+            mgr.save(0, {"bad": {"leaf": object()}, "ok": np.ones(4)})
+        with pytest.raises(TypeError, match="JSON"):
+            mgr.save(0, {"ok": np.ones(4)}, metadata={"when": object()})
+        assert mgr._stager.pool.stats().lent_bytes == 0  # the staged buffer went back
+        mgr.save(0, {"ok": np.ones(4)})
+        mgr.wait_until_finished()
+        assert mgr.all_steps() == [0]
+
+
 # -- JAX --------------------------------------------------------------------------------
 
 
