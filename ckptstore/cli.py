@@ -1,0 +1,456 @@
+"""The ``ckptstore`` command: look at, check, copy and clean up checkpoints from a terminal.
+
+Every command takes a store URL (a path, ``file://``, ``nfs://``, ``s3://``, ``gs://``,
+``memory://`` or any fsspec URL), prints a human-readable answer, or one JSON document with
+``--json`` for scripts, and exits with a status a script can test:
+
+* 0: done (for ``verify``: every byte intact);
+* 1: an error the user can fix (bad URL, missing step, no credentials, missing client
+  library, a server that refuses): one line on stderr, no traceback;
+* 2: a command line argparse rejects;
+* 3: ``verify`` found damage.
+
+Anything else that escapes is a bug in ckptstore and keeps its traceback. Progress bars (tqdm,
+from the ``cli`` extra) are drawn on stderr only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import textwrap
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn, Protocol
+
+from ckptstore.config import parse_size
+from ckptstore.errors import CkptStoreError, NotFoundError
+from ckptstore.store.base import Store
+from ckptstore.store.registry import open_store
+
+__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_DAMAGED = 3
+
+#: Exceptions of client libraries that mean "fix your setup", not "ckptstore has a bug"
+#: (matched by qualified name, so the libraries need not be imported to test for them).
+_SETUP_ERRORS = {
+    "botocore.exceptions.NoCredentialsError": "no AWS credentials found",
+    "botocore.exceptions.PartialCredentialsError": "incomplete AWS credentials",
+    "botocore.exceptions.ProfileNotFound": "AWS profile not found",
+    "google.auth.exceptions.DefaultCredentialsError": "no Google Cloud credentials found",
+}
+
+
+class UsageError(Exception):
+    """A command-line value that cannot be used; reported in one line, exit status 1."""
+
+
+@dataclass
+class Outcome:
+    """What a command produced: a JSON-able document, its text rendering and an exit status."""
+
+    data: Any
+    text: str
+    status: int = EXIT_OK
+
+
+class Progress(Protocol):
+    def update(self, n: int = 1) -> Any: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> Any: ...
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(
+    args: argparse.Namespace, total: int | None, desc: str, *, unit: str = "it"
+) -> Iterator[Progress]:
+    """A tqdm bar on stderr when stderr is a terminal, tqdm is installed and not
+    ``--no-progress``; otherwise a bar that draws nothing."""
+    if getattr(args, "no_progress", False) or not sys.stderr.isatty():
+        yield _NoProgress()
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the cli extra is optional; without it there are no bars
+        yield _NoProgress()
+        return
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------- formatting
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _size_name(n: int) -> str:
+    """A size as a ``Settings`` value: ``33554432`` -> ``"32MiB"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain text table; columns after the first are right-aligned."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = [
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- argument types
+
+
+def _size_arg(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def _size_list_arg(text: str) -> list[int]:
+    return [_size_arg(part) for part in text.split(",") if part.strip()]
+
+
+def _positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _int_list_arg(text: str) -> list[int]:
+    return [_positive_int_arg(part) for part in text.split(",") if part.strip()]
+
+
+def _option_arg(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
+def _options(pairs: Sequence[tuple[str, str]] | None) -> dict[str, str]:
+    return dict(pairs or ())
+
+
+# ----------------------------------------------------------------- stores
+
+
+def open_cli_store(url: str, options: dict[str, str], *, must_exist: bool = True) -> Store:
+    """Open ``url`` for a command; option mistakes become one-line usage errors.
+
+    With ``must_exist`` a local directory that does not exist is an error (an object store
+    prefix cannot be told from an empty one, so only the backend's own errors apply there).
+    """
+    try:
+        store = open_store(url, **options)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CkptStoreError):
+            raise
+        raise UsageError(f"cannot open {url}: {exc}") from None
+    root = getattr(store, "root", None)
+    if must_exist and store.capabilities.local_path and isinstance(root, str):
+        import os
+
+        if not os.path.isdir(root):
+            raise NotFoundError(f"{store.url}: no such directory")
+    return store
+
+
+def _run(coro: Coroutine[Any, Any, Outcome]) -> Outcome:
+    return asyncio.run(coro)
+
+
+# ----------------------------------------------------------------- bench
+
+
+async def _bench(args: argparse.Namespace) -> Outcome:
+    from ckptstore.bench import bench_store, usable_part_sizes
+
+    options = _options(args.option)
+    store = open_cli_store(args.url, options, must_exist=False)
+    async with store:
+        caps = store.capabilities
+    try:
+        part_sizes = usable_part_sizes(caps, args.size, args.part_sizes)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    total = len(part_sizes) + 2 * len(set(args.concurrency)) - 1
+    with progress_bar(args, total, "bench", unit="trial") as bar:
+
+        def step(done: int, total: int, label: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(label)
+
+        report = await bench_store(
+            args.url,
+            size=args.size,
+            part_sizes=part_sizes,
+            concurrencies=args.concurrency,
+            small_count=args.small_count,
+            small_size=args.small_size,
+            repeat=args.repeat,
+            options=options,
+            progress=step,
+        )
+    best = report.best
+    large_rows = [
+        (
+            f"{_size_name(t.part_size)} x{t.concurrency}" + ("  <- best" if t is best else ""),
+            f"{t.write_mib_s:.0f}",
+            f"{t.read_mib_s:.0f}",
+            f"{t.write_cpu_seconds / (t.nbytes / (1 << 30)):.2f}",
+            f"{t.read_cpu_seconds / (t.nbytes / (1 << 30)):.2f}",
+        )
+        for t in report.large
+    ]
+    small_rows = [
+        (f"x{t.concurrency}", f"{t.puts_per_s:.0f}", f"{t.gets_per_s:.0f}") for t in report.small
+    ]
+    suggested = report.suggested_settings
+    part_text = _size_name(suggested["part_size"])
+    lines = [
+        f"{report.url}: {format_bytes(args.size)} object per trial, median of {report.repeat}",
+        "",
+        render_table(
+            [
+                "part size x concurrency",
+                "write MiB/s",
+                "read MiB/s",
+                "write CPU s/GiB",
+                "read CPU s/GiB",
+            ],
+            large_rows,
+        ),
+        "",
+        render_table(
+            [f"{args.small_count} objects of {format_bytes(args.small_size)}", "PUT/s", "GET/s"],
+            small_rows,
+        ),
+        "",
+        f"suggested: part_size={part_text} max_concurrency={suggested['max_concurrency']} "
+        f"(write {best.write_mib_s:.0f} MiB/s, read {best.read_mib_s:.0f} MiB/s)",
+        f"  environment: CKPTSTORE_PART_SIZE={part_text} "
+        f"CKPTSTORE_MAX_CONCURRENCY={suggested['max_concurrency']}",
+        *(f"note: {note}" for note in report.notes),
+    ]
+    return Outcome(report.as_dict(), "\n".join(lines))
+
+
+# ----------------------------------------------------------------- parser
+
+_EXAMPLES: dict[str, str] = {
+    "bench": """
+        ckptstore bench /scratch/ckpt
+        ckptstore bench s3://bucket/scratch -o endpoint_url=http://127.0.0.1:8333
+        ckptstore bench s3://bucket/scratch --size 1GiB --part-sizes 16MiB,64MiB \\
+            --concurrency 8,32 --json > bench.json
+    """,
+}
+
+_DESCRIPTIONS: dict[str, str] = {
+    "bench": (
+        "Measure write and read throughput of large multipart objects and the request rate "
+        "of small objects on a store, and suggest part_size and max_concurrency. Scratch "
+        "objects go under a fresh .ckptstore-bench-<id>/ prefix and are deleted afterwards."
+    ),
+}
+
+Command = Callable[[argparse.Namespace], Coroutine[Any, Any, Outcome]]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _common(*, options: bool = True) -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document"
+    )
+    common.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="never draw progress bars (they are drawn only when stderr is a terminal)",
+    )
+    if options:
+        common.add_argument(
+            "-o",
+            "--option",
+            action="append",
+            type=_option_arg,
+            metavar="NAME=VALUE",
+            help="a store option or Settings field, e.g. endpoint_url=http://127.0.0.1:9000 "
+            "or part_size=64MiB (repeatable)",
+        )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ckptstore`` command."""
+    from ckptstore import __version__
+    from ckptstore.bench import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES
+
+    parser = _Parser(
+        prog="ckptstore",
+        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        epilog="Run 'ckptstore COMMAND --help' for a command's options and examples.\n\n"
+        "Exit status: 0 ok; 1 error (one line on stderr); 2 bad command line; "
+        "3 verify found damage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--no-progress", action="store_true", help="never draw progress bars")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, func: Command, **kwargs: Any) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(_DESCRIPTIONS.get(name, help_text), 79),
+            epilog="examples:\n" + textwrap.indent(textwrap.dedent(_EXAMPLES[name]).strip(), "  "),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[_common(**kwargs)],
+        )
+        sub.set_defaults(func=func)
+        return sub
+
+    bench = add("bench", "measure a store and suggest part size and concurrency", _bench)
+    bench.add_argument("url", metavar="URL", help="store to measure (scratch objects are removed)")
+    bench.add_argument(
+        "--size",
+        type=_size_arg,
+        default=256 << 20,
+        help="bytes of the large object each trial writes and reads (default 256MiB)",
+    )
+    bench.add_argument(
+        "--part-sizes",
+        type=_size_list_arg,
+        default=list(DEFAULT_PART_SIZES),
+        metavar="SIZES",
+        help="comma-separated part sizes to try (default "
+        + ",".join(_size_name(p) for p in DEFAULT_PART_SIZES)
+        + ")",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=_int_list_arg,
+        default=list(DEFAULT_CONCURRENCIES),
+        metavar="NS",
+        help="comma-separated concurrencies to try (default "
+        + ",".join(map(str, DEFAULT_CONCURRENCIES))
+        + ")",
+    )
+    bench.add_argument(
+        "--small-count",
+        type=_positive_int_arg,
+        default=512,
+        help="small objects per small-object trial (default 512)",
+    )
+    bench.add_argument(
+        "--small-size",
+        type=_size_arg,
+        default=4 << 10,
+        help="bytes per small object (default 4KiB)",
+    )
+    bench.add_argument(
+        "--repeat",
+        type=_positive_int_arg,
+        default=1,
+        help="runs per figure, median kept (default 1)",
+    )
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
+def _setup_error(exc: BaseException) -> str | None:
+    """The one-line message for a client library's setup error, else None."""
+    for cls in type(exc).__mro__:
+        what = _SETUP_ERRORS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if what is not None:
+            return f"{what}: {_one_line(exc)}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ckptstore`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit
+    status instead of exiting, so tests and scripts can call it in-process."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        outcome = _run(args.func(args))
+    except (CkptStoreError, UsageError) as exc:
+        print(f"ckptstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"ckptstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message = _setup_error(exc)
+        if message is None:
+            raise
+        print(f"ckptstore {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.json:
+        print(json.dumps(outcome.data, indent=2, sort_keys=False))
+    elif outcome.text:
+        print(outcome.text)
+    return outcome.status
