@@ -6,11 +6,16 @@ the exit status and that the message is one line with no traceback.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import struct
 import subprocess
 import sys
 import sysconfig
+import termios
+import threading
 from pathlib import Path
 
 import pytest
@@ -205,3 +210,39 @@ def test_console_script_runs_the_command(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["url"] == tmp_path.as_uri()
     assert result.stderr == ""  # no progress bar: stderr is not a terminal
+
+
+def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 100 columns
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "ckptstore", "bench", str(tmp_path), *BENCH_SMALL],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=_entry_point_env(),
+            timeout=300,
+        )
+    finally:
+        os.close(slave)
+    reader.join(timeout=30)
+    os.close(master)
+    drawn = b"".join(chunks).decode(errors="replace")
+    assert result.returncode == 0, drawn
+    assert "bench" in drawn
+    assert "trial" in drawn  # tqdm's unit, so the bar itself was drawn
+    assert b"suggested" in result.stdout  # the report still goes to stdout
