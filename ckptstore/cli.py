@@ -19,17 +19,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
+import datetime
 import json
 import sys
 import textwrap
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
 from ckptstore.config import parse_size
-from ckptstore.errors import CkptStoreError, NotFoundError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
+
+if TYPE_CHECKING:
+    from ckptstore.layout.manifest import Manifest
 
 __all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -208,6 +213,303 @@ def _run(coro: Coroutine[Any, Any, Outcome]) -> Outcome:
     return asyncio.run(coro)
 
 
+# ----------------------------------------------------------------- steps
+
+
+def _step_arg(text: str) -> int | None:
+    """A step number, or ``None`` for ``latest``."""
+    if text == "latest":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a number or 'latest', not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"steps are >= 0, got {value}")
+    return value
+
+
+def _step_number_arg(text: str) -> int:
+    step = _step_arg(text)
+    if step is None:
+        raise argparse.ArgumentTypeError("give the step number to delete, not 'latest'")
+    return step
+
+
+def _when(created: float) -> str:
+    return datetime.datetime.fromtimestamp(created, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+async def _resolve_step(store: Store, step: int | None) -> int:
+    from ckptstore.api import alist_steps
+
+    if step is not None:
+        return step
+    steps = await alist_steps(store)
+    if not steps:
+        raise NotFoundError(f"{store.url}: no committed checkpoint")
+    return steps[-1]
+
+
+async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | CkptStoreError]:
+    """The manifest of each step, or the error that reading it raised (invalid ones)."""
+    from ckptstore.api import aread_manifest
+
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+
+    async def read(step: int) -> Manifest | CkptStoreError:
+        async with slots:
+            try:
+                return await aread_manifest(store, step)
+            except CorruptCheckpointError as exc:
+                return exc
+
+    return list(await asyncio.gather(*(read(step) for step in steps)))
+
+
+async def _ls(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import summarize_step
+
+    async with open_cli_store(args.url, _options(args.option)) as store:
+        steps = await alist_steps(store)
+        manifests = await _manifests(store, steps)
+        url = store.url
+    rows: list[dict[str, Any]] = []
+    table: list[tuple[object, ...]] = []
+    invalid: list[str] = []
+    for step, manifest in zip(steps, manifests, strict=True):
+        if isinstance(manifest, CkptStoreError):
+            rows.append({"step": step, "error": _one_line(manifest)})
+            table.append((step, "INVALID", "", "", ""))
+            invalid.append(f"step {step}: {_one_line(manifest)}")
+            continue
+        summary = summarize_step(manifest)
+        rows.append({**dataclasses.asdict(summary), "created_utc": _when(summary.created)})
+        table.append(
+            (
+                step,
+                format_bytes(summary.nbytes),
+                summary.objects,
+                summary.leaves,
+                _when(summary.created),
+            )
+        )
+    if not steps:
+        text = f"{url}: no committed checkpoints"
+    else:
+        text = "\n".join(
+            [
+                render_table(["step", "size", "objects", "leaves", "committed (UTC)"], table),
+                *invalid,
+            ]
+        )
+    return Outcome({"url": url, "steps": rows}, text)
+
+
+async def _show(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import aread_manifest
+    from ckptstore.maintenance import plain_values, summarize_step
+
+    async with open_cli_store(args.url, _options(args.option)) as store:
+        step = await _resolve_step(store, args.step)
+        manifest = await aread_manifest(store, step)
+        url = store.url
+    summary = summarize_step(manifest)
+    leaves = [
+        {
+            "path": manifest.paths[i],
+            "dtype": manifest.dtypes[i],
+            "shape": list(manifest.shapes[i]),
+            "nbytes": manifest.leaf_length[i],
+            "object": manifest.object_keys[manifest.leaf_object[i]]
+            if manifest.leaf_object[i] >= 0
+            else None,
+            "offset": manifest.leaf_offset[i],
+            "crc32c": manifest.leaf_crc[i],
+        }
+        for i in range(len(manifest.paths))
+    ]
+    values = [{"path": path, "value": value} for path, value in plain_values(manifest.tree)]
+    objects = [
+        {"key": key, "nbytes": length, "crc32c": crc}
+        for key, length, crc in zip(
+            manifest.object_keys, manifest.object_lengths, manifest.object_crcs, strict=True
+        )
+    ]
+    data = {
+        "url": url,
+        **dataclasses.asdict(summary),
+        "created_utc": _when(summary.created),
+        "metadata": manifest.metadata,
+        "leaves": leaves,
+        "values": values,
+        "objects": objects,
+    }
+    lines = [
+        f"{url} step {step}",
+        f"  committed  {_when(summary.created)} (attempt {summary.attempt})",
+        f"  size       {format_bytes(summary.nbytes)} in {summary.objects} objects, "
+        f"{summary.leaves} arrays, {len(values)} plain values",
+        f"  metadata   {json.dumps(manifest.metadata)}",
+        "",
+        render_table(
+            ["path", "dtype", "shape", "size"],
+            [
+                (
+                    manifest.paths[i],
+                    manifest.dtypes[i],
+                    "x".join(map(str, manifest.shapes[i])) or "()",
+                    format_bytes(manifest.leaf_length[i]),
+                )
+                for i in range(len(manifest.paths))
+            ],
+        )
+        if leaves
+        else "  (no arrays)",
+    ]
+    if values:
+        lines += [
+            "",
+            render_table(["path", "value"], [(v["path"], json.dumps(v["value"])) for v in values]),
+        ]
+    return Outcome(data, "\n".join(lines))
+
+
+async def _verify(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import Damage, VerifyReport, verify_manifest
+
+    async with open_cli_store(args.url, _options(args.option)) as store:
+        if args.all:
+            steps = await alist_steps(store)
+        elif args.steps:
+            steps = [await _resolve_step(store, s) for s in args.steps]
+        else:
+            steps = [await _resolve_step(store, None)]
+        manifests = await _manifests(store, steps)
+        total = sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
+        reports: list[VerifyReport] = []
+        with progress_bar(args, total, "verify", unit="B") as bar:
+            for step, manifest in zip(steps, manifests, strict=True):
+                if isinstance(manifest, CkptStoreError):
+                    reports.append(
+                        VerifyReport(
+                            step,
+                            damage=[
+                                Damage("manifest", f"{step}/manifest.json", _one_line(manifest))
+                            ],
+                        )
+                    )
+                    continue
+                reports.append(await verify_manifest(store, manifest, progress=bar.update))
+        url = store.url
+    damaged = [r for r in reports if not r.ok]
+    lines = []
+    for r in reports:
+        state = "ok" if r.ok else "DAMAGED"
+        lines.append(
+            f"step {r.step}: {state} ({r.objects} objects, {r.leaves} leaves, "
+            f"{format_bytes(r.nbytes)} checked)"
+        )
+        lines += [f"  {d.kind} {d.name}: {d.problem}" for d in r.damage]
+    if not reports:
+        lines.append(f"{url}: no committed checkpoints to verify")
+    elif damaged:
+        lines.append(f"{len(damaged)} of {len(reports)} steps DAMAGED")
+    else:
+        lines.append(f"all {len(reports)} steps intact")
+    data = {
+        "url": url,
+        "ok": not damaged,
+        "steps": [
+            {
+                "step": r.step,
+                "ok": r.ok,
+                "objects": r.objects,
+                "leaves": r.leaves,
+                "nbytes": r.nbytes,
+                "damage": [dataclasses.asdict(d) for d in r.damage],
+            }
+            for r in reports
+        ],
+    }
+    return Outcome(data, "\n".join(lines), EXIT_DAMAGED if damaged else EXIT_OK)
+
+
+async def _cp(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import CopyReport, copy_step
+
+    src = open_cli_store(args.src, _options(args.option))
+    dst = open_cli_store(args.dst, _options(args.dst_option), must_exist=False)
+    async with src, dst:
+        if args.steps:
+            steps = [await _resolve_step(src, s) for s in args.steps]
+        else:
+            steps = await alist_steps(src)
+            if not steps:
+                raise NotFoundError(f"{src.url}: no committed checkpoints to copy")
+        manifests = await _manifests(src, steps)
+        for manifest in manifests:
+            if isinstance(manifest, CkptStoreError):
+                raise manifest
+        total = 2 * sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
+        reports: list[CopyReport] = []
+        with progress_bar(args, total, "copy+verify", unit="B") as bar:
+            for step in steps:
+                reports.append(await copy_step(src, dst, step, progress=bar.update))
+        src_url, dst_url = src.url, dst.url
+    lines = [
+        f"step {r.step}: already at the destination (identical), skipped"
+        if r.skipped
+        else f"step {r.step}: copied {r.objects} objects, {format_bytes(r.nbytes)}, verified, "
+        f"committed (attempt {r.attempt})"
+        for r in reports
+    ]
+    data = {"src": src_url, "dst": dst_url, "steps": [dataclasses.asdict(r) for r in reports]}
+    return Outcome(data, "\n".join(lines))
+
+
+async def _gc(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import agc
+
+    async with open_cli_store(args.url, _options(args.option)) as store:
+        report = await agc(store, grace=args.grace)
+        url = store.url
+    data = {"url": url, **dataclasses.asdict(report)}
+    lines = [
+        f"{url}: removed {len(report.removed)} abandoned attempts "
+        f"({report.removed_objects} objects), {report.stale_writes} stale in-progress writes",
+        *(f"  removed {p}" for p in report.removed),
+    ]
+    if report.kept_recent:
+        lines.append(
+            f"kept {len(report.kept_recent)} uncommitted attempts within the grace period "
+            "(possibly saves in progress)"
+        )
+    if report.invalid_steps:
+        lines.append(
+            f"left steps with an invalid manifest untouched: {report.invalid_steps} "
+            "(ckptstore verify shows why)"
+        )
+    return Outcome(data, "\n".join(lines))
+
+
+async def _rm(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import adelete_step
+
+    removed = []
+    async with open_cli_store(args.url, _options(args.option)) as store:
+        for step in args.steps:
+            await adelete_step(store, step)
+            removed.append(step)
+        url = store.url
+    return Outcome(
+        {"url": url, "removed": removed}, "\n".join(f"removed step {s}" for s in removed)
+    )
+
+
 # ----------------------------------------------------------------- bench
 
 
@@ -287,6 +589,33 @@ async def _bench(args: argparse.Namespace) -> Outcome:
 # ----------------------------------------------------------------- parser
 
 _EXAMPLES: dict[str, str] = {
+    "ls": """
+        ckptstore ls ./checkpoints
+        ckptstore ls s3://bucket/run7 -o endpoint_url=http://127.0.0.1:8333
+        ckptstore ls gs://bucket/run7 --json | jq '.steps[].step'
+    """,
+    "show": """
+        ckptstore show ./checkpoints 1000
+        ckptstore show s3://bucket/run7 latest --json > step.json
+    """,
+    "verify": """
+        ckptstore verify ./checkpoints              # the latest step
+        ckptstore verify ./checkpoints 900 1000
+        ckptstore verify s3://bucket/run7 --all || echo "damaged or unreadable"
+    """,
+    "cp": """
+        ckptstore cp ./checkpoints s3://bucket/run7 --step 1000
+        ckptstore cp s3://bucket/run7 /scratch/run7          # every committed step
+        ckptstore cp ./ckpts s3://bucket/run7 --dst-option endpoint_url=http://127.0.0.1:8333
+    """,
+    "gc": """
+        ckptstore gc ./checkpoints
+        ckptstore gc s3://bucket/run7 --grace 3600
+    """,
+    "rm": """
+        ckptstore rm ./checkpoints 100
+        ckptstore rm s3://bucket/run7 100 200 300
+    """,
     "bench": """
         ckptstore bench /scratch/ckpt
         ckptstore bench s3://bucket/scratch -o endpoint_url=http://127.0.0.1:8333
@@ -296,6 +625,23 @@ _EXAMPLES: dict[str, str] = {
 }
 
 _DESCRIPTIONS: dict[str, str] = {
+    "ls": "List the committed steps under a checkpoint root with their size, object count, "
+    "leaf count and commit time. A step whose manifest fails validation is listed as INVALID.",
+    "show": "Show one step: its metadata, every array leaf (path, dtype, shape, size) and every "
+    "plain value. STEP is a number or 'latest'.",
+    "verify": "Re-read every byte of the given steps (default: the latest; --all: every "
+    "committed step) and check the crc32c of every object and every leaf. Exit status 0 "
+    "means all intact, 3 means damage was found (each problem is listed).",
+    "cp": "Copy committed steps (default: all; --step N for one) from SRC to DST, between any "
+    "two backends. Objects stream in parallel parts with their crc32c checked on the way, the "
+    "copy is read back and verified at DST, and only then committed there with the same "
+    "put-if-absent manifest write a save uses. A step DST already holds identically is "
+    "skipped; a different one is an error.",
+    "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
+    "are older than the grace period, and stale in-progress writes. Committed steps and keys "
+    "ckptstore did not write are never touched.",
+    "rm": "Delete committed steps: the manifest first, so a step is never half visible, then "
+    "its data objects.",
     "bench": (
         "Measure write and read throughput of large multipart objects and the request rate "
         "of small objects on a store, and suggest part_size and max_concurrency. Scratch "
@@ -365,6 +711,53 @@ def build_parser() -> argparse.ArgumentParser:
         )
         sub.set_defaults(func=func)
         return sub
+
+    ls = add("ls", "list committed steps", _ls)
+    ls.add_argument("url", metavar="URL", help="checkpoint root")
+
+    show = add("show", "show one step's leaves, dtypes, shapes, sizes and metadata", _show)
+    show.add_argument("url", metavar="URL", help="checkpoint root")
+    show.add_argument("step", metavar="STEP", type=_step_arg, help="step number or 'latest'")
+
+    verify = add("verify", "re-read every byte and check its crc32c", _verify)
+    verify.add_argument("url", metavar="URL", help="checkpoint root")
+    verify.add_argument(
+        "steps", metavar="STEP", type=_step_arg, nargs="*", help="steps (default: latest)"
+    )
+    verify.add_argument("--all", action="store_true", help="verify every committed step")
+
+    cp = add("cp", "copy steps between any two stores, verified and committed", _cp)
+    cp.add_argument("src", metavar="SRC", help="source checkpoint root")
+    cp.add_argument("dst", metavar="DST", help="destination checkpoint root")
+    cp.add_argument(
+        "--step",
+        dest="steps",
+        type=_step_arg,
+        action="append",
+        metavar="N",
+        help="a step to copy, or 'latest' (repeatable; default: every committed step)",
+    )
+    cp.add_argument(
+        "--dst-option",
+        action="append",
+        type=_option_arg,
+        metavar="NAME=VALUE",
+        help="a store option for DST (-o applies to SRC)",
+    )
+
+    gc = add("gc", "remove abandoned save attempts", _gc)
+    gc.add_argument("url", metavar="URL", help="checkpoint root")
+    gc.add_argument(
+        "--grace",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="leave attempts younger than this alone (default: Settings.gc_grace_seconds)",
+    )
+
+    rm = add("rm", "delete committed steps", _rm)
+    rm.add_argument("url", metavar="URL", help="checkpoint root")
+    rm.add_argument("steps", metavar="STEP", type=_step_number_arg, nargs="+", help="steps")
 
     bench = add("bench", "measure a store and suggest part size and concurrency", _bench)
     bench.add_argument("url", metavar="URL", help="store to measure (scratch objects are removed)")

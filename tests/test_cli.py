@@ -6,6 +6,7 @@ the exit status and that the message is one line with no traceback.
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import json
 import os
@@ -17,13 +18,17 @@ import sysconfig
 import termios
 import threading
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
+import ckptstore
 from ckptstore import cli
 from ckptstore.store import registry
 
 ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ["ls", "show", "verify", "cp", "gc", "rm", "bench"]
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -47,11 +52,11 @@ def assert_one_line_error(err: str, *fragments: str) -> None:
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "--help")
     assert status == 0
-    for command in ("bench",):
+    for command in COMMANDS:
         assert command in out
 
 
-@pytest.mark.parametrize("command", ["bench"])
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_command_help_shows_examples(
     capsys: pytest.CaptureFixture[str], command: str
 ) -> None:
@@ -121,6 +126,290 @@ def test_setup_errors_of_client_libraries_are_one_line(
     status, _, err = run(capsys, "bench", str(tmp_path), "--size", "1MiB", "--part-sizes", "1MiB")
     assert status == cli.EXIT_ERROR
     assert_one_line_error(err, "no AWS credentials")
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "model": {
+            "w": rng.standard_normal((256, 300)).astype(np.float32),  # its own object
+            "b": rng.standard_normal(300).astype(np.float16),  # packed
+        },
+        "opt": [np.arange(10, dtype=np.int64), {"lr": 0.1}],
+        "empty": np.zeros((0, 3)),
+        "step": seed,
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A checkpoint root with steps 5 and 10 (step 10 carries metadata)."""
+    root = tmp_path / "run"
+    ckptstore.save(root, make_state(5), step=5)
+    ckptstore.save(root, make_state(10), step=10, metadata={"loss": 0.25})
+    return root
+
+
+def data_files(root: Path, step: int) -> list[Path]:
+    return sorted(p for p in (root / str(step)).glob("attempt-*/*") if p.is_file())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def assert_states_equal(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_states_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_states_equal(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype
+        assert a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
+def test_ls_lists_steps_with_sizes(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "ls", str(run_dir), "--json")
+    assert status == 0
+    listing = json.loads(out)
+    assert [row["step"] for row in listing["steps"]] == [5, 10]
+    manifest = ckptstore.read_manifest(run_dir, 10)
+    row = listing["steps"][1]
+    assert row["nbytes"] == manifest.nbytes >= 256 * 300 * 4 + 300 * 2 + 80  # packs are aligned
+    assert row["objects"] == len(manifest.object_keys)
+    assert row["leaves"] == 4
+    assert row["created"] == manifest.created
+    status, out, _ = run(capsys, "ls", str(run_dir))
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "size", "objects", "leaves", "committed", "(UTC)"]
+    assert lines[1].split()[0] == "5"
+    assert lines[2].split()[0] == "10"
+
+
+def test_ls_of_an_empty_root(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, out, _ = run(capsys, "ls", str(tmp_path))
+    assert status == 0
+    assert "no committed checkpoints" in out
+
+
+def test_ls_of_a_missing_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, out, err = run(capsys, "ls", str(tmp_path / "nope"))
+    assert status == cli.EXIT_ERROR
+    assert out == ""
+    assert_one_line_error(err, "no such directory")
+
+
+def test_ls_marks_an_invalid_manifest(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    (run_dir / "5" / "manifest.json").write_bytes(b'{"format":"ckptstore","version":1')
+    status, out, _ = run(capsys, "ls", str(run_dir))
+    assert status == 0
+    assert "INVALID" in out.splitlines()[1]
+    assert "step 5:" in out
+    assert "invalid manifest" in out
+
+
+def test_show_lists_leaves_values_and_metadata(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    status, out, _ = run(capsys, "show", str(run_dir), "latest", "--json")
+    assert status == 0
+    shown = json.loads(out)
+    assert shown["step"] == 10
+    assert shown["metadata"] == {"loss": 0.25}
+    leaves = {leaf["path"]: leaf for leaf in shown["leaves"]}
+    assert leaves["model/w"]["shape"] == [256, 300]
+    assert leaves["model/w"]["nbytes"] == 256 * 300 * 4
+    assert leaves["model/b"]["nbytes"] == 600
+    assert leaves["empty"]["shape"] == [0, 3]
+    assert leaves["empty"]["nbytes"] == 0
+    assert {v["path"]: v["value"] for v in shown["values"]} == {"opt/1/lr": 0.1, "step": 10}
+    assert sum(o["nbytes"] for o in shown["objects"]) == shown["nbytes"]
+    status, out, _ = run(capsys, "show", str(run_dir), "5")
+    assert status == 0
+    assert "step 5" in out.splitlines()[0]
+    assert any(line.split()[:3] == ["model/w", "<f4", "256x300"] for line in out.splitlines())
+
+
+def test_show_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, _, err = run(capsys, "show", str(run_dir), "7")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 7 is not committed")
+
+
+def test_verify_intact(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "verify", str(run_dir), "--all", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["ok"] is True
+    assert [s["step"] for s in report["steps"]] == [5, 10]
+    manifest = ckptstore.read_manifest(run_dir, 5)
+    assert report["steps"][0]["nbytes"] == manifest.nbytes
+    assert report["steps"][0]["objects"] == len(manifest.object_keys)
+    status, out, _ = run(capsys, "verify", str(run_dir))  # the latest step only
+    assert status == 0
+    assert out.splitlines()[0].startswith("step 10: ok")
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_verify_detects_a_flipped_byte(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, which: int
+) -> None:
+    victim = data_files(run_dir, 10)[which]
+    flip_byte(victim, victim.stat().st_size // 2)
+    status, out, _ = run(capsys, "verify", str(run_dir), "--all")
+    assert status == cli.EXIT_DAMAGED
+    assert "step 5: ok" in out
+    assert "step 10: DAMAGED" in out
+    assert f"object 10/{victim.parent.name}/{victim.name}: crc32c mismatch" in out
+    status, out, _ = run(capsys, "verify", str(run_dir), "10", "--json")
+    assert status == cli.EXIT_DAMAGED
+    report = json.loads(out)
+    assert report["ok"] is False
+    kinds = {d["kind"] for d in report["steps"][0]["damage"]}
+    assert kinds == {"object", "leaf"}  # the object and the leaf inside it both fail
+
+
+def test_verify_reads_in_chunks_across_leaf_boundaries(run_dir: Path) -> None:
+    """Small chunks cut leaves in pieces; the pieces' checksums still add up."""
+    from ckptstore.maintenance import verify_manifest
+
+    async def check(chunk: int) -> tuple[bool, int]:
+        async with ckptstore.open_store(run_dir) as store:
+            manifest = await ckptstore.aread_manifest(store, 10)
+            report = await verify_manifest(store, manifest, chunk_size=chunk)
+            return report.ok, report.nbytes
+
+    for chunk in (4093, 64 << 10, 1 << 20):  # 4093: never aligned with a leaf
+        assert asyncio.run(check(chunk)) == (True, ckptstore.read_manifest(run_dir, 10).nbytes)
+    flip_byte(data_files(run_dir, 10)[-1], 3)
+    assert asyncio.run(check(4093))[0] is False
+
+
+def test_verify_reports_a_missing_object(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    victim = data_files(run_dir, 5)[0]
+    victim.unlink()
+    status, out, _ = run(capsys, "verify", str(run_dir), "5")
+    assert status == cli.EXIT_DAMAGED
+    assert f"{victim.name}: missing" in out
+
+
+def test_verify_reports_a_corrupt_manifest(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    flip_byte(run_dir / "10" / "manifest.json", 200)
+    status, out, _ = run(capsys, "verify", str(run_dir), "10")
+    assert status == cli.EXIT_DAMAGED
+    assert "manifest 10/manifest.json" in out
+    assert "invalid manifest" in out
+
+
+def test_verify_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, _, err = run(capsys, "verify", str(run_dir), "11")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 11 is not committed")
+
+
+def test_cp_local_to_local_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "copy"
+    status, out, err = run(capsys, "cp", str(run_dir), str(dst), "--json")
+    assert status == 0, err
+    assert [s["step"] for s in json.loads(out)["steps"]] == [5, 10]
+    assert ckptstore.list_steps(dst) == [5, 10]
+    for step in (5, 10):
+        assert_states_equal(ckptstore.load(run_dir, step), ckptstore.load(dst, step))
+        src_manifest = ckptstore.read_manifest(run_dir, step)
+        dst_manifest = ckptstore.read_manifest(dst, step)
+        assert dst_manifest.attempt != src_manifest.attempt  # a fresh attempt at the copy
+        assert dst_manifest.object_crcs == src_manifest.object_crcs
+        assert dst_manifest.metadata == src_manifest.metadata
+    assert [p.read_bytes() for p in data_files(run_dir, 10)] == [
+        p.read_bytes() for p in data_files(dst, 10)
+    ]
+    # Copying again is a no-op: the destination already holds the same checkpoints.
+    status, out, _ = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == 0
+    assert "skipped" in out
+    assert len(list((dst / "10").glob("attempt-*"))) == 1
+
+
+def test_cp_refuses_a_different_step_at_the_destination(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "other"
+    ckptstore.save(dst, make_state(99), step=10)
+    status, _, err = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "already exists at the destination")
+    assert ckptstore.load(dst, 10)["step"] == 99
+
+
+def test_cp_never_commits_a_corrupt_source(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    flip_byte(data_files(run_dir, 10)[0], 100)
+    dst = tmp_path / "copy"
+    status, _, err = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "fails its crc32c")
+    assert ckptstore.list_steps(dst) == []
+    assert [files for _, _, files in os.walk(dst) if files] == []  # partial copy removed
+
+
+def test_cp_of_a_missing_step(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    status, _, err = run(capsys, "cp", str(run_dir), str(tmp_path / "copy"), "--step", "3")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 3 is not committed")
+
+
+def test_gc_removes_only_abandoned_attempts(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    abandoned = run_dir / "15" / "attempt-000000000001-0123456789abcdef"
+    abandoned.mkdir(parents=True)
+    (abandoned / "pack-000000").write_bytes(b"half a save")
+    status, out, _ = run(capsys, "gc", str(run_dir), "--json")
+    assert status == 0
+    assert json.loads(out)["removed"] == []  # within the default grace period (mtime is now)
+    assert abandoned.exists()
+    status, out, _ = run(capsys, "gc", str(run_dir), "--grace", "0", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["removed"] == ["15/attempt-000000000001-0123456789abcdef/"]
+    assert report["removed_objects"] == 1
+    assert not abandoned.exists()
+    assert ckptstore.list_steps(run_dir) == [5, 10]
+    run(capsys, "verify", str(run_dir), "--all")  # committed data untouched
+    assert cli.main(["verify", str(run_dir), "--all"]) == 0
+
+
+def test_rm_deletes_steps(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "rm", str(run_dir), "5")
+    assert status == 0
+    assert out.strip() == "removed step 5"
+    assert ckptstore.list_steps(run_dir) == [10]
+    assert not (run_dir / "5").exists() or data_files(run_dir, 5) == []
+    status, _, err = run(capsys, "rm", str(run_dir), "5")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "no step 5")
+    status, _, err = run(capsys, "rm", str(run_dir), "latest")
+    assert status == cli.EXIT_USAGE
 
 
 # ----------------------------------------------------------------- bench
