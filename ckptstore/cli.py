@@ -22,6 +22,7 @@ import contextlib
 import dataclasses
 import datetime
 import json
+import os
 import sys
 import textwrap
 from collections.abc import Callable, Coroutine, Iterator, Sequence
@@ -201,11 +202,9 @@ def open_cli_store(url: str, options: dict[str, str], *, must_exist: bool = True
             raise
         raise UsageError(f"cannot open {url}: {exc}") from None
     root = getattr(store, "root", None)
-    if must_exist and store.capabilities.local_path and isinstance(root, str):
-        import os
-
-        if not os.path.isdir(root):
-            raise NotFoundError(f"{store.url}: no such directory")
+    local = store.capabilities.local_path and isinstance(root, str)
+    if must_exist and local and not os.path.isdir(str(root)):
+        raise NotFoundError(f"{store.url}: no such directory")
     return store
 
 
@@ -458,17 +457,19 @@ async def _cp(args: argparse.Namespace) -> Outcome:
         reports: list[CopyReport] = []
         with progress_bar(args, total, "copy+verify", unit="B") as bar:
             for step in steps:
-                reports.append(await copy_step(src, dst, step, progress=bar.update))
+                r = await copy_step(src, dst, step, progress=bar.update)
+                reports.append(r)
+                if not args.json:  # said as each step is done, so a later failure keeps it
+                    print(
+                        f"step {r.step}: already at the destination (identical), skipped"
+                        if r.skipped
+                        else f"step {r.step}: copied {r.objects} objects, "
+                        f"{format_bytes(r.nbytes)}, verified, committed (attempt {r.attempt})",
+                        flush=True,
+                    )
         src_url, dst_url = src.url, dst.url
-    lines = [
-        f"step {r.step}: already at the destination (identical), skipped"
-        if r.skipped
-        else f"step {r.step}: copied {r.objects} objects, {format_bytes(r.nbytes)}, verified, "
-        f"committed (attempt {r.attempt})"
-        for r in reports
-    ]
     data = {"src": src_url, "dst": dst_url, "steps": [dataclasses.asdict(r) for r in reports]}
-    return Outcome(data, "\n".join(lines))
+    return Outcome(data, "")
 
 
 async def _gc(args: argparse.Namespace) -> Outcome:
@@ -842,8 +843,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"ckptstore {args.command}: error: {message}", file=sys.stderr)
         return EXIT_ERROR
-    if args.json:
-        print(json.dumps(outcome.data, indent=2, sort_keys=False))
-    elif outcome.text:
-        print(outcome.text)
+    try:
+        if args.json:
+            print(json.dumps(outcome.data, indent=2, sort_keys=False))
+        elif outcome.text:
+            print(outcome.text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ckptstore show ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return outcome.status

@@ -438,7 +438,7 @@ async def _copy_objects(
             raise CorruptCheckpointError(
                 f"{src.url}/{key}: the source object fails its crc32c (recorded "
                 f"{manifest.object_crcs[index]}, read {crc}); run 'ckptstore verify' on the "
-                "source; nothing was committed at the destination"
+                f"source; step {manifest.step} was not committed at the destination"
             )
 
     async def copy_small(index: int) -> None:
