@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from tests.servers.moto import MotoS3
 
 import ckptstore
 from ckptstore import cli
@@ -535,3 +536,165 @@ def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
     assert "bench" in drawn
     assert "trial" in drawn  # tqdm's unit, so the bar itself was drawn
     assert b"suggested" in result.stdout  # the report still goes to stdout
+
+
+# ----------------------------------------------------------------- S3 (moto)
+
+
+def s3_options(moto: MotoS3) -> list[str]:
+    return ["-o", f"endpoint_url={moto.endpoint}", "-o", f"region={moto.region}"]
+
+
+@pytest.mark.s3
+def test_every_command_on_s3_and_cp_round_trip_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, run_dir: Path, tmp_path: Path
+) -> None:
+    url = f"s3://{moto_s3.bucket}/run"
+    opts = s3_options(moto_s3)
+    dst_opts = [o.replace("-o", "--dst-option") for o in opts]
+
+    status, out, err = run(capsys, "cp", str(run_dir), url, *dst_opts, "--json")
+    assert status == 0, err
+    assert [s["step"] for s in json.loads(out)["steps"]] == [5, 10]
+
+    status, out, _ = run(capsys, "ls", url, *opts, "--json")
+    assert status == 0
+    assert [row["step"] for row in json.loads(out)["steps"]] == [5, 10]
+    status, out, _ = run(capsys, "show", url, "10", *opts, "--json")
+    assert status == 0
+    assert json.loads(out)["metadata"] == {"loss": 0.25}
+    status, out, _ = run(capsys, "verify", url, "--all", *opts)
+    assert status == 0, out
+    assert "all 2 steps intact" in out
+
+    back = tmp_path / "back"
+    status, _, err = run(capsys, "cp", url, str(back), *opts)
+    assert status == 0, err
+    for step in (5, 10):
+        assert_states_equal(ckptstore.load(run_dir, step), ckptstore.load(back, step))
+        assert [p.read_bytes() for p in data_files(run_dir, step)] == [
+            p.read_bytes() for p in data_files(back, step)
+        ]
+
+    status, out, _ = run(capsys, "gc", url, *opts, "--json")
+    assert status == 0
+    assert json.loads(out)["removed"] == []
+    status, out, _ = run(capsys, "rm", url, "5", *opts)
+    assert status == 0
+    status, out, _ = run(capsys, "ls", url, *opts, "--json")
+    assert [row["step"] for row in json.loads(out)["steps"]] == [10]
+
+
+@pytest.mark.s3
+def test_verify_on_s3_detects_a_flipped_byte(
+    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, run_dir: Path
+) -> None:
+    url = f"s3://{moto_s3.bucket}/run"
+    opts = s3_options(moto_s3)
+    assert (
+        cli.main(
+            [
+                "cp",
+                str(run_dir),
+                url,
+                "--step",
+                "10",
+                "--dst-option",
+                f"endpoint_url={moto_s3.endpoint}",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    client: Any = moto_s3.client()
+    listed = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix="run/10/attempt-")
+    key = sorted(obj["Key"] for obj in listed["Contents"])[0]
+    body = bytearray(client.get_object(Bucket=moto_s3.bucket, Key=key)["Body"].read())
+    body[len(body) // 3] ^= 0x10
+    client.put_object(Bucket=moto_s3.bucket, Key=key, Body=bytes(body))
+    client.close()
+    status, out, _ = run(capsys, "verify", url, "10", *opts)
+    assert status == cli.EXIT_DAMAGED
+    assert f"object {key.removeprefix('run/')}: crc32c mismatch" in out
+
+
+@pytest.mark.s3
+def test_s3_without_credentials_is_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+    moto_s3: MotoS3,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask 169.254.169.254
+    status, out, err = run(capsys, "ls", f"s3://{moto_s3.bucket}/run", *s3_options(moto_s3))
+    assert status == cli.EXIT_ERROR
+    assert out == ""
+    assert_one_line_error(err, "credentials")
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3
+) -> None:
+    status, _, err = run(capsys, "ls", "s3://no-such-bucket/run", *s3_options(moto_s3))
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "no-such-bucket")
+
+
+@pytest.mark.s3
+def test_bench_on_s3(capsys: pytest.CaptureFixture[str], moto_s3: MotoS3) -> None:
+    url = f"s3://{moto_s3.bucket}/scratch"
+    argv = ["--size", "10MiB", "--part-sizes", "1MiB,5MiB", "--concurrency", "2,4"]
+    status, out, err = run(
+        capsys, "bench", url, *s3_options(moto_s3), *argv, "--small-count", "16", "--json"
+    )
+    assert status == 0, err
+    report = json.loads(out)
+    assert [t["part_size"] for t in report["large"]][:1] == [5 << 20]  # 1 MiB < S3's minimum
+    assert report["suggested_settings"]["part_size"] == 5 << 20
+    client: Any = moto_s3.client()
+    assert client.list_objects_v2(Bucket=moto_s3.bucket).get("KeyCount", 0) == 0  # cleaned up
+    client.close()
+
+
+@pytest.mark.s3
+def test_cp_to_s3_streams_large_objects_as_multipart(
+    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, tmp_path: Path
+) -> None:
+    src = tmp_path / "big"
+    state = {"w": np.random.default_rng(1).standard_normal(12 << 17)}  # 12 MiB of float64
+    ckptstore.save(src, state, step=1)
+    url = f"s3://{moto_s3.bucket}/big"
+    parts = ["part_size=5MiB", "multipart_threshold=5MiB"]
+    status, _, err = run(
+        capsys,
+        "cp",
+        str(src),
+        url,
+        "--dst-option",
+        f"endpoint_url={moto_s3.endpoint}",
+        *(arg for p in parts for arg in ("--dst-option", p)),
+    )
+    assert status == 0, err
+    client: Any = moto_s3.client()
+    listed = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix="big/1/attempt-")
+    (obj,) = listed["Contents"]
+    assert obj["Size"] == 12 << 20
+    assert obj["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
+    client.close()
+    back = tmp_path / "back"
+    status, _, err = run(capsys, "cp", url, str(back), *s3_options(moto_s3), "-o", parts[0])
+    assert status == 0, err
+    assert ckptstore.load(back, 1)["w"].tobytes() == state["w"].tobytes()
