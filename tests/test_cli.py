@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.servers.moto import MotoS3
 
 import ckptstore
 from ckptstore import cli
@@ -539,15 +538,16 @@ def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
 
 
 # ----------------------------------------------------------------- S3 (moto)
+# ``moto_s3`` is the fixture of tests/servers/moto.py (a MotoS3: endpoint, bucket, region).
 
 
-def s3_options(moto: MotoS3) -> list[str]:
+def s3_options(moto: Any) -> list[str]:
     return ["-o", f"endpoint_url={moto.endpoint}", "-o", f"region={moto.region}"]
 
 
 @pytest.mark.s3
 def test_every_command_on_s3_and_cp_round_trip_is_bit_exact(
-    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, run_dir: Path, tmp_path: Path
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, run_dir: Path, tmp_path: Path
 ) -> None:
     url = f"s3://{moto_s3.bucket}/run"
     opts = s3_options(moto_s3)
@@ -587,7 +587,7 @@ def test_every_command_on_s3_and_cp_round_trip_is_bit_exact(
 
 @pytest.mark.s3
 def test_verify_on_s3_detects_a_flipped_byte(
-    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, run_dir: Path
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, run_dir: Path
 ) -> None:
     url = f"s3://{moto_s3.bucket}/run"
     opts = s3_options(moto_s3)
@@ -621,7 +621,7 @@ def test_verify_on_s3_detects_a_flipped_byte(
 @pytest.mark.s3
 def test_s3_without_credentials_is_one_line_error(
     capsys: pytest.CaptureFixture[str],
-    moto_s3: MotoS3,
+    moto_s3: Any,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
 ) -> None:
@@ -646,7 +646,7 @@ def test_s3_without_credentials_is_one_line_error(
 
 @pytest.mark.s3
 def test_s3_missing_bucket_is_one_line_error(
-    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3
+    capsys: pytest.CaptureFixture[str], moto_s3: Any
 ) -> None:
     status, _, err = run(capsys, "ls", "s3://no-such-bucket/run", *s3_options(moto_s3))
     assert status == cli.EXIT_ERROR
@@ -654,7 +654,7 @@ def test_s3_missing_bucket_is_one_line_error(
 
 
 @pytest.mark.s3
-def test_bench_on_s3(capsys: pytest.CaptureFixture[str], moto_s3: MotoS3) -> None:
+def test_bench_on_s3(capsys: pytest.CaptureFixture[str], moto_s3: Any) -> None:
     url = f"s3://{moto_s3.bucket}/scratch"
     argv = ["--size", "10MiB", "--part-sizes", "1MiB,5MiB", "--concurrency", "2,4"]
     status, out, err = run(
@@ -671,7 +671,7 @@ def test_bench_on_s3(capsys: pytest.CaptureFixture[str], moto_s3: MotoS3) -> Non
 
 @pytest.mark.s3
 def test_cp_to_s3_streams_large_objects_as_multipart(
-    capsys: pytest.CaptureFixture[str], moto_s3: MotoS3, tmp_path: Path
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, tmp_path: Path
 ) -> None:
     src = tmp_path / "big"
     state = {"w": np.random.default_rng(1).standard_normal(12 << 17)}  # 12 MiB of float64
