@@ -51,7 +51,7 @@ from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.transfer import copy_object, crc32c_combine, crc32c_of
+from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine, crc32c_of
 
 __all__ = [
     "CopyReport",
@@ -211,10 +211,10 @@ async def verify_manifest(
     """
     report = VerifyReport(manifest.step)
     chunk = chunk_size or store.settings.part_size
-    slots = max(1, store.settings.max_concurrency)
-    pool: asyncio.Queue[bytearray] = asyncio.Queue()
-    for _ in range(slots):
-        pool.put_nowait(bytearray(chunk))
+    pool = BufferPool(
+        max(1, min(chunk, max(manifest.object_lengths, default=1))),
+        max(1, store.settings.max_concurrency),
+    )
     leaf_index = _leaf_index(manifest)
     leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
 
@@ -231,13 +231,13 @@ async def verify_manifest(
         return crc32c_of(view), pieces
 
     async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
-        buf = await pool.get()
+        buf = await pool.acquire()
         try:
             view = memoryview(buf)[:length]
             await store.read_into(key, start, view)
             crc, pieces = await asyncio.to_thread(hash_chunk, obj, start, view)
         finally:
-            pool.put_nowait(buf)
+            pool.release(buf)
         for leaf, piece_crc in pieces:
             lo = max(manifest.leaf_offset[leaf], start)
             hi = min(manifest.leaf_offset[leaf] + manifest.leaf_length[leaf], start + length)

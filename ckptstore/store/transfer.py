@@ -24,7 +24,7 @@ import numpy as np
 
 from ckptstore.store.base import PutMode, Store
 
-__all__ = ["copy_object", "crc32c_combine", "crc32c_of"]
+__all__ = ["BufferPool", "copy_object", "crc32c_combine", "crc32c_of"]
 
 _POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
 _HASH_IN_THREAD = 1 << 20  # larger buffers are hashed off the event loop
@@ -78,6 +78,32 @@ async def _acrc32c(data: Any) -> int:
     return crc32c_of(data)
 
 
+class BufferPool:
+    """At most ``limit`` buffers of ``size`` bytes, made only when needed and reused.
+
+    Callers ``acquire`` a buffer (waiting while all ``limit`` are in use) and ``release`` it;
+    memory stays at ``limit * size`` however many pieces pass through, and a small job
+    allocates only what it uses.
+    """
+
+    def __init__(self, size: int, limit: int) -> None:
+        if size <= 0 or limit <= 0:
+            raise ValueError(f"size and limit must be > 0, got {size} and {limit}")
+        self.size = size
+        self.limit = limit
+        self.made = 0
+        self._free: asyncio.Queue[bytearray] = asyncio.Queue()
+
+    async def acquire(self) -> bytearray:
+        if self._free.empty() and self.made < self.limit:
+            self.made += 1
+            return bytearray(self.size)
+        return await self._free.get()
+
+    def release(self, buf: bytearray) -> None:
+        self._free.put_nowait(buf)
+
+
 async def copy_object(
     src: Store,
     dst: Store,
@@ -123,10 +149,7 @@ async def copy_object(
 
     part = dst.part_size_for(size)
     count = -(-size // part)
-    slots = max(1, min(dst.settings.max_concurrency, count))
-    pool: asyncio.Queue[bytearray] = asyncio.Queue()
-    for _ in range(slots):
-        pool.put_nowait(bytearray(part))
+    pool = BufferPool(part, min(dst.settings.max_concurrency, count))
     crcs: list[int] = [0] * count
 
     upload = await dst.create_multipart(target, mode=mode, part_size=part)
@@ -135,14 +158,14 @@ async def copy_object(
         async def copy_part(index: int) -> None:
             start = index * part
             length = min(part, size - start)
-            buf = await pool.get()
+            buf = await pool.acquire()
             try:
                 view = memoryview(buf)[:length]
                 await src.read_into(key, start, view)
                 crcs[index] = await _acrc32c(view)
                 await upload.put_part(index, view)
             finally:
-                pool.put_nowait(buf)
+                pool.release(buf)
             if progress is not None:
                 progress(length)
 
