@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
@@ -189,8 +189,12 @@ def _options(pairs: Sequence[tuple[str, str]] | None) -> dict[str, str]:
 # ----------------------------------------------------------------- stores
 
 
-def open_cli_store(url: str, options: dict[str, str], *, must_exist: bool = True) -> Store:
-    """Open ``url`` for a command; option mistakes become one-line usage errors.
+@contextlib.asynccontextmanager
+async def cli_store(
+    url: str, options: dict[str, str], *, must_exist: bool = True
+) -> AsyncIterator[Store]:
+    """Open ``url`` for a command and close it afterwards; option mistakes become one-line
+    usage errors.
 
     With ``must_exist`` a local directory that does not exist is an error (an object store
     prefix cannot be told from an empty one, so only the backend's own errors apply there).
@@ -201,15 +205,12 @@ def open_cli_store(url: str, options: dict[str, str], *, must_exist: bool = True
         if isinstance(exc, CkptStoreError):
             raise
         raise UsageError(f"cannot open {url}: {exc}") from None
-    root = getattr(store, "root", None)
-    local = store.capabilities.local_path and isinstance(root, str)
-    if must_exist and local and not os.path.isdir(str(root)):
-        raise NotFoundError(f"{store.url}: no such directory")
-    return store
-
-
-def _run(coro: Coroutine[Any, Any, Outcome]) -> Outcome:
-    return asyncio.run(coro)
+    async with store:
+        root = getattr(store, "root", None)
+        local = store.capabilities.local_path and isinstance(root, str)
+        if must_exist and local and not await asyncio.to_thread(os.path.isdir, str(root)):
+            raise NotFoundError(f"{store.url}: no such directory")
+        yield store
 
 
 # ----------------------------------------------------------------- steps
@@ -223,8 +224,8 @@ def _step_arg(text: str) -> int | None:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"a step is a number or 'latest', not {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"steps are >= 0, got {value}")
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"steps are in [0, 2**63), got {value}")
     return value
 
 
@@ -270,7 +271,7 @@ async def _ls(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import alist_steps
     from ckptstore.maintenance import summarize_step
 
-    async with open_cli_store(args.url, _options(args.option)) as store:
+    async with cli_store(args.url, _options(args.option)) as store:
         steps = await alist_steps(store)
         manifests = await _manifests(store, steps)
         url = store.url
@@ -310,7 +311,7 @@ async def _show(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import aread_manifest
     from ckptstore.maintenance import plain_values, summarize_step
 
-    async with open_cli_store(args.url, _options(args.option)) as store:
+    async with cli_store(args.url, _options(args.option)) as store:
         step = await _resolve_step(store, args.step)
         manifest = await aread_manifest(store, step)
         url = store.url
@@ -379,7 +380,7 @@ async def _verify(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import alist_steps
     from ckptstore.maintenance import Damage, VerifyReport, verify_manifest
 
-    async with open_cli_store(args.url, _options(args.option)) as store:
+    async with cli_store(args.url, _options(args.option)) as store:
         if args.all:
             steps = await alist_steps(store)
         elif args.steps:
@@ -440,9 +441,10 @@ async def _cp(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import alist_steps
     from ckptstore.maintenance import CopyReport, copy_step
 
-    src = open_cli_store(args.src, _options(args.option))
-    dst = open_cli_store(args.dst, _options(args.dst_option), must_exist=False)
-    async with src, dst:
+    async with (
+        cli_store(args.src, _options(args.option)) as src,
+        cli_store(args.dst, _options(args.dst_option), must_exist=False) as dst,
+    ):
         if args.steps:
             steps = [await _resolve_step(src, s) for s in args.steps]
         else:
@@ -475,7 +477,7 @@ async def _cp(args: argparse.Namespace) -> Outcome:
 async def _gc(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import agc
 
-    async with open_cli_store(args.url, _options(args.option)) as store:
+    async with cli_store(args.url, _options(args.option)) as store:
         report = await agc(store, grace=args.grace)
         url = store.url
     data = {"url": url, **dataclasses.asdict(report)}
@@ -501,7 +503,7 @@ async def _rm(args: argparse.Namespace) -> Outcome:
     from ckptstore.api import adelete_step
 
     removed = []
-    async with open_cli_store(args.url, _options(args.option)) as store:
+    async with cli_store(args.url, _options(args.option)) as store:
         for step in args.steps:
             await adelete_step(store, step)
             removed.append(step)
@@ -518,8 +520,7 @@ async def _bench(args: argparse.Namespace) -> Outcome:
     from ckptstore.bench import bench_store, usable_part_sizes
 
     options = _options(args.option)
-    store = open_cli_store(args.url, options, must_exist=False)
-    async with store:
+    async with cli_store(args.url, options, must_exist=False) as store:
         caps = store.capabilities
     try:
         part_sizes = usable_part_sizes(caps, args.size, args.part_sizes)
@@ -830,7 +831,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     try:
-        outcome = _run(args.func(args))
+        command: Command = args.func
+        outcome = asyncio.run(command(args))
     except (CkptStoreError, UsageError) as exc:
         print(f"ckptstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
         return EXIT_ERROR
