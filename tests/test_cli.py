@@ -698,3 +698,17 @@ def test_cp_to_s3_streams_large_objects_as_multipart(
     status, _, err = run(capsys, "cp", url, str(back), *s3_options(moto_s3), "-o", parts[0])
     assert status == 0, err
     assert ckptstore.load(back, 1)["w"].tobytes() == state["w"].tobytes()
+
+
+def test_json_flag_before_the_command(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "--json", "ls", str(run_dir))
+    assert status == 0
+    assert [row["step"] for row in json.loads(out)["steps"]] == [5, 10]
+
+
+def test_bad_setting_value_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    status, _, err = run(capsys, "verify", str(run_dir), "-o", "part_size=lots")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "cannot parse size")
