@@ -225,7 +225,14 @@ async def write_checkpoint(
             f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
             "fewer, larger arrays"
         )
-    await _put_manifest(store, step, data, attempt)
+    try:
+        await _put_manifest(store, step, data, attempt)
+    except CommitConflictError:
+        # Another attempt's manifest is in place, so this attempt's objects can never become
+        # visible: remove them now rather than leave them to garbage collection.
+        with contextlib.suppress(Exception):
+            await store.delete_prefix(prefix)
+        raise
     return CommitInfo(step, attempt, len(plan.objects), plan.total_bytes, len(data))
 
 

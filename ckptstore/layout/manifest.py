@@ -204,6 +204,10 @@ class Manifest:
             return cls._validate(doc, step)
         except _Invalid as exc:
             raise reject(str(exc)) from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # A shape of input the checks above did not foresee; still a rejection, never a
+            # crash (the fuzz test looks for this message to find such gaps).
+            raise reject(f"unexpected structure ({type(exc).__name__}: {exc})") from None
 
     @classmethod
     def _validate(cls, doc: Any, expected_step: int | None) -> Manifest:
@@ -264,9 +268,12 @@ class Manifest:
             if set(map(type, attrs)) - {dict, type(None)}:
                 raise _Invalid("leaf attrs are not objects")
 
+        if set(map(type, dtypes)) - {str}:
+            bad = next(d for d in dtypes if type(d) is not str)
+            raise _Invalid(f"dtype {bad!r} is not allowed")
         itemsizes: dict[str, int] = {}
         for name in set(dtypes):
-            dt = dtype_from_name(name) if type(name) is str else None
+            dt = dtype_from_name(name)
             if dt is None:
                 raise _Invalid(f"dtype {name!r} is not allowed")
             itemsizes[name] = dt.itemsize

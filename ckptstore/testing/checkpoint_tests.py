@@ -16,6 +16,7 @@ backend's own requests.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import math
 import struct
@@ -317,6 +318,24 @@ class CheckpointTests:
             await asave(counting, {"x": np.arange(400_000)}, step=8)
         assert counting.bytes["put"] + counting.bytes["put_part"] == 0  # refused before data
         assert_same_state(await aload(store, step=8), first)
+
+    async def test_concurrent_savers_of_one_step_one_wins(self, store: Store) -> None:
+        racers = 6
+        states = [{"who": np.full(1000, i, np.int32), "i": i} for i in range(racers)]
+        results = await asyncio.gather(
+            *(asave(store, s, step=14) for s in states), return_exceptions=True
+        )
+        winners = [r for r in results if not isinstance(r, BaseException)]
+        losers = [r for r in results if isinstance(r, BaseException)]
+        assert len(winners) == 1
+        assert all(isinstance(r, CommitConflictError) for r in losers), losers
+        manifest = await aread_manifest(store, 14)
+        assert manifest.attempt == winners[0].attempt
+        loaded = await aload(store, step=14)
+        assert_same_state(loaded, states[loaded["i"]])
+        # Losers removed their own objects: only the winner's attempt remains.
+        keys = await store.list_keys("14/")
+        assert {k.split("/")[1] for k in keys} == {manifest.attempt, "manifest.json"}
 
     async def test_lost_manifest_response_is_recognised(self, store: Store) -> None:
         lossy = _LoseManifestResponse(store)
