@@ -691,7 +691,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="ckptstore",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
+        description="Look at, check, copy and clean up checkpoints on any store: a local or "
+        "NFS directory, s3://, gs://, memory:// or any fsspec URL.",
         epilog="Run 'ckptstore COMMAND --help' for a command's options and examples.\n\n"
         "Exit status: 0 ok; 1 error (one line on stderr); 2 bad command line; "
         "3 verify found damage.",
