@@ -691,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = _Parser(
         prog="ckptstore",
-        description="Look at, check, copy and clean up checkpoints on any store: a local or "
+        description="Look at, check, copy and clean up checkpoints on any store:\na local or "
         "NFS directory, s3://, gs://, memory:// or any fsspec URL.",
         epilog="Run 'ckptstore COMMAND --help' for a command's options and examples.\n\n"
         "Exit status: 0 ok; 1 error (one line on stderr); 2 bad command line; "
