@@ -175,6 +175,16 @@ def _int_list_arg(text: str) -> list[int]:
     return [_positive_int_arg(part) for part in text.split(",") if part.strip()]
 
 
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
 def _option_arg(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.strip():
@@ -752,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("url", metavar="URL", help="checkpoint root")
     gc.add_argument(
         "--grace",
-        type=float,
+        type=_seconds_arg,
         default=None,
         metavar="SECONDS",
         help="leave attempts younger than this alone (default: Settings.gc_grace_seconds)",

@@ -395,8 +395,11 @@ def test_gc_removes_only_abandoned_attempts(
     assert report["removed_objects"] == 1
     assert not abandoned.exists()
     assert ckptstore.list_steps(run_dir) == [5, 10]
-    run(capsys, "verify", str(run_dir), "--all")  # committed data untouched
-    assert cli.main(["verify", str(run_dir), "--all"]) == 0
+    status, _, _ = run(capsys, "verify", str(run_dir), "--all")
+    assert status == 0  # committed data untouched
+    status, _, err = run(capsys, "gc", str(run_dir), "--grace", "-1")
+    assert status == cli.EXIT_USAGE
+    assert "must be a finite number >= 0" in err
 
 
 def test_rm_deletes_steps(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
