@@ -24,7 +24,7 @@ from ckptstore.errors import (
     StoreError,
 )
 from ckptstore.store.s3 import S3Store, _ByteBudget
-from ckptstore.testing import StoreTests
+from ckptstore.testing import CheckpointTests, StoreTests
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
 from ckptstore.testing.servers import SeaweedFS
 from tests.servers.moto import MotoS3
@@ -69,6 +69,21 @@ class TestS3StoreOnSeaweedFS(StoreTests):
         async with _seaweed_store(seaweedfs, seaweed_bucket) as store:
             yield store
             await store.delete(await store.list_keys())  # the bucket outlives the test
+
+
+class TestS3CheckpointsOnMoto(CheckpointTests):
+    @pytest.fixture
+    async def store(self, moto_s3: MotoS3) -> AsyncIterator[S3Store]:
+        async with S3Store(moto_s3.bucket, "ckpt", **moto_s3.options()) as store:
+            yield store
+
+
+class TestS3CheckpointsOnSeaweedFS(CheckpointTests):
+    @pytest.fixture
+    async def store(self, seaweedfs: SeaweedFS, seaweed_bucket: str) -> AsyncIterator[S3Store]:
+        async with _seaweed_store(seaweedfs, seaweed_bucket) as store:
+            yield store
+            await store.delete(await store.list_keys())
 
 
 # ---------------------------------------------------------------------- helpers
