@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
+from ckptstore.api import alist_steps, aload, asave
 from ckptstore.errors import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -25,6 +26,7 @@ from ckptstore.errors import (
 )
 from ckptstore.store.s3 import S3Store, _ByteBudget
 from ckptstore.testing import CheckpointTests, StoreTests
+from ckptstore.testing.checkpoint_tests import assert_same_state
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
 from ckptstore.testing.servers import SeaweedFS
 from tests.servers.moto import MotoS3
@@ -557,3 +559,79 @@ async def test_inflight_bytes_setting_limits_parallel_parts(moto_s3: MotoS3) -> 
         assert out == data
     assert len(peaks) == 10  # five parts up, five ranges down
     assert max(peaks) == 2 * part  # two in flight at once, never a third
+
+
+# ---------------------------------------------------------------------- checkpoints under faults
+
+
+def _transformer_state(seed: int) -> dict[str, Any]:
+    """A small transformer-like training state: weights, Adam moments, counters."""
+    rng = np.random.default_rng(seed)
+
+    def tensor(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn": {"qkv": tensor(256, 768), "out": tensor(256, 256)},
+            "mlp": {"up": tensor(256, 1024), "down": tensor(1024, 256)},
+            "norm": tensor(256),
+        }
+
+    model = {"embed": tensor(3072, 512), "layers": [layer() for _ in range(2)]}
+
+    def like(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            return {k: like(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [like(v) for v in tree]
+        return rng.standard_normal(tree.shape, dtype=np.float32)
+
+    return {
+        "model": model,
+        "optimizer": {"step": 1000, "exp_avg": like(model), "exp_avg_sq": like(model)},
+        "rng": rng.integers(0, 2**32, 4, dtype=np.uint64),
+        "epoch": 3,
+    }
+
+
+async def test_checkpoint_save_and_load_under_20_percent_faults(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults(
+        [
+            ProxyFault("503", rate=0.05),
+            ProxyFault("500", rate=0.04),
+            ProxyFault("reset", rate=0.03, nbytes=2000),
+            ProxyFault("truncate", rate=0.04, ops=frozenset({"get"})),
+            ProxyFault(
+                "drop_response",
+                rate=0.03,
+                ops=frozenset({"put_object", "upload_part", "complete_multipart", "get"}),
+            ),
+        ],
+        seed=11,
+    )
+    states = {step: _transformer_state(step) for step in (100, 200)}
+    async with _proxied_store(target, proxy) as store:
+        for step, state in states.items():
+            await asave(store, state, step=step)
+        assert await alist_steps(store) == [100, 200]
+        for step, state in states.items():
+            assert_same_state(await aload(store, step), state)
+    assert sum(proxy.injected.values()) >= 5
+    assert await target.open_uploads() == []
+
+
+async def test_checkpoint_save_fails_cleanly_when_every_write_fails(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults([ProxyFault("503", ops=frozenset({"put_object", "upload_part"}))])
+    async with _proxied_store(target, proxy, max_attempts=2) as store:
+        with pytest.raises(StoreError, match="SlowDown"):
+            await asave(store, _transformer_state(1), step=7)
+    async with target.store() as direct:
+        assert await alist_steps(direct) == []
+        assert not [k for k in await direct.list_keys() if k.endswith("manifest.json")]
+    assert proxy.injected["503"] >= 2
+    assert await target.open_uploads() == []
