@@ -635,3 +635,17 @@ async def test_checkpoint_save_fails_cleanly_when_every_write_fails(
         assert not [k for k in await direct.list_keys() if k.endswith("manifest.json")]
     assert proxy.injected["503"] >= 2
     assert await target.open_uploads() == []
+
+
+async def test_checkpoint_commit_with_lost_reply_is_a_success(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults(
+        [ProxyFault("drop_response", ops=frozenset({"put_object"}), path="manifest", times=1)]
+    )
+    state = _transformer_state(3)
+    async with _proxied_store(target, proxy) as store:
+        await asave(store, state, step=5)
+        assert proxy.injected["drop_response"] == 1
+        assert await alist_steps(store) == [5]
+        assert_same_state(await aload(store, 5), state)
