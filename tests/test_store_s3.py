@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
+from ckptstore.api import alist_steps, aload, asave
 from ckptstore.errors import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -24,7 +25,8 @@ from ckptstore.errors import (
     StoreError,
 )
 from ckptstore.store.s3 import S3Store, _ByteBudget
-from ckptstore.testing import StoreTests
+from ckptstore.testing import CheckpointTests, StoreTests
+from ckptstore.testing.checkpoint_tests import assert_same_state
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
 from ckptstore.testing.servers import SeaweedFS
 from tests.servers.moto import MotoS3
@@ -69,6 +71,21 @@ class TestS3StoreOnSeaweedFS(StoreTests):
         async with _seaweed_store(seaweedfs, seaweed_bucket) as store:
             yield store
             await store.delete(await store.list_keys())  # the bucket outlives the test
+
+
+class TestS3CheckpointsOnMoto(CheckpointTests):
+    @pytest.fixture
+    async def store(self, moto_s3: MotoS3) -> AsyncIterator[S3Store]:
+        async with S3Store(moto_s3.bucket, "ckpt", **moto_s3.options()) as store:
+            yield store
+
+
+class TestS3CheckpointsOnSeaweedFS(CheckpointTests):
+    @pytest.fixture
+    async def store(self, seaweedfs: SeaweedFS, seaweed_bucket: str) -> AsyncIterator[S3Store]:
+        async with _seaweed_store(seaweedfs, seaweed_bucket) as store:
+            yield store
+            await store.delete(await store.list_keys())
 
 
 # ---------------------------------------------------------------------- helpers
@@ -542,3 +559,93 @@ async def test_inflight_bytes_setting_limits_parallel_parts(moto_s3: MotoS3) -> 
         assert out == data
     assert len(peaks) == 10  # five parts up, five ranges down
     assert max(peaks) == 2 * part  # two in flight at once, never a third
+
+
+# ---------------------------------------------------------------------- checkpoints under faults
+
+
+def _transformer_state(seed: int) -> dict[str, Any]:
+    """A small transformer-like training state: weights, Adam moments, counters."""
+    rng = np.random.default_rng(seed)
+
+    def tensor(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    def layer() -> dict[str, Any]:
+        return {
+            "attn": {"qkv": tensor(256, 768), "out": tensor(256, 256)},
+            "mlp": {"up": tensor(256, 1024), "down": tensor(1024, 256)},
+            "norm": tensor(256),
+        }
+
+    model = {"embed": tensor(3072, 512), "layers": [layer() for _ in range(2)]}
+
+    def like(tree: Any) -> Any:
+        if isinstance(tree, dict):
+            return {k: like(v) for k, v in tree.items()}
+        if isinstance(tree, list):
+            return [like(v) for v in tree]
+        return rng.standard_normal(tree.shape, dtype=np.float32)
+
+    return {
+        "model": model,
+        "optimizer": {"step": 1000, "exp_avg": like(model), "exp_avg_sq": like(model)},
+        "rng": rng.integers(0, 2**32, 4, dtype=np.uint64),
+        "epoch": 3,
+    }
+
+
+async def test_checkpoint_save_and_load_under_20_percent_faults(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults(
+        [
+            ProxyFault("503", rate=0.05),
+            ProxyFault("500", rate=0.04),
+            ProxyFault("reset", rate=0.03, nbytes=2000),
+            ProxyFault("truncate", rate=0.04, ops=frozenset({"get"})),
+            ProxyFault(
+                "drop_response",
+                rate=0.03,
+                ops=frozenset({"put_object", "upload_part", "complete_multipart", "get"}),
+            ),
+        ],
+        seed=11,
+    )
+    states = {step: _transformer_state(step) for step in (100, 200)}
+    async with _proxied_store(target, proxy) as store:
+        for step, state in states.items():
+            await asave(store, state, step=step)
+        assert await alist_steps(store) == [100, 200]
+        for step, state in states.items():
+            assert_same_state(await aload(store, step), state)
+    assert sum(proxy.injected.values()) >= 5
+    assert await target.open_uploads() == []
+
+
+async def test_checkpoint_save_fails_cleanly_when_every_write_fails(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults([ProxyFault("503", ops=frozenset({"put_object", "upload_part"}))])
+    async with _proxied_store(target, proxy, max_attempts=2) as store:
+        with pytest.raises(StoreError, match="SlowDown"):
+            await asave(store, _transformer_state(1), step=7)
+    async with target.store() as direct:
+        assert await alist_steps(direct) == []
+        assert not [k for k in await direct.list_keys() if k.endswith("manifest.json")]
+    assert proxy.injected["503"] >= 2
+    assert await target.open_uploads() == []
+
+
+async def test_checkpoint_commit_with_lost_reply_is_a_success(
+    target: Target, proxy: FaultProxy
+) -> None:
+    proxy.set_faults(
+        [ProxyFault("drop_response", ops=frozenset({"put_object"}), path="manifest", times=1)]
+    )
+    state = _transformer_state(3)
+    async with _proxied_store(target, proxy) as store:
+        await asave(store, state, step=5)
+        assert proxy.injected["drop_response"] == 1
+        assert await alist_steps(store) == [5]
+        assert_same_state(await aload(store, 5), state)

@@ -81,6 +81,7 @@ from ckptstore.store.base import (
     PutMode,
     Store,
     validate_key,
+    validate_prefix,
 )
 from ckptstore.store.options import parse_bool, split_settings
 
@@ -653,14 +654,19 @@ class S3Store(Store):
                 )
             raise
 
-    async def _landed(self, key: str, expected_etag: str) -> bool:
-        """Whether ``key`` now holds the object whose ETag we expect (our own earlier attempt
-        landed and only its response was lost)."""
+    async def _landed(
+        self, key: str, size: int, expected_etag: Callable[[], Awaitable[str]]
+    ) -> bool:
+        """Whether ``key`` now holds the object of ``size`` bytes whose ETag we expect (our own
+        earlier attempt landed and only its response was lost). The ETag is computed only if
+        the size matches."""
         try:
             meta = await self._head(key)
         except NotFoundError:
             return False
-        return meta.etag is not None and meta.etag.strip('"') == expected_etag
+        if meta.size != size or meta.etag is None:
+            return False
+        return meta.etag.strip('"') == await expected_etag()
 
     # ------------------------------------------------------------------ writes
 
@@ -692,8 +698,7 @@ class S3Store(Store):
                 # A retried request (botocore's, or aiohttp's own resend on a dropped
                 # keep-alive connection, which botocore never sees) may meet the object its
                 # first attempt wrote: the same bytes under the key mean this put landed.
-                digest = await asyncio.to_thread(_md5_hex, data)
-                if await self._landed(key, digest):
+                if await self._landed(key, len(data), lambda: asyncio.to_thread(_md5_hex, data)):
                     _log.info(
                         "put %s: met 412, but the object holds exactly the bytes sent; an "
                         "earlier attempt landed and its response was lost",
@@ -1068,8 +1073,18 @@ class S3Store(Store):
         ago (a crashed writer's parts, which S3 bills for until aborted), and remove the
         create locks such writers left. Returns how many uploads were aborted. Younger ones
         may belong to a running save and are kept."""
+        return await self._remove_before(prefix, time.time() - older_than, count_locks=False)
+
+    async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
+        # docstring inherited
+        validate_prefix(prefix)
+        return await self._remove_before(prefix, older_than, count_locks=True)
+
+    async def _remove_before(self, prefix: str, cutoff: float, *, count_locks: bool) -> int:
+        """Abort uploads under ``prefix`` initiated before ``cutoff`` (seconds since the epoch)
+        and delete create locks written before it; return how many uploads (and, with
+        ``count_locks``, locks) were removed."""
         client = await self._get_client()
-        cutoff = time.time() - older_than
         aborted = 0
         for upload in await self.multipart_uploads(prefix):
             if upload.initiated > cutoff:
@@ -1096,7 +1111,7 @@ class S3Store(Store):
         ]
         if stale_locks:
             await self._delete(stale_locks)
-        return aborted
+        return aborted + (len(stale_locks) if count_locks else 0)
 
     async def _scratch_objects(self, prefix: str) -> AsyncIterator[tuple[str, float]]:
         """Our scratch objects (probe, create locks) under ``prefix``, with their mtimes."""
@@ -1125,6 +1140,13 @@ def _total_size(content_range: str | None) -> int | None:
         return None
     total = content_range.rsplit("/", 1)[1]
     return int(total) if total.isdigit() else None
+
+
+def _async_value(value: str) -> Callable[[], Awaitable[str]]:
+    async def get() -> str:
+        return value
+
+    return get
 
 
 def _md5_hex(data: memoryview) -> str:
@@ -1223,7 +1245,7 @@ class _S3Upload(MultipartUpload):
             code, status = _error_code(exc)
             lost = code in ("PreconditionFailed", "NoSuchUpload") or status == 412
             # a retry after a lost response: the first Complete may have landed
-            if lost and await store._landed(self.key, _multipart_etag(etags)):
+            if lost and await store._landed(self.key, size, _async_value(_multipart_etag(etags))):
                 self._finished = True
                 return await store._head(self.key)
             if self.mode == "create" and (status == 412 or code == "PreconditionFailed"):
