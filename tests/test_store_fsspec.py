@@ -6,12 +6,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import fsspec
+import numpy as np
 import pytest
 
 from ckptstore import open_store
+from ckptstore.api import alist_steps, asave
 from ckptstore.errors import AlreadyExistsError, NotSupportedError
 from ckptstore.store.fsspec import FsspecStore
-from ckptstore.testing import StoreTests
+from ckptstore.testing import CheckpointTests, StoreTests
 from tests.servers.fakegcs import FakeGCS
 
 
@@ -136,3 +138,21 @@ async def test_url_reopens_the_same_store(tmp_path: Path) -> None:
         again = open_store(store.url)
         assert isinstance(again, FsspecStore)
         assert await again.get("k") == url.encode()
+
+
+class TestFsspecMemoryCheckpoints(CheckpointTests):
+    """Checkpoint round trips on fsspec's memory filesystem through the fallback."""
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[FsspecStore]:
+        store = open_store(f"fsspec+memory://cp-{uuid.uuid4().hex[:8]}/run", single_writer=True)
+        assert isinstance(store, FsspecStore)
+        async with store:
+            yield store
+
+
+async def test_checkpoint_save_refused_without_single_writer() -> None:
+    store = open_store(f"fsspec+memory://nosw-{uuid.uuid4().hex[:8]}")
+    with pytest.raises(NotSupportedError, match="memory://"):
+        await asave(store, {"x": np.ones(3)}, step=1)
+    assert await alist_steps(store) == []

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
+from ckptstore.api import alist_steps, aload, asave
 from ckptstore.errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -21,7 +22,7 @@ from ckptstore.errors import (
     StoreError,
 )
 from ckptstore.store.gcs import GCSStore
-from ckptstore.testing import StoreTests
+from ckptstore.testing import CheckpointTests, StoreTests, assert_same_state
 from tests.servers.fakegcs import FakeGCS
 from tests.servers.httpfault import FaultProxy
 
@@ -273,3 +274,40 @@ async def test_remove_stale_writes_deletes_abandoned_parts(
         assert await store.remove_stale_writes("step/", older_than=time.time() - 3600) == 0
         assert await store.remove_stale_writes("step/", older_than=time.time() + 60) == 2
         assert raw_names(fake_gcs, gcs_bucket, store._prefix) == [store._prefix + "step/kept"]
+
+
+class TestGCSCheckpoints(CheckpointTests):
+    """Checkpoint round trips on fake-gcs-server: commit through ifGenerationMatch=0."""
+
+    @pytest.fixture
+    async def store(self, fake_gcs: FakeGCS, gcs_bucket: str) -> AsyncIterator[GCSStore]:
+        async with open_gcs(fake_gcs, gcs_bucket) as store:
+            yield store
+
+
+async def test_save_at_total_failure_leaves_no_manifest(
+    fault_proxy: FaultProxy, fake_gcs: FakeGCS, gcs_bucket: str
+) -> None:
+    state = {"w": np.arange(1 << 18, dtype=np.float32), "small": np.ones(10)}
+    fault_proxy.add(UPLOAD, 503, times=None)
+    store = via_proxy(fault_proxy, gcs_bucket, retries=2)
+    async with store:
+        with pytest.raises(StoreError, match="failed after 3 attempts"):
+            await asave(store, state, step=7)
+        assert await alist_steps(store) == []
+        assert await store.list_keys() == []
+    assert raw_names(fake_gcs, gcs_bucket, store._prefix) == []
+    assert all(r.fault == 503 for r in fault_proxy.matching(UPLOAD))
+
+
+async def test_save_recovers_from_injected_faults(fault_proxy: FaultProxy, gcs_bucket: str) -> None:
+    state = {"w": np.arange(1 << 18, dtype=np.float32), "small": np.ones(10)}
+    fault_proxy.add(UPLOAD, 503, times=2)
+    fault_proxy.add(UPLOAD, 429, times=1)
+    fault_proxy.add(MEDIA_GET, "truncate", times=1)
+    fault_proxy.add(MEDIA_GET, 503, times=1)
+    async with via_proxy(fault_proxy, gcs_bucket) as store:
+        await asave(store, state, step=1)
+        assert_same_state(await aload(store, step=1), state)
+    faults = [r.fault for r in fault_proxy.requests if r.fault is not None]
+    assert sorted(map(str, faults)) == ["429", "503", "503", "503", "truncate"]

@@ -549,13 +549,10 @@ class GCSStore(Store):
         return sorted(found)
 
     async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
-        """Delete temporary part objects of uploads abandoned before ``older_than``.
-
-        A writer that dies between uploading parts and ``compose`` leaves its parts as
-        ``.ckptstore-tmp.*`` objects beside the key; they are never listed as keys, so only
-        this finds them. Parts last updated before ``older_than`` (seconds since the epoch)
-        are deleted; returns how many.
-        """
+        # docstring inherited
+        # A writer that dies between uploading parts and `compose` leaves its parts as
+        # `.ckptstore-tmp.*` objects beside the key; they are never listed as keys, so only
+        # this finds them.
         validate_prefix(prefix)
         cut = len(self._prefix)
         stale: builtins.list[str] = []

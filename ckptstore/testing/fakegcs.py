@@ -24,6 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
+from ckptstore.testing.servers import _die_with_parent
+
 __all__ = ["FakeGCS"]
 
 _START_DEADLINE = 30.0
@@ -108,6 +110,9 @@ def start_fake_gcs(root: Path, log: Path, *, backend: str = "filesystem") -> Fak
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            # If the starting process dies (an OOM kill of a benchmark did), so does the
+            # emulator, rather than living on as an orphan holding its data.
+            preexec_fn=_die_with_parent,
         )  # fmt: skip
     server = FakeGCS(endpoint, process, root)
     deadline = time.monotonic() + _START_DEADLINE

@@ -13,7 +13,10 @@ off (one multipart/related upload request per object), against gcsfs's own ``_pi
 of 50 MiB and more as a resumable upload of sequential 50 MiB chunks, smaller ones as one
 request) and ``_cat``. Reads: ``GCSStore.read_into`` into preallocated buffers (32 MiB ranged
 GETs in parallel) or ``get`` for the small objects, against gcsfs ``_cat`` of the same keys.
-Every byte read back is compared with what was written, untimed. Runs alternate
+Checkpoint level: ``asave`` of the same bytes as a state (16 leaves of 64 MiB; 20,000
+float32 leaves of 4 KiB, which the format packs into a few objects) and ``aload`` of it
+(``into=`` preallocated arrays for the large state), each run a new step. Every byte read
+back is compared with what was written, untimed. Runs alternate
 (``interleave``) after an untimed warm-up.
 """
 
@@ -33,11 +36,13 @@ BUCKET = "bench"
 PARTS = "ckptstore GCSStore (parallel parts + compose)"
 SINGLE = "ckptstore GCSStore (one request per object)"
 RAW = "raw gcsfs _pipe / _cat"
+CKPT = "ckptstore asave / aload (checkpoint on GCSStore)"
 
 
 def run(ctx: Context) -> list[Result]:
     import gcsfs.core
 
+    from ckptstore.api import adelete_step, aload, asave
     from ckptstore.config import Settings
     from ckptstore.store.gcs import GCSStore
     from ckptstore.testing.fakegcs import FakeGCS
@@ -79,6 +84,39 @@ def run(ctx: Context) -> list[Result]:
             loop=loop,
         )
         loop.run_until_complete(fs._set_session())
+        ckpt = GCSStore(BUCKET, "ckpt", endpoint_url=server.endpoint, token="anon")
+        big_state = {f"t{i:02d}": b for i, b in enumerate(big)}
+        big_into = {f"t{i:02d}": np.empty(big_size, dtype=np.uint8) for i in range(big_count)}
+        leaf = small_size // 4
+        small_state = {
+            f"t{i:05d}": small[i * small_size : (i + 1) * small_size].view(np.float32)
+            for i in range(small_count)
+        }
+        steps = {"next": 1}
+        saved: list[int] = []
+
+        def ckpt_save(state: dict[str, np.ndarray]):
+            def go() -> None:
+                step = steps["next"]
+                steps["next"] += 1
+                loop.run_until_complete(asave(ckpt, state, step=step))
+                saved.append(step)
+
+            return go
+
+        def drop_old_steps(name: str) -> None:
+            """Before a save: delete all but the newest step (untimed), so tmpfs stays small."""
+            if name == CKPT:
+                while len(saved) > 1:
+                    loop.run_until_complete(adelete_step(ckpt, saved.pop(0)))
+
+        def ckpt_load_big() -> None:
+            loop.run_until_complete(aload(ckpt, step=saved[-1], into=big_into))
+            got[CKPT] = []
+
+        def ckpt_load_small() -> None:
+            got[CKPT] = loop.run_until_complete(aload(ckpt, step=saved[-1]))
+
         big_keys = [f"big/obj-{i:02d}" for i in range(big_count)]
         small_keys = [f"small/t-{i:05d}" for i in range(small_count)]
 
@@ -126,6 +164,12 @@ def run(ctx: Context) -> list[Result]:
             """Verify the previous run of ``name`` (untimed, as interleave's setup)."""
             if got.pop(name, None) is None:
                 return
+            if name == CKPT:
+                for i in range(big_count):
+                    if not np.array_equal(big_into[f"t{i:02d}"], big[i]):
+                        raise AssertionError("checkpoint load read back different bytes")
+                    big_into[f"t{i:02d}"].fill(0)
+                return
             if name == RAW:
                 if got.pop(name + "/data", None) != big_bytes:
                     raise AssertionError("gcsfs read back different bytes")
@@ -136,7 +180,15 @@ def run(ctx: Context) -> list[Result]:
                 out.fill(0)
 
         def check_small(name: str) -> None:
-            if name in got and got.pop(name) != small_bytes:
+            if name not in got:
+                return
+            value = got.pop(name)
+            if name == CKPT:
+                if sorted(value) != sorted(small_state) or not all(
+                    value[k].tobytes() == v.tobytes() for k, v in small_state.items()
+                ):
+                    raise AssertionError("checkpoint load read back different leaves")
+            elif value != small_bytes:
                 raise AssertionError(f"{name} read back different bytes")
 
         try:
@@ -144,11 +196,13 @@ def run(ctx: Context) -> list[Result]:
                 PARTS: store_put(parts, big_keys, big),
                 SINGLE: store_put(single, big_keys, big),
                 RAW: raw_pipe(big_keys, big_bytes),
+                CKPT: ckpt_save(big_state),
             }
             for case in big_writes.values():
                 case()  # warm-up, and the objects the reads below fetch
-            big_write_t = interleave(big_writes, ctx.repeat)
+            big_write_t = interleave(big_writes, ctx.repeat, setup=drop_old_steps)
             big_reads = {
+                CKPT: ckpt_load_big,
                 PARTS: store_read_big(parts, PARTS),
                 SINGLE: store_read_big(single, SINGLE),
                 RAW: raw_cat(big_keys, RAW, True),
@@ -163,10 +217,12 @@ def run(ctx: Context) -> list[Result]:
             small_writes = {
                 SINGLE: store_put(single, small_keys, small_bytes),
                 RAW: raw_pipe(small_keys, small_bytes),
+                CKPT: ckpt_save(small_state),
             }
             # no warm-up here: the connections are warm, and 20,000 PUTs take minutes
-            small_write_t = interleave(small_writes, ctx.repeat)
+            small_write_t = interleave(small_writes, ctx.repeat, setup=drop_old_steps)
             small_reads = {
+                CKPT: ckpt_load_small,
                 SINGLE: store_get_small(single, SINGLE),
                 RAW: raw_cat(small_keys, RAW, False),
             }
@@ -177,6 +233,7 @@ def run(ctx: Context) -> list[Result]:
             for name in small_reads:
                 check_small(name)
         finally:
+            loop.run_until_complete(ckpt.close())
             loop.run_until_complete(parts.close())
             loop.run_until_complete(single.close())
             if fs._session is not None:
@@ -219,7 +276,12 @@ def run(ctx: Context) -> list[Result]:
         f"{speedup(big_read_t, PARTS)}; {small_name} write {speedup(small_write_t, SINGLE)}, "
         f"read {speedup(small_read_t, SINGLE)}. Parallel parts + compose vs one request per "
         f"64 MiB object on this emulator: "
-        f"{big_write_t[SINGLE].median / big_write_t[PARTS].median:.2f}x."
+        f"{big_write_t[SINGLE].median / big_write_t[PARTS].median:.2f}x. Checkpoint level "
+        f"(asave/aload of the same bytes as a state of {big_count} leaves, and of "
+        f"{small_count:,} float32 leaves of {leaf} values): save {speedup(big_write_t, CKPT)} "
+        f"and load {speedup(big_read_t, CKPT)} against the raw gcsfs pipe/cat of the 1 GiB; "
+        f"save {speedup(small_write_t, CKPT)} and load {speedup(small_read_t, CKPT)} against "
+        f"{small_count:,} raw gcsfs PUTs/GETs."
     )
     return rows
 
