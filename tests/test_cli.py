@@ -1,8 +1,8 @@
 """The ``ckptstore`` command, run in-process through ``main([...])`` and as a subprocess.
 
 Every command runs against a local directory and S3 on moto, and cp also against GCS on
-fake-gcs-server (marked s3 and gcs); bad input checks
-the exit status and that the message is one line with no traceback.
+fake-gcs-server (marked s3 and gcs); bad input checks the exit status and that the message is
+one line with no traceback.
 """
 
 from __future__ import annotations
