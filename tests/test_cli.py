@@ -1,7 +1,8 @@
 """The ``ckptstore`` command, run in-process through ``main([...])`` and as a subprocess.
 
-Every command runs against a local directory (and S3 on moto where marked); bad input checks
-the exit status and that the message is one line with no traceback.
+Every command runs against a local directory and S3 on moto, and cp also against GCS on
+fake-gcs-server (marked s3 and gcs); bad input checks the exit status and that the message is
+one line with no traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import sys
 import sysconfig
 import termios
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -715,3 +717,30 @@ def test_bad_setting_value_is_one_line_error(
     status, _, err = run(capsys, "verify", str(run_dir), "-o", "part_size=lots")
     assert status == cli.EXIT_ERROR
     assert_one_line_error(err, "cannot parse size")
+
+
+@pytest.mark.gcs
+def test_cp_local_to_gcs_and_back_is_bit_exact(
+    capsys: pytest.CaptureFixture[str],
+    fake_gcs: Any,
+    gcs_bucket: str,
+    run_dir: Path,
+    tmp_path: Path,
+) -> None:
+    url = f"gs://{gcs_bucket}/cli-{uuid.uuid4().hex[:8]}"
+    opts = ["-o", f"endpoint_url={fake_gcs.endpoint}", "-o", "token=anon"]
+    dst_opts = [o.replace("-o", "--dst-option") for o in opts]
+    status, _, err = run(capsys, "cp", str(run_dir), url, "--step", "10", *dst_opts)
+    assert status == 0, err
+    status, out, _ = run(capsys, "ls", url, *opts, "--json")
+    assert status == 0
+    assert [row["step"] for row in json.loads(out)["steps"]] == [10]
+    status, out, _ = run(capsys, "verify", url, *opts)
+    assert status == 0, out
+    back = tmp_path / "back"
+    status, _, err = run(capsys, "cp", url, str(back), *opts)
+    assert status == 0, err
+    assert_states_equal(ckptstore.load(run_dir, 10), ckptstore.load(back, 10))
+    assert [p.read_bytes() for p in data_files(run_dir, 10)] == [
+        p.read_bytes() for p in data_files(back, 10)
+    ]
