@@ -78,7 +78,8 @@ def assert_bit_exact(actual: dict[str, Any], expected: dict[str, Any]) -> None:
             assert_bit_exact(actual[key], value)
         elif isinstance(value, torch.Tensor):
             got = actual[key]
-            assert got.dtype == value.dtype and got.shape == value.shape, key
+            assert got.dtype == value.dtype, key
+            assert got.shape == value.shape, key
             # compare raw bytes: NaN payloads, -0.0 and float8 all count
             assert got.contiguous().reshape(-1).view(torch.uint8).tolist() == (
                 value.contiguous().reshape(-1).view(torch.uint8).tolist()
@@ -137,7 +138,7 @@ def test_partial_load_reads_only_the_requested_items(tmp_path: Path) -> None:
 def test_second_save_to_a_committed_url_is_refused(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.ones(2)}, storage_writer=ckptstore.dcp.Writer(url))
-    with pytest.raises(CheckpointException, match="AlreadyExistsError: .* already holds a"):
+    with pytest.raises(CheckpointException, match=r"AlreadyExistsError: .* already holds a"):
         dcp.save({"w": torch.zeros(2)}, storage_writer=ckptstore.dcp.Writer(url))
     loaded = {"w": torch.zeros(2)}
     dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
@@ -188,7 +189,7 @@ def test_corrupt_data_fails_crc_check(tmp_path: Path) -> None:
     raw = bytearray(data_file.read_bytes())
     raw[100] ^= 0x01
     data_file.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointException, match="CorruptCheckpointError: .*crc32c"):
+    with pytest.raises(CheckpointException, match=r"CorruptCheckpointError: .*crc32c"):
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptstore.dcp.Reader(url))
 
 
@@ -222,7 +223,8 @@ def test_writer_pickles_without_its_store_and_reopens(tmp_path: Path) -> None:
     assert writer._handle.store is not None  # opened
     clone = pickle.loads(pickle.dumps(writer))
     assert clone._handle._store is None
-    assert clone.url == writer.url and clone.pack_threshold == 123
+    assert clone.url == writer.url
+    assert clone.pack_threshold == 123
     dcp.save({"w": torch.ones(3)}, storage_writer=clone)
     reader = pickle.loads(pickle.dumps(ckptstore.dcp.Reader(url)))
     loaded = {"w": torch.zeros(3)}
