@@ -1,0 +1,166 @@
+"""DCP through ckptstore with several real processes on gloo over 127.0.0.1.
+
+Each test starts N copies of tests/dcp_ranks.py (one per rank) with a fresh free port and
+reads the ``RESULT`` line each prints. The state holds a row-sharded DTensor, so saving on 4
+ranks and loading on 2 makes DCP reshard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("torch")
+
+from ckptstore import background
+from ckptstore.store.registry import open_store
+
+pytestmark = pytest.mark.torch
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).with_name("dcp_ranks.py")
+WEIGHT_BYTES = 1024 * 256 * 4  # dcp_ranks.ROWS x COLS float32
+
+
+@dataclass
+class RankOutcome:
+    returncode: int
+    results: list[dict[str, Any]]
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    world: int, scenario: str, *args: str, logs: Path, env: dict[str, str] | None = None
+) -> list[RankOutcome]:
+    """Run one scenario on ``world`` processes; return each rank's exit code and results."""
+    port = free_port()
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    files = []
+    for rank in range(world):
+        log = open(logs / f"{scenario}-{world}-rank{rank}.log", "w+")  # noqa: SIM115
+        files.append(log)
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), scenario, *args],
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outcomes = []
+    try:
+        for proc, log in zip(procs, files, strict=True):
+            proc.wait(timeout=240)
+            log.seek(0)
+            text = log.read()
+            results = [
+                json.loads(line.removeprefix("RESULT "))
+                for line in text.splitlines()
+                if line.startswith("RESULT ")
+            ]
+            outcomes.append(RankOutcome(proc.returncode, results, text))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in files:
+            log.close()
+    return outcomes
+
+
+def assert_all_ok(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 0, f"rank {rank} failed:\n{outcome.log[-4000:]}"
+        assert outcome.results, f"rank {rank} printed no result:\n{outcome.log[-4000:]}"
+    return [outcome.results[-1] for outcome in outcomes]
+
+
+def keys_under(url: str) -> list[str]:
+    return background.run(open_store(url).list_keys())
+
+
+@pytest.fixture(params=["local"])
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The base URL checkpoints go under (one per backend)."""
+    return str(tmp_path / "ckpts")
+
+
+def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: str, tmp_path: Path) -> None:
+    url = f"{target}/step7"
+    saved = assert_all_ok(run_ranks(4, "save", url, "7", logs=tmp_path / "logs"))
+    assert saved == [{"saved": True}] * 4
+    keys = keys_under(url)
+    # every rank wrote its own objects under one attempt; one manifest
+    assert "manifest.json" in keys
+    assert {key.split("/")[1].split("-")[0] for key in keys if "/" in key} == {
+        "r0",
+        "r1",
+        "r2",
+        "r3",
+    }
+    assert len({key.split("/")[0] for key in keys if "/" in key}) == 1
+
+    loaded = assert_all_ok(run_ranks(2, "load", url, "7", logs=tmp_path / "logs"))
+    for result in loaded:
+        assert result["exact"] is True
+        # each of 2 ranks reads its half of the sharded weight plus small replicated items,
+        # never the other half
+        assert WEIGHT_BYTES // 2 <= result["bytes_read"] < WEIGHT_BYTES // 2 + 64 * 1024
+
+
+def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
+    target: str, tmp_path: Path
+) -> None:
+    good, failed, died = (f"{target}/{name}" for name in ("good", "failed", "died"))
+    outcomes = run_ranks(2, "failures", good, failed, died, logs=tmp_path / "logs")
+    rank0, rank1 = outcomes
+    assert rank0.returncode == 0, rank0.log[-4000:]
+    assert rank0.results[-1]["raise"] == "CheckpointException"
+    assert rank0.results[-1]["die"] != "succeeded"  # the survivor's save fails, it does not hang
+    assert rank1.returncode == 17  # it really died mid-save
+    assert rank1.results[-1] == {"raise": "CheckpointException"}
+
+    assert "manifest.json" in keys_under(good)
+    for url in (failed, died):
+        keys = keys_under(url)
+        assert "manifest.json" not in keys
+    # rank 1 had uploaded objects of its own before it died: a real mid-save death
+    assert any("/r1-" in key for key in keys_under(died))
+
+    loaded = assert_all_ok(run_ranks(2, "load", good, "1", logs=tmp_path / "logs"))
+    assert all(result["exact"] for result in loaded)
+
+
+def test_async_save_thread_and_process_executors_on_2_ranks(target: str, tmp_path: Path) -> None:
+    thread_url, process_url = f"{target}/thread", f"{target}/process"
+    results = assert_all_ok(run_ranks(2, "async", thread_url, process_url, logs=tmp_path / "logs"))
+    assert results == [{"exact": [True, True]}] * 2
+    for url in (thread_url, process_url):
+        assert "manifest.json" in keys_under(url)
