@@ -1,1 +1,3 @@
 from __future__ import annotations
+
+pytest_plugins = ["tests.servers.seaweed"]

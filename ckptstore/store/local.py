@@ -113,6 +113,11 @@ class LocalStore(Store):
             )
         if not parts.path:
             raise InvalidURLError(f"{url!r} names no directory")
+        if parts.query or parts.fragment:
+            raise InvalidURLError(
+                f"{url!r}: {parts.scheme}:// URLs take no ?query or #fragment; pass options "
+                f"as keywords to open_store (percent-encode '?' or '#' in a path as %3F, %23)"
+            )
         return unquote(parts.path)
 
     @property

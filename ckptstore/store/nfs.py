@@ -11,13 +11,16 @@ What differs from a local disk, and what this backend does about it:
 * Commit without rename. ``RENAME_NOREPLACE`` is unavailable over NFS and rename-over would
   let a second writer silently replace a commit, so ``mode="create"`` publishes with ``link``,
   which the server performs atomically. A retransmitted LINK whose first reply was lost returns
-  ``EEXIST`` although it succeeded; the classic check tells the two apart: if our temp file now
-  has two links and the final name is the same inode, the link was ours.
+  ``EEXIST`` although it succeeded; the check tells the two apart: our temp file has a unique
+  name nobody else links, so if the final name is now the same inode, the link was ours. (The
+  older check, a link count of 2 on the temp file, can read a cached count; inode identity
+  cannot be faked by another writer.)
 * Close before commit. Data is flushed to the server by ``fsync`` and ``close`` before the file
   is linked under its final name; directory fsyncs that a filesystem rejects are skipped,
   since NFS servers commit namespace operations synchronously.
 * Silly renames. A file deleted while open becomes ``.nfsXXXX``, and FUSE keeps
-  ``.fuse_hidden*``: listings skip both.
+  ``.fuse_hidden*``: listings skip both, so writes refuse keys with such segments (they would
+  be written but never listed).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import os
 import stat
 from typing import Any
 
-from ckptstore.errors import AlreadyExistsError, InvalidURLError, NotFoundError
-from ckptstore.store.base import TEMP_PREFIX, ObjectMeta, PutMode
+from ckptstore.errors import AlreadyExistsError, InvalidKeyError, InvalidURLError, NotFoundError
+from ckptstore.store.base import TEMP_PREFIX, MultipartUpload, ObjectMeta, PutMode
 from ckptstore.store.local import LocalStore, _meta
 from ckptstore.store.options import split_settings
 
@@ -58,6 +61,23 @@ class NFSStore(LocalStore):
     def url(self) -> str:
         return "nfs://" + self._root
 
+    def _check_visible(self, key: str) -> None:
+        for segment in key.split("/"):
+            if self._hidden(segment):
+                raise InvalidKeyError(
+                    key,
+                    f"segment {segment!r} looks like a filesystem-internal name "
+                    f"({', '.join(self._hidden_prefixes)}), which listings skip on nfs://",
+                )
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        self._check_visible(key)
+        await super()._put(key, data, mode)
+
+    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+        self._check_visible(key)
+        return await super()._create_multipart(key, part_size, mode)
+
     def _publish(self, temp: str, final: str, mode: PutMode, key: str) -> None:
         if mode == "overwrite":
             os.replace(temp, final)
@@ -73,11 +93,13 @@ class NFSStore(LocalStore):
 
     @staticmethod
     def _link_was_ours(temp: str, final: str) -> bool:
+        """After ``link(temp, final)`` failed with EEXIST: whether ``final`` is our temp file
+        all the same (the server performed a retransmitted LINK whose first reply was lost)."""
         try:
             mine, theirs = os.stat(temp), os.stat(final)
         except FileNotFoundError:
             return False
-        return mine.st_nlink == 2 and (mine.st_ino, mine.st_dev) == (theirs.st_ino, theirs.st_dev)
+        return (mine.st_ino, mine.st_dev) == (theirs.st_ino, theirs.st_dev)
 
     def _sync_dir(self, path: str) -> None:
         try:
