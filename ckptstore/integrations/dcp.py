@@ -27,15 +27,13 @@ writer to another process), and reopen it on first use there.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import io
 import os
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-import google_crc32c
 import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
@@ -68,12 +66,18 @@ from ckptstore.integrations.dcp_manifest import (
     dtype_name,
     encode_manifest,
 )
+from ckptstore.integrations.tensor_objects import (
+    Packer,
+    Placed,
+    StoreHandle,
+    UploadBatch,
+    crc32c,
+    served,
+    tensor_bytes,
+)
 from ckptstore.store.base import Store
-from ckptstore.store.registry import open_store, registered_schemes
 
 __all__ = ["Reader", "Writer"]
-
-_ALIGN = 64  # items start on 64-byte boundaries inside pack objects
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,77 +86,6 @@ class _AttemptPrefix:
 
     attempt: str
     rank: int
-
-
-def _crc32c(data: memoryview | bytes | np.ndarray[Any, Any]) -> int:
-    # google_crc32c takes read-only buffers or numpy arrays; a uint8 array view is free.
-    return int(google_crc32c.extend(0, np.frombuffer(data, dtype=np.uint8)))
-
-
-def _tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
-    """A CPU, contiguous version of ``tensor`` and a flat byte view of it (no copy if it
-    already is one)."""
-    tensor = tensor.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    tensor = tensor.resolve_conj().resolve_neg().contiguous()
-    if tensor.numel() == 0:
-        return tensor, memoryview(b"")
-    flat = tensor.reshape(-1).view(torch.uint8).numpy()
-    return tensor, memoryview(flat)  # type: ignore[arg-type]  # ndarray is a buffer
-
-
-def _url_of(checkpoint_id: str | os.PathLike[str]) -> str:
-    return os.fspath(checkpoint_id)
-
-
-def _served(checkpoint_id: str | os.PathLike[str]) -> bool:
-    text = os.fspath(checkpoint_id)
-    if not isinstance(text, str) or not text:
-        return False
-    scheme = text.split("://", 1)[0].lower() if "://" in text else "file"
-    return scheme in registered_schemes()
-
-
-class _StoreHandle:
-    """The URL, options and lazily opened store that Writer and Reader share; pickles
-    without the store."""
-
-    def __init__(self, url: str | os.PathLike[str] | Store, options: dict[str, Any]) -> None:
-        if isinstance(url, Store):
-            if options:
-                raise TypeError("store options cannot be given with an open Store")
-            self.url, self.options = url.url, options
-            self._store: Store | None = url
-            return
-        self.url = _url_of(url)
-        self.options = options
-        self._store = None
-
-    @property
-    def store(self) -> Store:
-        if self._store is None:
-            self._store = open_store(self.url, **self.options)
-        return self._store
-
-    def reopen(self, url: str | os.PathLike[str]) -> None:
-        new = _url_of(url)
-        if new != self.url:
-            self.close()
-            self.url = new
-
-    def close(self) -> None:
-        if self._store is not None:
-            store, self._store = self._store, None
-            background.run(store.close())
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"url": self.url, "options": self.options}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.url = state["url"]
-        self.options = state["options"]
-        self._store = None
 
 
 # =========================================================================== writer
@@ -186,7 +119,7 @@ class Writer(StorageWriter):
         super().__init__()
         if pack_threshold < 0 or pack_size <= 0:
             raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
-        self._handle = _StoreHandle(url, options)
+        self._handle = StoreHandle(url, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
         self.save_id = uuid.uuid4().hex
@@ -265,30 +198,27 @@ class Writer(StorageWriter):
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
         self._attempt = prefix.attempt
-        batch = _UploadBatch(self._handle.store, f"{prefix.attempt}/r{prefix.rank}")
-        pack = _Pack(self.pack_size)
-        results: list[WriteResult] = []
+        batch = UploadBatch(self._handle.store, f"{prefix.attempt}/r{prefix.rank}")
+        packer: Packer[WriteItem] = Packer(batch, self.pack_size)
+        placed: list[Placed[WriteItem]] = []
         for item in plan.items:
             data, keep = _resolve(planner, item)
             if len(data) >= self.pack_threshold:
-                key = batch.next_key()
-                crc = _crc32c(data)
-                batch.upload(key, data, keep)
-                results.append(
-                    _result(
-                        item, ItemLocation(key, 0, len(data), crc, len(data), crc, *_typeinfo(item))
-                    )
-                )
-                continue
-            if not pack.fits(len(data)):
-                results.extend(pack.flush(batch))
-            pack.add(item, data)
-        results.extend(pack.flush(batch))
+                placed.append(batch.single(item, data, keep))
+            else:
+                placed.extend(packer.add(item, data))
+        placed.extend(packer.flush())
+        results = [_result(p) for p in placed]
 
         future: Future[list[WriteResult]] = Future()
-        batch.when_done(
-            lambda error: future.set_exception(error) if error else future.set_result(results)
-        )
+
+        def settle(error: BaseException | None) -> None:
+            if error is None:
+                future.set_result(results)
+            else:
+                future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
+
+        batch.when_done(settle)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -312,7 +242,7 @@ class Writer(StorageWriter):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         # docstring inherited
-        return _served(checkpoint_id)
+        return served(checkpoint_id)
 
 
 def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]:
@@ -327,7 +257,7 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]
         return memoryview(raw), raw
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{item.index.fqn}: planner returned {type(data).__name__}, not a tensor")
-    tensor, view = _tensor_bytes(data)
+    tensor, view = tensor_bytes(data)
     return view, tensor
 
 
@@ -337,81 +267,18 @@ def _typeinfo(item: WriteItem) -> tuple[str | None, tuple[int, ...] | None]:
     return dtype_name(item.tensor_data.properties.dtype), tuple(item.tensor_data.chunk.sizes)
 
 
-def _result(item: WriteItem, loc: ItemLocation) -> WriteResult:
+def _result(placed: Placed[WriteItem]) -> WriteResult:
+    item = placed.token
+    loc = ItemLocation(
+        placed.key,
+        placed.start,
+        placed.length,
+        placed.crc32c,
+        placed.object_size,
+        placed.object_crc32c,
+        *_typeinfo(item),
+    )
     return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
-
-
-class _Pack:
-    """Small items gathered into one object with one copy each."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.items: list[tuple[WriteItem, memoryview, int]] = []
-        self.size = 0
-
-    def fits(self, length: int) -> bool:
-        return not self.items or _aligned(self.size) + length <= self.target
-
-    def add(self, item: WriteItem, data: memoryview) -> None:
-        start = _aligned(self.size)
-        self.items.append((item, data, start))
-        self.size = start + len(data)
-
-    def flush(self, batch: _UploadBatch) -> list[WriteResult]:
-        if not self.items:
-            return []
-        buffer = np.zeros(self.size, dtype=np.uint8)
-        spans = []
-        for item, data, start in self.items:
-            buffer[start : start + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            spans.append((item, start, len(data), _crc32c(buffer[start : start + len(data)])))
-        key = batch.next_key()
-        object_crc = _crc32c(buffer)
-        batch.upload(key, memoryview(buffer), buffer)  # type: ignore[arg-type]
-        results = [
-            _result(
-                item, ItemLocation(key, start, length, crc, self.size, object_crc, *_typeinfo(item))
-            )
-            for item, start, length, crc in spans
-        ]
-        self.items, self.size = [], 0
-        return results
-
-
-def _aligned(offset: int) -> int:
-    return -(-offset // _ALIGN) * _ALIGN
-
-
-class _UploadBatch:
-    """Uploads started from the calling thread on the background loop, awaited together."""
-
-    def __init__(self, store: Store, key_prefix: str) -> None:
-        self.store = store
-        self.key_prefix = key_prefix
-        self.futures: list[concurrent.futures.Future[None]] = []
-        self.count = 0
-
-    def next_key(self) -> str:
-        key = f"{self.key_prefix}-{self.count}"
-        self.count += 1
-        return key
-
-    def upload(self, key: str, data: memoryview, keep: object) -> None:
-        async def put() -> None:
-            await self.store.put(key, data)
-            del keep_alive[:]
-
-        keep_alive = [keep]  # the tensor or buffer behind ``data`` lives until its PUT returns
-        self.futures.append(background.submit(put()))
-
-    def when_done(self, callback: Any) -> None:
-        async def wait_all(futures: Sequence[concurrent.futures.Future[None]]) -> None:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
-
-        def done(f: concurrent.futures.Future[None]) -> None:
-            callback(f.exception())
-
-        background.submit(wait_all(self.futures)).add_done_callback(done)
 
 
 async def _commit(store: Store, url: str, attempt: str, record: bytes) -> None:
@@ -454,7 +321,7 @@ class Reader(StorageReader):
 
     def __init__(self, url: str | os.PathLike[str] | Store, **options: Any) -> None:
         super().__init__()
-        self._handle = _StoreHandle(url, options)
+        self._handle = StoreHandle(url, options)
         self.load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
@@ -531,7 +398,7 @@ class Reader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         # docstring inherited
-        return _served(checkpoint_id)
+        return served(checkpoint_id)
 
 
 class _ReadPlan:
@@ -585,7 +452,7 @@ class _ReadPlan:
 
     def deliver(self, planner: LoadPlanner, url: str) -> None:
         for index, (loc, buffer) in self.buffers.items():
-            if _crc32c(buffer) != loc.crc32c:
+            if crc32c(buffer) != loc.crc32c:
                 raise CorruptCheckpointError(
                     f"{url}/{loc.key}: item {index.fqn} at bytes [{loc.start}, "
                     f"{loc.start + loc.length}) fails its crc32c check"
