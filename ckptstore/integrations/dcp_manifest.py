@@ -56,7 +56,10 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "VERSION",
     "ItemLocation",
+    "ManifestChecker",
+    "check_no_overlap",
     "decode_manifest",
+    "decode_objects",
     "dtype_from_name",
     "dtype_name",
     "encode_manifest",
@@ -251,7 +254,7 @@ def decode_manifest(data: bytes, source: str) -> tuple[str, Metadata]:
         record = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"{source}: manifest is not valid JSON: {exc}") from None
-    check = _Checker(source)
+    check = ManifestChecker(source)
     check.is_type(record, dict, "manifest")
     if record.get("format") != FORMAT:
         raise CorruptCheckpointError(
@@ -266,7 +269,7 @@ def decode_manifest(data: bytes, source: str) -> tuple[str, Metadata]:
     if "/" in attempt:
         raise CorruptCheckpointError(f"{source}: attempt id {attempt!r} contains '/'")
     check.key(attempt)
-    objects = _decode_objects(check, record.get("objects"), attempt)
+    objects = decode_objects(check, record.get("objects"), attempt)
     locations = _decode_items(check, record.get("items"), objects)
     metadata = _decode_metadata(check, record.get("dcp"))
     _check_complete(check, metadata, locations)
@@ -274,7 +277,7 @@ def decode_manifest(data: bytes, source: str) -> tuple[str, Metadata]:
     return attempt, metadata
 
 
-class _Checker:
+class ManifestChecker:
     """Raises CorruptCheckpointError naming the manifest and the offending field."""
 
     def __init__(self, source: str) -> None:
@@ -305,7 +308,7 @@ class _Checker:
             raise self.fail(str(exc)) from None
 
 
-def _decode_objects(check: _Checker, raw: Any, attempt: str) -> dict[str, tuple[int, int]]:
+def decode_objects(check: ManifestChecker, raw: Any, attempt: str) -> dict[str, tuple[int, int]]:
     check.is_type(raw, dict, "objects")
     objects: dict[str, tuple[int, int]] = {}
     for key, entry in raw.items():
@@ -320,7 +323,7 @@ def _decode_objects(check: _Checker, raw: Any, attempt: str) -> dict[str, tuple[
 
 
 def _decode_items(
-    check: _Checker, raw: Any, objects: dict[str, tuple[int, int]]
+    check: ManifestChecker, raw: Any, objects: dict[str, tuple[int, int]]
 ) -> dict[MetadataIndex, ItemLocation]:
     check.is_type(raw, list, "items")
     locations: dict[MetadataIndex, ItemLocation] = {}
@@ -357,15 +360,20 @@ def _decode_items(
             raise check.fail(f"{where} ({fqn}, {offset}) is listed twice")
         locations[index] = ItemLocation(key, start, length, crc, size, object_crc, dtype, shape)
         spans.setdefault(key, []).append((start, start + length))
+    check_no_overlap(check, spans)
+    return locations
+
+
+def check_no_overlap(check: ManifestChecker, spans: dict[str, list[tuple[int, int]]]) -> None:
+    """Raise if two ``[start, end)`` spans of one object overlap."""
     for key, ranges in spans.items():
         ranges.sort()
         for (_, prev_end), (start, _) in itertools.pairwise(ranges):
             if start < prev_end:
                 raise check.fail(f"items overlap in {key!r} at byte {start}")
-    return locations
 
 
-def _decode_metadata(check: _Checker, raw: Any) -> Metadata:
+def _decode_metadata(check: ManifestChecker, raw: Any) -> Metadata:
     check.is_type(raw, dict, "dcp")
     entries = check.is_type(raw.get("state_dict_metadata"), dict, "dcp.state_dict_metadata")
     state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
@@ -410,11 +418,11 @@ def _decode_metadata(check: _Checker, raw: Any) -> Metadata:
     )
 
 
-def _optional_str(check: _Checker, value: Any, field: str) -> str | None:
+def _optional_str(check: ManifestChecker, value: Any, field: str) -> str | None:
     return None if value is None else check.is_type(value, str, f"dcp.{field}")
 
 
-def _decode_value(check: _Checker, value: Any, depth: int) -> Any:
+def _decode_value(check: ManifestChecker, value: Any, depth: int) -> Any:
     if depth > 64:
         raise check.fail("dcp.planner_data is nested too deeply")
     if value is None or isinstance(value, bool | int | float | str):
@@ -440,7 +448,7 @@ def _decode_value(check: _Checker, value: Any, depth: int) -> Any:
 
 
 def _check_complete(
-    check: _Checker, metadata: Metadata, locations: dict[MetadataIndex, ItemLocation]
+    check: ManifestChecker, metadata: Metadata, locations: dict[MetadataIndex, ItemLocation]
 ) -> None:
     """Every chunk and bytes value DCP may ask for has a location of matching type and shape."""
     for fqn, md in metadata.state_dict_metadata.items():
