@@ -4,6 +4,22 @@ Importing ckptstore imports no heavy dependency: torch, JAX and the cloud client
 by the modules that need them, on first use.
 """
 
+from ckptstore.api import (
+    CommitInfo,
+    GCReport,
+    adelete_step,
+    agc,
+    alist_steps,
+    aload,
+    aread_manifest,
+    asave,
+    delete_step,
+    gc,
+    list_steps,
+    load,
+    read_manifest,
+    save,
+)
 from ckptstore.config import Settings, default_settings
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -18,12 +34,30 @@ from ckptstore.errors import (
     NotSupportedError,
     StoreError,
 )
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.tree import UnsupportedLeafError
 from ckptstore.store import ObjectMeta, Store, open_store, register_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyExistsError",
+    "CommitInfo",
+    "GCReport",
+    "Manifest",
+    "UnsupportedLeafError",
+    "adelete_step",
+    "agc",
+    "alist_steps",
+    "aload",
+    "aread_manifest",
+    "asave",
+    "delete_step",
+    "gc",
+    "list_steps",
+    "load",
+    "read_manifest",
+    "save",
     "CkptStoreError",
     "CommitConflictError",
     "CorruptCheckpointError",

@@ -49,6 +49,17 @@ class Settings:
         coalesce_gap: ranged reads of one object closer than this many bytes are merged.
         coalesce_limit: a merged ranged read is never larger than this many bytes.
         durable: fsync written files and their directories before a put returns (local, nfs).
+        pack_threshold: leaves (arrays) smaller than this many bytes are packed together into
+            pack objects; larger ones are written as objects of their own.
+        pack_size: target size in bytes of one pack object; a pack is closed before a leaf
+            would take it past this size (so 20,000 leaves of 4 KiB make 10 objects, not
+            20,000 requests).
+        leaf_alignment: byte offsets of leaves inside a pack are multiples of this, so every
+            leaf can be viewed in place (mmap, ``numpy.frombuffer``) with its dtype aligned.
+        manifest_max_bytes: a manifest larger than this is refused before it is read.
+        gc_grace_seconds: garbage collection leaves an uncommitted save attempt alone until it
+            has been idle this many seconds; a save whose attempt grew older than half of
+            this refuses to commit, so collection can never delete data a manifest names.
     """
 
     part_size: int = 32 << 20
@@ -59,6 +70,11 @@ class Settings:
     coalesce_gap: int = 1 << 20
     coalesce_limit: int = 64 << 20
     durable: bool = True
+    pack_threshold: int = 1 << 20
+    pack_size: int = 8 << 20
+    leaf_alignment: int = 64
+    manifest_max_bytes: int = 256 << 20
+    gc_grace_seconds: int = 6 * 3600
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -71,6 +87,12 @@ class Settings:
             raise ValueError("Settings.max_concurrency and Settings.io_threads must be > 0")
         if self.max_inflight_bytes < self.part_size:
             raise ValueError("Settings.max_inflight_bytes must be at least one part_size")
+        if self.pack_size <= 0 or self.leaf_alignment <= 0:
+            raise ValueError("Settings.pack_size and Settings.leaf_alignment must be > 0")
+        if self.leaf_alignment & (self.leaf_alignment - 1):
+            raise ValueError(
+                f"Settings.leaf_alignment must be a power of two, got {self.leaf_alignment}"
+            )
 
     def replace(self, **changes: Any) -> Settings:
         """Return a copy with ``changes`` applied; values may be strings (as from a URL)."""

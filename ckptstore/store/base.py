@@ -546,6 +546,20 @@ class Store(ABC):
         await self.delete(keys)
         return len(keys)
 
+    async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
+        """Remove in-progress writes under ``prefix`` that their writer abandoned.
+
+        An optional hook for garbage collection (``ckptstore.layout.gc``): writes that never
+        became objects but still hold storage, such as temp files of crashed writers (local
+        and NFS backends) or multipart uploads never completed nor aborted (S3: an
+        implementation lists ``ListMultipartUploads`` under the prefix and aborts those
+        initiated before ``older_than``). Only writes last touched before ``older_than``
+        (seconds since the epoch) are removed. Returns how many were removed; the default
+        has nothing to remove.
+        """
+        validate_prefix(prefix)
+        return 0
+
     async def close(self) -> None:  # noqa: B027  (optional hook, not abstract)
         """Release clients, pools and threads. The store is unusable afterwards."""
 

@@ -48,6 +48,7 @@ from ckptstore.store.base import (
     ObjectMeta,
     PutMode,
     Store,
+    validate_prefix,
 )
 from ckptstore.store.options import split_settings
 
@@ -403,6 +404,42 @@ class LocalStore(Store):
 
     async def _delete(self, keys: list[str]) -> None:
         await self._run(self._remove, keys)
+
+    def _remove_stale(self, prefix: str, older_than: float) -> int:
+        base = prefix.rpartition("/")[0]
+        start = os.path.join(self._root, *base.split("/")) if base else self._root
+        removed = 0
+        for path in temp_files(start):
+            try:
+                pid = int(os.path.basename(path)[len(TEMP_PREFIX) :].split(".", 1)[0])
+            except ValueError:
+                pid = 0
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(path).st_mtime >= older_than or _pid_alive(pid):
+                    continue
+                os.unlink(path)
+                removed += 1
+        return removed
+
+    async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
+        """Remove temp files of writers that are gone (their pid is not running here) and
+        that nobody wrote to since ``older_than``."""
+        validate_prefix(prefix)
+        with self._translate(prefix or ".", "cleaning"):
+            return await self._run(self._remove_stale, prefix, older_than)
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a pid of 0 or less never does)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # exists, owned by someone else
+    return True
 
 
 def _meta(key: str, st: os.stat_result) -> ObjectMeta:

@@ -106,6 +106,11 @@ class StoreWrapper(Store):
         await self._hook("delete", keys[0], len(keys))
         await self.inner._delete(keys)
 
+    async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
+        # docstring inherited
+        await self._hook("list", prefix, 0)
+        return await self.inner.remove_stale_writes(prefix, older_than=older_than)
+
     async def close(self) -> None:
         # docstring inherited
         await self.inner.close()

@@ -1,8 +1,9 @@
-"""Test support shipped with ckptstore: the backend conformance suite.
+"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite.
 
-Importing this package needs pytest; nothing else in ckptstore imports it.
+Importing this package needs pytest and hypothesis; nothing else in ckptstore imports it.
 """
 
+from ckptstore.testing.checkpoint_tests import CheckpointTests, assert_same_state
 from ckptstore.testing.store_tests import BAD_KEYS, StoreTests
 
-__all__ = ["BAD_KEYS", "StoreTests"]
+__all__ = ["BAD_KEYS", "CheckpointTests", "StoreTests", "assert_same_state"]

@@ -1,0 +1,404 @@
+"""Writing a checkpoint so that it becomes visible whole or not at all.
+
+The commit protocol (DESIGN.md, "layout/" invariants 1-4):
+
+1. If ``<step>/manifest.json`` already exists the save fails at once with
+   :class:`~ckptstore.errors.CommitConflictError`, before writing any data.
+2. Every data object is written under a fresh ``<step>/<attempt-id>/`` prefix. Nothing there
+   is ever rewritten; a failed or crashed attempt leaves only invisible garbage for
+   :mod:`ckptstore.layout.gc`.
+3. Only after every data ``put`` has returned (and a put returns only once its object is
+   durable: fsynced files and directories on POSIX, a completed upload on S3/GCS) is the
+   manifest written, with one ``put(mode="create")``: an atomic put-if-absent, so of N
+   concurrent attempts on one step exactly one commits.
+4. If that put reports that the manifest exists, the existing manifest is read: if it carries
+   this attempt's id, an earlier try of this very put succeeded and only its response was
+   lost, so the save succeeded; otherwise another attempt won and this one raises
+   :class:`~ckptstore.errors.CommitConflictError` and stays invisible.
+
+No rename, listing or "latest" pointer is involved, so the protocol is the same on a local
+disk, NFS, S3 and GCS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Awaitable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    NotFoundError,
+    StoreError,
+)
+from ckptstore.layout.checksum import acrc32c, as_uint8, crc32c
+from ckptstore.layout.dtypes import dtype_name
+from ckptstore.layout.keys import (
+    ATTEMPT_RE,
+    MANIFEST_NAME,
+    attempt_prefix,
+    check_step,
+    manifest_key,
+    new_attempt_id,
+    parse_step,
+    step_prefix,
+)
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.plan import PackPlan, pack_buffers
+from ckptstore.layout.tree import FlatState
+from ckptstore.store.base import Store
+
+__all__ = [
+    "CommitInfo",
+    "committed_steps",
+    "delete_step",
+    "latest_step",
+    "read_manifest",
+    "write_checkpoint",
+]
+
+#: Tries of the manifest put when the store reports a transient failure.
+MANIFEST_PUT_TRIES = 3
+
+
+@dataclass(frozen=True, slots=True)
+class CommitInfo:
+    """What a committed save wrote.
+
+    Attributes:
+        step: the committed step.
+        attempt: the attempt id whose objects the manifest names.
+        objects: data objects written (the manifest not included).
+        nbytes: bytes of data objects written.
+        manifest_bytes: size of the manifest.
+    """
+
+    step: int
+    attempt: str
+    objects: int
+    nbytes: int
+    manifest_bytes: int
+
+
+async def gather_all(aws: Iterable[Awaitable[Any]], *, cancel: bool = True) -> list[Any]:
+    """Run awaitables concurrently and raise the first failure.
+
+    With ``cancel=True`` the others are cancelled on the first failure (and waited for);
+    with ``cancel=False`` they run to completion first. Writes use the latter: a local
+    write runs in a thread that cancellation cannot stop, so only after every write has
+    finished can a failed attempt's objects all be found and removed.
+    """
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    if not tasks:
+        return []
+    if not cancel:
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _check_metadata(metadata: Any) -> None:
+    try:
+        json.dumps(metadata, allow_nan=True)
+    except (TypeError, ValueError) as exc:
+        raise TypeError(
+            f"metadata must be plain JSON (dicts, lists, numbers, str): {exc}"
+        ) from None
+
+
+async def write_checkpoint(
+    store: Store,
+    flat: FlatState,
+    *,
+    step: int,
+    metadata: Any = None,
+    plan: PackPlan | None = None,
+    packed: Mapping[int, Any] | None = None,
+) -> CommitInfo:
+    """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it.
+
+    Args:
+        store: the store; its root is the checkpoint root.
+        flat: the state's leaves and tree (from :func:`~ckptstore.layout.tree.flatten` or a
+            stager). Arrays must not change until this returns.
+        step: the step number.
+        metadata: JSON stored in the manifest.
+        plan: a plan made earlier for the same leaves (by a stager that filled ``packed``);
+            by default one is made with :meth:`PackPlan.for_store`.
+        packed: pack buffers a stager already filled, by object index; their leaves are not
+            copied again.
+
+    Returns:
+        What was written.
+
+    Raises:
+        CommitConflictError: the step was already committed, by another attempt.
+        UnsupportedLeafError: a leaf with a dtype no checkpoint can hold.
+        StoreError: the store failed; if it failed on the manifest itself the step may or
+            may not be committed (its data is then left in place for a later check).
+    """
+    check_step(step)
+    _check_metadata(metadata)
+    settings = store.settings
+    n = len(flat.arrays)
+    if not len(flat.paths) == len(flat.attrs) == n:
+        raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
+    dtypes = []
+    for path, array in zip(flat.paths, flat.arrays, strict=True):
+        name = dtype_name(array.dtype)
+        if name is None:
+            from ckptstore.layout.tree import UnsupportedLeafError
+
+            raise UnsupportedLeafError(path, f"dtype {array.dtype} cannot be stored")
+        dtypes.append(name)
+    if plan is None:
+        plan = PackPlan.for_store(flat.nbytes, settings, store.capabilities, flat.paths)
+    elif plan.leaf_length != flat.nbytes:
+        raise ValueError("the plan was made for leaves of other sizes")
+
+    mkey = manifest_key(step)
+    if await store.exists(mkey):
+        raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
+
+    started = time.time()
+    attempt = new_attempt_id(started)
+    prefix = attempt_prefix(step, attempt)
+    leaf_crc = [0] * n
+    object_crc = [0] * len(plan.objects)
+    try:
+        await _write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
+    except Exception:
+        # The attempt is invisible without a manifest; removing its objects now only spares
+        # garbage collection the work, so a failure to remove them is not reported.
+        with contextlib.suppress(Exception):
+            await store.delete_prefix(prefix)
+        raise
+
+    elapsed = time.time() - started
+    if elapsed > settings.gc_grace_seconds / 2:
+        raise CkptStoreError(
+            f"{store.url}/{prefix}: the data took {elapsed:.0f} s to write, over half of the "
+            f"garbage-collection grace period ({settings.gc_grace_seconds} s), so a concurrent "
+            "gc may have removed it; not committing. Raise Settings.gc_grace_seconds."
+        )
+    manifest = Manifest(
+        step=step,
+        attempt=attempt,
+        created=time.time(),
+        metadata=metadata,
+        tree=flat.tree,
+        object_keys=[f"{attempt}/{obj.name}" for obj in plan.objects],
+        object_lengths=[obj.size for obj in plan.objects],
+        object_crcs=object_crc,
+        paths=flat.paths,
+        dtypes=dtypes,
+        shapes=[list(a.shape) for a in flat.arrays],
+        leaf_object=plan.leaf_object,
+        leaf_offset=plan.leaf_offset,
+        leaf_length=plan.leaf_length,
+        leaf_crc=leaf_crc,
+        attrs=flat.attrs,
+    )
+    data = manifest.encode()
+    if len(data) > settings.manifest_max_bytes:
+        raise ValueError(
+            f"the manifest of step {step} is {len(data)} bytes, over "
+            f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
+            "fewer, larger arrays"
+        )
+    try:
+        await _put_manifest(store, step, data, attempt)
+    except CommitConflictError:
+        # Another attempt's manifest is in place, so this attempt's objects can never become
+        # visible: remove them now rather than leave them to garbage collection.
+        with contextlib.suppress(Exception):
+            await store.delete_prefix(prefix)
+        raise
+    return CommitInfo(step, attempt, len(plan.objects), plan.total_bytes, len(data))
+
+
+async def _write_objects(
+    store: Store,
+    flat: FlatState,
+    plan: PackPlan,
+    prefix: str,
+    packed: Mapping[int, Any],
+    leaf_crc: list[int],
+    object_crc: list[int],
+) -> None:
+    settings = store.settings
+    arrays = flat.arrays
+    # Packs are built in pooled buffers; bound how many exist at once.
+    pack_slots = asyncio.Semaphore(
+        max(2, min(settings.max_concurrency, settings.max_inflight_bytes // settings.pack_size))
+    )
+
+    async def write_leaf(index: int) -> None:
+        obj = plan.objects[index]
+        (leaf,) = obj.leaves
+        array = arrays[leaf]
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        view = as_uint8(array)
+        crc, _ = await asyncio.gather(acrc32c(view), store.put(prefix + obj.name, view))
+        leaf_crc[leaf] = object_crc[index] = crc
+
+    async def write_pack(index: int) -> None:
+        obj = plan.objects[index]
+        given = packed.get(index)
+        if given is not None:
+            buf = as_uint8(given)[: obj.size]
+
+            def checksums() -> tuple[list[int], int]:
+                offsets, lengths = plan.leaf_offset, plan.leaf_length
+                crcs = [crc32c(buf[offsets[i] : offsets[i] + lengths[i]]) for i in obj.leaves]
+                return crcs, crc32c(buf)
+
+            crcs, whole = await asyncio.to_thread(checksums)
+            await store.put(prefix + obj.name, buf)
+        else:
+            async with pack_slots:
+                pooled = pack_buffers.acquire(max(obj.size, settings.pack_size))
+                try:
+                    buf = pooled[: obj.size]
+
+                    def build() -> tuple[list[int], int]:
+                        return plan.fill(index, arrays, buf), crc32c(buf)
+
+                    crcs, whole = await asyncio.to_thread(build)
+                    await store.put(prefix + obj.name, buf)
+                finally:
+                    pack_buffers.release(pooled)
+        for leaf, crc in zip(obj.leaves, crcs, strict=True):
+            leaf_crc[leaf] = crc
+        object_crc[index] = whole
+
+    await gather_all(
+        (write_pack(i) if obj.packed else write_leaf(i) for i, obj in enumerate(plan.objects)),
+        cancel=False,
+    )
+
+
+async def _put_manifest(store: Store, step: int, data: bytes, attempt: str) -> None:
+    key = manifest_key(step)
+    for trial in range(MANIFEST_PUT_TRIES):
+        try:
+            await store.put(key, data, mode="create")
+        except AlreadyExistsError:
+            break
+        except StoreError:
+            # The put may have landed with only its response lost: try again, and a retry
+            # that finds the manifest decides by its attempt id below.
+            if trial == MANIFEST_PUT_TRIES - 1:
+                raise
+            continue
+        else:
+            return
+    try:
+        existing = await read_manifest(store, step)
+    except CorruptCheckpointError as exc:
+        raise CommitConflictError(
+            f"{store.url}/{key}: step {step} already has a manifest, and it is invalid ({exc})"
+        ) from None
+    if existing.attempt == attempt:
+        return  # our own earlier put won; its response was lost
+    raise CommitConflictError(
+        f"{store.url}/{key}: step {step} was committed by attempt {existing.attempt} first; "
+        f"this attempt ({attempt}) stays invisible"
+    )
+
+
+# ---------------------------------------------------------------------- reading the index
+
+
+async def read_manifest(store: Store, step: int) -> Manifest:
+    """Read and validate the manifest of ``step``.
+
+    Raises:
+        NotFoundError: the step is not committed.
+        CorruptCheckpointError: the manifest fails validation (or is over the size cap,
+            which is checked before reading it).
+    """
+    check_step(step)
+    key = manifest_key(step)
+    cap = store.settings.manifest_max_bytes
+    try:
+        meta = await store.head(key)
+        if meta.size > cap:
+            raise CorruptCheckpointError(
+                f"{store.url}/{key}: manifest is {meta.size} bytes, over the {cap}-byte cap "
+                "(Settings.manifest_max_bytes); not reading it"
+            )
+        data = await store.get(key)
+    except NotFoundError:
+        raise NotFoundError(f"{store.url}: step {step} is not committed (no {key})") from None
+    return Manifest.parse(data, step=step, max_bytes=cap, source=f"{store.url}/{key}")
+
+
+async def _step_candidates(store: Store) -> list[int]:
+    steps = [parse_step(p) for p in await store.list_prefixes("")]
+    return sorted((s for s in steps if s is not None), reverse=True)
+
+
+async def committed_steps(store: Store) -> list[int]:
+    """Steps with a manifest, ascending (one listing plus one ``head`` per step directory).
+
+    A manifest is not validated here; :func:`read_manifest` does that.
+    """
+    candidates = await _step_candidates(store)
+    present = await gather_all(store.exists(manifest_key(s)) for s in candidates)
+    return sorted(s for s, ok in zip(candidates, present, strict=True) if ok)
+
+
+async def latest_step(store: Store) -> int | None:
+    """The highest step with a manifest, or ``None`` if nothing is committed."""
+    for step in await _step_candidates(store):
+        if await store.exists(manifest_key(step)):
+            return step
+    return None
+
+
+def is_own_key(key: str) -> bool:
+    """Whether ``key`` has a shape ckptstore writes: a manifest or an object under an
+    attempt prefix of a step."""
+    parts = key.split("/")
+    if len(parts) < 2 or parse_step(parts[0]) is None:
+        return False
+    if len(parts) == 2:
+        return parts[1] == MANIFEST_NAME
+    return ATTEMPT_RE.fullmatch(parts[1]) is not None
+
+
+async def delete_step(store: Store, step: int) -> None:
+    """Delete a step: its manifest first (so it is invisible from then on), then the objects
+    of its attempts. Keys under the step that ckptstore did not write are left alone.
+
+    Raises:
+        NotFoundError: there is nothing of ``step`` to delete.
+    """
+    check_step(step)
+    keys = [k for k in await store.list_keys(step_prefix(step)) if is_own_key(k)]
+    if not keys:
+        raise NotFoundError(f"{store.url}: no step {step} to delete")
+    mkey = manifest_key(step)
+    await store.delete([mkey])
+    await store.delete(k for k in keys if k != mkey)

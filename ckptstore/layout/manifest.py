@@ -1,0 +1,391 @@
+"""The manifest: one JSON document that describes, checksums and commits a checkpoint.
+
+Its bytes are::
+
+    {"format":"ckptstore","version":1,"crc32c":<crc of BODY>,"body":BODY}
+
+where BODY is a JSON object. The envelope has a fixed spelling, so a reader checks the
+version and the crc32c of BODY's exact bytes before parsing it: a truncated, bit-flipped or
+foreign file is refused without trusting a byte of it. BODY holds the step, the attempt id,
+the user's metadata, the tree (see :mod:`ckptstore.layout.tree`), and two tables stored by
+column (a list per field rather than an object per row, so 100,000 leaves parse as a few
+long lists)::
+
+    "objects": {"key": [...], "length": [...], "crc32c": [...]}
+    "leaves":  {"path": [...], "dtype": [...], "shape": [...], "object": [...],
+                "offset": [...], "length": [...], "crc32c": [...], "attrs": [...]}
+
+Object keys are relative to the step (``<attempt>/pack-000000``). A leaf's ``object`` is an
+index into the object table, ``-1`` for an empty leaf.
+
+:meth:`Manifest.parse` validates all of it before the caller reads any data: keys stay under
+the attempt prefix of their own step, every leaf lies inside its object and no two leaves
+overlap, ``prod(shape) * itemsize == length`` (in Python integers, so nothing overflows),
+dtypes come from the allow-list, the tree places every array exactly once and agrees with
+the paths, and the whole document is under ``Settings.manifest_max_bytes``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ckptstore.errors import CorruptCheckpointError, InvalidKeyError
+from ckptstore.layout.checksum import crc32c
+from ckptstore.layout.dtypes import dtype_from_name
+from ckptstore.layout.keys import ATTEMPT_RE, MAX_STEP
+from ckptstore.layout.tree import tree_paths
+from ckptstore.store.base import validate_key
+
+__all__ = ["FORMAT_VERSION", "MAX_LEAF_BYTES", "Manifest"]
+
+FORMAT_VERSION = 1
+#: No leaf or object may claim more bytes than this (keeps every sum inside int64).
+MAX_LEAF_BYTES = 1 << 60
+
+_ENVELOPE = re.compile(rb'\{"format":"ckptstore","version":(\d{1,6}),"crc32c":(\d{1,10}),"body":')
+_OBJECT_FIELDS = ("key", "length", "crc32c")
+_LEAF_FIELDS = ("path", "dtype", "shape", "object", "offset", "length", "crc32c", "attrs")
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A checkpoint's manifest, by column.
+
+    Attributes:
+        step: the step it commits.
+        attempt: the save attempt whose objects it names.
+        created: when the attempt committed (seconds since the epoch).
+        metadata: the user's JSON metadata.
+        tree: how the leaves nest (the tree of :mod:`ckptstore.layout.tree`).
+        object_keys: object keys relative to the step (``<attempt>/<name>``).
+        object_lengths: bytes per object.
+        object_crcs: crc32c per object.
+        paths: path per array leaf.
+        dtypes: manifest dtype name per leaf.
+        shapes: shape per leaf.
+        leaf_object: object index per leaf (``-1``: empty, no object).
+        leaf_offset: byte offset inside the object per leaf.
+        leaf_length: bytes per leaf.
+        leaf_crc: crc32c per leaf.
+        attrs: JSON attributes per leaf (a stager's device, requires_grad...), or ``None``.
+        value_paths: paths of the plain-value leaves of the tree (filled by :meth:`parse`).
+    """
+
+    step: int
+    attempt: str
+    created: float
+    metadata: Any
+    tree: Any
+    object_keys: list[str]
+    object_lengths: list[int]
+    object_crcs: list[int]
+    paths: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    leaf_object: list[int]
+    leaf_offset: list[int]
+    leaf_length: list[int]
+    leaf_crc: list[int]
+    attrs: list[dict[str, Any] | None]
+    value_paths: list[str] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ encoding
+
+    def encode(self) -> bytes:
+        """The manifest's bytes (envelope and body)."""
+        body = json.dumps(
+            {
+                "step": self.step,
+                "attempt": self.attempt,
+                "created": self.created,
+                "metadata": self.metadata,
+                "tree": self.tree,
+                "objects": {
+                    "key": self.object_keys,
+                    "length": self.object_lengths,
+                    "crc32c": self.object_crcs,
+                },
+                "leaves": {
+                    "path": self.paths,
+                    "dtype": self.dtypes,
+                    "shape": self.shapes,
+                    "object": self.leaf_object,
+                    "offset": self.leaf_offset,
+                    "length": self.leaf_length,
+                    "crc32c": self.leaf_crc,
+                    "attrs": self.attrs if any(a is not None for a in self.attrs) else None,
+                },
+            },
+            separators=(",", ":"),
+            allow_nan=True,
+        ).encode()
+        head = (
+            f'{{"format":"ckptstore","version":{FORMAT_VERSION},"crc32c":{crc32c(body)},"body":'
+        ).encode()
+        return head + body + b"}"
+
+    # ------------------------------------------------------------------ accessors
+
+    def object_key(self, index: int) -> str:
+        """Key of object ``index`` relative to the store root."""
+        return f"{self.step}/{self.object_keys[index]}"
+
+    def dtype(self, leaf: int) -> np.dtype[Any]:
+        """The numpy dtype of leaf ``leaf``."""
+        dt = dtype_from_name(self.dtypes[leaf])
+        assert dt is not None  # validated by parse
+        return dt
+
+    def all_paths(self) -> list[str]:
+        """Paths of every leaf: arrays, then plain values."""
+        return [*self.paths, *self.value_paths]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes over all data objects."""
+        return sum(self.object_lengths)
+
+    # ------------------------------------------------------------------ parsing
+
+    @classmethod
+    def parse(
+        cls,
+        data: bytes,
+        *,
+        step: int | None = None,
+        max_bytes: int = 256 << 20,
+        source: str = "manifest",
+    ) -> Manifest:
+        """Parse and validate manifest bytes; nothing in them is trusted before this returns.
+
+        Args:
+            data: the manifest's bytes.
+            step: the step it was read for; a manifest naming another step is refused.
+            max_bytes: size cap.
+            source: where it came from, for error messages (its URL).
+
+        Raises:
+            CorruptCheckpointError: naming ``source`` and what is wrong.
+        """
+
+        def reject(reason: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{source}: invalid manifest: {reason}")
+
+        if len(data) > max_bytes:
+            raise reject(f"{len(data)} bytes is over the {max_bytes}-byte cap")
+        match = _ENVELOPE.match(data)
+        if match is None:
+            raise reject("not a ckptstore manifest (unrecognised envelope)")
+        version = int(match.group(1))
+        if version != FORMAT_VERSION:
+            raise reject(
+                f"format version {version}; this ckptstore reads version {FORMAT_VERSION} "
+                "(upgrade ckptstore to read newer checkpoints)"
+            )
+        if not data.endswith(b"}"):
+            raise reject("truncated (no closing brace)")
+        body = data[match.end() : -1]
+        expected = int(match.group(2))
+        actual = crc32c(body)
+        if actual != expected:
+            raise reject(f"crc32c mismatch (recorded {expected}, computed {actual})")
+        try:
+            doc = json.loads(body)
+        except (ValueError, RecursionError) as exc:
+            raise reject(f"body is not valid JSON ({str(exc)[:200]})") from None
+        try:
+            return cls._validate(doc, step)
+        except _Invalid as exc:
+            raise reject(str(exc)) from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # A shape of input the checks above did not foresee; still a rejection, never a
+            # crash (the fuzz test looks for this message to find such gaps).
+            raise reject(f"unexpected structure ({type(exc).__name__}: {exc})") from None
+
+    @classmethod
+    def _validate(cls, doc: Any, expected_step: int | None) -> Manifest:
+        if type(doc) is not dict:
+            raise _Invalid("body is not a JSON object")
+        step = doc.get("step")
+        if type(step) is not int or not 0 <= step <= MAX_STEP:
+            raise _Invalid(f"step {step!r} is not a step number")
+        if expected_step is not None and step != expected_step:
+            raise _Invalid(f"it commits step {step}, but was read as step {expected_step}")
+        attempt = doc.get("attempt")
+        if type(attempt) is not str or not ATTEMPT_RE.fullmatch(attempt):
+            raise _Invalid(f"attempt {attempt!r} is not an attempt id")
+        created = doc.get("created")
+        if type(created) not in (int, float):
+            raise _Invalid("created is not a number")
+        objects = _table(doc.get("objects"), "objects", _OBJECT_FIELDS)
+        leaves = _table(doc.get("leaves"), "leaves", _LEAF_FIELDS, optional=("attrs",))
+
+        # ---- objects
+        keys = objects["key"]
+        nobj = len(keys)
+        if set(map(type, keys)) - {str}:
+            raise _Invalid("an object key is not a string")
+        prefix = attempt + "/"
+        for key in keys:
+            if not key.startswith(prefix):
+                raise _Invalid(f"object {key!r} is not under its attempt prefix {prefix!r}")
+            try:
+                validate_key(f"{step}/{key}")
+            except InvalidKeyError as exc:
+                raise _Invalid(f"object key {key!r}: {exc.reason}") from None
+        if len(set(keys)) != nobj:
+            raise _Invalid("object keys repeat")
+        olen = _ints(objects["length"], "objects.length", nobj, 0, MAX_LEAF_BYTES)
+        _ints(objects["crc32c"], "objects.crc32c", nobj, 0, 0xFFFFFFFF)
+
+        # ---- leaves
+        paths = leaves["path"]
+        n = len(paths)
+        if set(map(type, paths)) - {str}:
+            raise _Invalid("a leaf path is not a string")
+        if len(set(paths)) != n:
+            raise _Invalid("leaf paths repeat")
+        dtypes = leaves["dtype"]
+        _length(dtypes, "leaves.dtype", n)
+        shapes = leaves["shape"]
+        _length(shapes, "leaves.shape", n)
+        lobj = _ints(leaves["object"], "leaves.object", n, -1, nobj - 1)
+        loff = _ints(leaves["offset"], "leaves.offset", n, 0, MAX_LEAF_BYTES)
+        llen = _ints(leaves["length"], "leaves.length", n, 0, MAX_LEAF_BYTES)
+        _ints(leaves["crc32c"], "leaves.crc32c", n, 0, 0xFFFFFFFF)
+        attrs = leaves.get("attrs")
+        if attrs is None:
+            attrs = [None] * n
+        else:
+            _length(attrs, "leaves.attrs", n)
+            if set(map(type, attrs)) - {dict, type(None)}:
+                raise _Invalid("leaf attrs are not objects")
+
+        if set(map(type, dtypes)) - {str}:
+            bad = next(d for d in dtypes if type(d) is not str)
+            raise _Invalid(f"dtype {bad!r} is not allowed")
+        itemsizes: dict[str, int] = {}
+        for name in set(dtypes):
+            dt = dtype_from_name(name)
+            if dt is None:
+                raise _Invalid(f"dtype {name!r} is not allowed")
+            itemsizes[name] = dt.itemsize
+        for i in range(n):
+            shape = shapes[i]
+            if type(shape) is not list or set(map(type, shape)) - {int}:
+                raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is not a list of ints")
+            if len(shape) > 64 or any(d < 0 for d in shape):
+                raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is invalid")
+            if math.prod(shape) * itemsizes[dtypes[i]] != llen[i]:
+                raise _Invalid(
+                    f"leaf {paths[i]!r}: shape {shape} of {dtypes[i]} is not {llen[i]} bytes"
+                )
+
+        _check_extents(paths, lobj, loff, llen, olen)
+
+        try:
+            leaf_paths, value_paths = tree_paths(doc.get("tree"), n)
+        except ValueError as exc:
+            raise _Invalid(str(exc)) from None
+        if leaf_paths != paths:
+            raise _Invalid("the tree and the leaf paths disagree")
+        return cls(
+            step=step,
+            attempt=attempt,
+            created=float(created),  # type: ignore[arg-type]  # checked above
+            metadata=doc.get("metadata"),
+            tree=doc.get("tree"),
+            object_keys=keys,
+            object_lengths=objects["length"],
+            object_crcs=objects["crc32c"],
+            paths=paths,
+            dtypes=dtypes,
+            shapes=shapes,
+            leaf_object=leaves["object"],
+            leaf_offset=leaves["offset"],
+            leaf_length=leaves["length"],
+            leaf_crc=leaves["crc32c"],
+            attrs=attrs,
+            value_paths=value_paths,
+        )
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _table(
+    value: Any, name: str, fields: Sequence[str], optional: Sequence[str] = ()
+) -> dict[str, Any]:
+    if type(value) is not dict:
+        raise _Invalid(f"{name} is not an object")
+    unknown = set(value) - set(fields)
+    if unknown:
+        raise _Invalid(f"{name} has unknown fields {sorted(unknown)[:5]}")
+    for column in fields:
+        if column not in value and column not in optional:
+            raise _Invalid(f"{name}.{column} is missing")
+        if column not in optional and type(value[column]) is not list:
+            raise _Invalid(f"{name}.{column} is not a list")
+    return value
+
+
+def _length(column: Any, name: str, n: int) -> None:
+    if type(column) is not list or len(column) != n:
+        raise _Invalid(f"{name} does not have {n} entries")
+
+
+def _ints(column: Any, name: str, n: int, low: int, high: int) -> np.ndarray[Any, Any]:
+    """Check a column of ints in ``[low, high]``; return it as an int64 array."""
+    _length(column, name, n)
+    if set(map(type, column)) - {int}:
+        raise _Invalid(f"{name} holds a value that is not an integer")
+    try:
+        array = np.array(column, dtype=np.int64)
+    except OverflowError:
+        raise _Invalid(f"{name} holds an integer out of range") from None
+    if n and (int(array.min()) < low or int(array.max()) > high):
+        raise _Invalid(f"{name} holds a value outside [{low}, {high}]")
+    return array
+
+
+def _check_extents(
+    paths: list[str],
+    lobj: np.ndarray[Any, Any],
+    loff: np.ndarray[Any, Any],
+    llen: np.ndarray[Any, Any],
+    olen: np.ndarray[Any, Any],
+) -> None:
+    """Every leaf inside its object; no two non-empty leaves of one object overlap."""
+    empty = lobj < 0
+    bad = np.flatnonzero(empty & ((llen != 0) | (loff != 0)))
+    if len(bad):
+        raise _Invalid(f"leaf {paths[bad[0]]!r} has no object but is not empty")
+    placed = np.flatnonzero(~empty)
+    if not len(placed):
+        return
+    obj = lobj[placed]
+    start = loff[placed]
+    end = start + llen[placed]  # both <= 2**60: no overflow
+    beyond = np.flatnonzero(end > olen[obj])
+    if len(beyond):
+        leaf = placed[beyond[0]]
+        raise _Invalid(
+            f"leaf {paths[leaf]!r} [{loff[leaf]}, {loff[leaf] + llen[leaf]}) reaches past the "
+            f"end of its object ({olen[lobj[leaf]]} bytes)"
+        )
+    nonempty = llen[placed] > 0
+    obj, start, end, placed = obj[nonempty], start[nonempty], end[nonempty], placed[nonempty]
+    order = np.lexsort((start, obj))
+    obj, start, end, placed = obj[order], start[order], end[order], placed[order]
+    overlap = np.flatnonzero((obj[1:] == obj[:-1]) & (start[1:] < end[:-1]))
+    if len(overlap):
+        a, b = placed[overlap[0]], placed[overlap[0] + 1]
+        raise _Invalid(f"leaves {paths[a]!r} and {paths[b]!r} overlap in one object")

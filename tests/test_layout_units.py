@@ -1,0 +1,136 @@
+"""Unit tests of the layout pieces that need no store: tree, dtypes, plan, manifest codec."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckptstore.config import Settings
+from ckptstore.layout.dtypes import dtype_from_name, dtype_name
+from ckptstore.layout.plan import BufferPool, PackPlan
+from ckptstore.layout.tree import MAX_DEPTH, UnsupportedLeafError, flatten, unflatten
+from ckptstore.store.base import Capabilities
+from ckptstore.testing import assert_same_state
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("state", "path", "reason"),
+    [
+        ({"a": {"b": np.array([object()], dtype=object)}}, "a/b", "dtype object"),
+        ({"a": [1, Opaque()]}, "a/1", "Opaque"),
+        ({"s": {1, 2}}, "s", "set"),
+        ({"u": np.array(["x"])}, "u", "dtype <U1"),
+        ({"t": np.array(["2020-01-01"], dtype="M8[D]")}, "t", "datetime64"),
+        ({"k": {(1, 2): 3}}, "k", "tuple; keys are str or int"),
+        ({"k": {1: 0, "1": 0}}, "k", "share one path"),
+        ({"b": b"raw"}, "b", "bytes"),
+    ],
+)
+def test_unsupported_leaves_name_their_path(state: object, path: str, reason: str) -> None:
+    with pytest.raises(UnsupportedLeafError, match=reason) as info:
+        flatten(state)
+    assert info.value.path == path
+
+
+def test_too_deep_is_refused() -> None:
+    state: object = np.zeros(1)
+    for _ in range(MAX_DEPTH + 2):
+        state = [state]
+    with pytest.raises(UnsupportedLeafError, match="deeper"):
+        flatten(state)
+
+
+def test_paths_escape_separators() -> None:
+    flat = flatten({"a/b": {"~c": np.zeros(1)}, 7: [np.ones(1)], "top": np.zeros(2)})
+    assert flat.paths == ["a~1b/~0c", "7/0", "top"]
+    assert flatten(np.zeros(3)).paths == [""]
+
+
+def test_unflatten_with_selection_prunes() -> None:
+    state = {"m": {"w": np.zeros(2), "b": np.ones(2)}, "l": [np.zeros(1), 5], "x": 1}
+    flat = flatten(state)
+    out = unflatten(flat.tree, flat.arrays, selected=lambda p: p in {"m/w", "l/1"})
+    assert_same_state(out, {"m": {"w": np.zeros(2)}, "l": [None, 5]})
+
+
+def test_convert_hook_supplies_arrays_and_attrs() -> None:
+    def convert(leaf: object, path: str) -> tuple[np.ndarray, dict[str, object]] | None:
+        if isinstance(leaf, Opaque):
+            return np.arange(3), {"framework": "opaque", "path": path}
+        return None
+
+    flat = flatten({"a": Opaque(), "b": np.zeros(1)}, convert=convert)
+    assert flat.paths == ["a", "b"]
+    assert flat.attrs == [{"framework": "opaque", "path": "a"}, None]
+
+
+def test_dtype_names_round_trip_and_keep_byte_order() -> None:
+    for dt in [np.dtype(">f4"), np.dtype("<i2"), np.dtype("?"), np.dtype(ml_dtypes.bfloat16)]:
+        name = dtype_name(dt)
+        assert name is not None
+        assert dtype_from_name(name) == dt
+    assert dtype_name(np.dtype(">f4")) == ">f4"
+    assert dtype_name(np.dtype(ml_dtypes.float8_e5m2)) == "float8_e5m2"
+    assert dtype_name(np.dtype("O")) is None
+    assert dtype_from_name("O") is None
+    assert dtype_from_name("<V2") is None
+
+
+def test_plan_packs_small_aligns_and_isolates_large() -> None:
+    lengths = [10, 0, 5 << 20, 100, 3, 4096]
+    plan = PackPlan.build(lengths, pack_threshold=1 << 20, pack_size=8 << 20, alignment=64)
+    assert plan.leaf_object[1] == -1
+    large = plan.objects[plan.leaf_object[2]]
+    assert not large.packed
+    assert large.size == 5 << 20
+    assert large.leaves == (2,)
+    packs = [o for o in plan.objects if o.packed]
+    assert len(packs) == 1
+    assert all(plan.leaf_offset[i] % 64 == 0 for i in (0, 3, 4, 5))
+    spans = sorted((plan.leaf_offset[i], plan.leaf_offset[i] + lengths[i]) for i in (0, 3, 4, 5))
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+
+
+def test_plan_never_exceeds_pack_size_or_store_limits() -> None:
+    plan = PackPlan.build([3000] * 100, pack_threshold=4096, pack_size=10_000, alignment=64)
+    assert all(o.size <= 10_000 for o in plan.objects)
+    assert len(plan.objects) == math.ceil(100 / 3)
+    caps = Capabilities(atomic_create=True, multipart=True, max_part_size=1000, max_parts=10)
+    settings = Settings(pack_size=1 << 20, pack_threshold=1 << 20)
+    plan = PackPlan.for_store([5000, 9000], settings, caps)
+    assert all(o.size <= 10_000 for o in plan.objects)
+    with pytest.raises(ValueError, match="'too-big'"):
+        PackPlan.for_store([10_001], settings, caps, paths=["too-big"])
+
+
+def test_plan_fill_gathers_noncontiguous_and_zeroes_padding() -> None:
+    arrays = [np.arange(10, dtype=np.int32)[::2], np.array(7, dtype=">i8"), np.ones((2, 3))]
+    plan = PackPlan.build(
+        [a.nbytes for a in arrays], pack_threshold=1 << 20, pack_size=1 << 20, alignment=64
+    )
+    (pack,) = plan.objects
+    buf = np.full(pack.size, 0xAB, np.uint8)
+    plan.fill(0, arrays, buf)
+    for leaf, array in enumerate(arrays):
+        start = plan.leaf_offset[leaf]
+        assert buf[start : start + array.nbytes].tobytes() == np.ascontiguousarray(array).tobytes()
+    assert not buf[20:64].any()  # the gap after the first leaf is zeroed
+
+
+def test_buffer_pool_reuses_and_caps() -> None:
+    pool = BufferPool(max_bytes=100)
+    a = pool.acquire(60)
+    pool.release(a)
+    assert pool.acquire(50) is a
+    pool.release(a)
+    pool.release(np.empty(60, np.uint8))  # over the cap: dropped
+    assert pool.acquire(10) is a
+    assert pool.acquire(10) is not a
