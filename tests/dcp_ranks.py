@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import ckptstore.dcp
+from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
 
@@ -70,18 +72,31 @@ def check_state(state: dict[str, Any], seed: int) -> bool:
 class FailingPlanner(DefaultSavePlanner):
     """Rank 1 fails (raises, or dies outright) after resolving a few items."""
 
-    def __init__(self, how: str) -> None:
+    def __init__(self, how: str, url: str) -> None:
         super().__init__()
         self.how = how
+        self.url = url
         self.resolved = 0
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         self.resolved += 1
-        if dist.get_rank() == 1 and self.resolved == 3:
+        if dist.get_rank() == 1 and self.resolved == 10:
             if self.how == "die":
+                wait_for_own_object(self.url)
                 os._exit(17)  # a preempted or OOM-killed rank: no cleanup, no exception
             raise RuntimeError("rank 1 fails on purpose")
         return super().resolve_data(write_item)
+
+
+def wait_for_own_object(url: str) -> None:
+    """Poll until this rank has at least one object stored, so it dies mid-save."""
+    store = open_store(url)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        keys = background.run(store.list_keys())
+        if any(f"/r{dist.get_rank()}-" in key for key in keys):
+            return
+    raise TimeoutError("no object of this rank appeared within 30 s")
 
 
 def scenario_save(mesh: Any, url: str, seed: str) -> dict[str, Any]:
@@ -90,9 +105,10 @@ def scenario_save(mesh: Any, url: str, seed: str) -> dict[str, Any]:
 
 
 def scenario_load(mesh: Any, url: str, seed: str) -> dict[str, Any]:
-    counting = CountingStore(open_store(url))
+    root, step = url.rsplit("/", 1)  # count the requests to the whole root
+    counting = CountingStore(open_store(root))
     state = make_state(mesh, 0, empty=True)
-    dcp.load(state, storage_reader=ckptstore.dcp.Reader(counting))
+    dcp.load(state, storage_reader=ckptstore.dcp.Reader(counting, step=int(step)))
     return {"exact": check_state(state, int(seed)), "bytes_read": counting.bytes["read"]}
 
 
@@ -104,45 +120,56 @@ def scenario_failures(mesh: Any, good: str, failed: str, died: str) -> dict[str,
         dcp.save(
             make_state(mesh, 2),
             storage_writer=ckptstore.dcp.Writer(failed),
-            planner=FailingPlanner("raise"),
+            planner=FailingPlanner("raise", failed),
         )
         outcome["raise"] = "succeeded"
-    except Exception as exc:
+    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
         outcome["raise"] = type(exc).__name__
     print("RESULT " + json.dumps(outcome), flush=True)  # rank 1 may not live past the next save
     try:
         dcp.save(
             make_state(mesh, 3),
-            storage_writer=ckptstore.dcp.Writer(died),
-            planner=FailingPlanner("die"),
+            # small packs, so rank 1 has uploaded some objects when it dies
+            storage_writer=ckptstore.dcp.Writer(died, pack_size=512),
+            planner=FailingPlanner("die", died),
         )
         outcome["die"] = "succeeded"
-    except Exception as exc:
+    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
         outcome["die"] = type(exc).__name__
     return outcome
 
 
-def scenario_async_process(mesh: Any, url: str) -> dict[str, Any]:
-    """async_save with the process executor: the writer is pickled into a daemon process."""
+def scenario_async(mesh: Any, thread_url: str, process_url: str) -> dict[str, Any]:
+    """async_save with the thread executor, then with the process executor, one writer.
+
+    The process executor pickles the writer, which by then has a store open, into a daemon
+    process; the writer must travel without it and reopen there.
+    """
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    state = make_state(mesh, 5)
-    writer = ckptstore.dcp.Writer(url)
-    writer.close()  # nothing open to carry along; the daemon opens its own store
-    future = dcp.async_save(
-        state, storage_writer=writer, async_checkpointer_type=AsyncCheckpointerType.PROCESS
+    writer = ckptstore.dcp.Writer(thread_url)
+    dcp.async_save(make_state(mesh, 5), checkpoint_id=thread_url, storage_writer=writer).result(
+        timeout=120
     )
-    future.result(timeout=120)
-    loaded = make_state(mesh, 0, empty=True)
-    dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
-    return {"exact": check_state(loaded, 5)}
+    dcp.async_save(
+        make_state(mesh, 6),
+        checkpoint_id=process_url,
+        storage_writer=writer,
+        async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+    ).result(timeout=120)
+    exact = []
+    for url, seed in ((thread_url, 5), (process_url, 6)):
+        loaded = make_state(mesh, 0, empty=True)
+        dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
+        exact.append(check_state(loaded, seed))
+    return {"exact": exact}
 
 
 SCENARIOS = {
     "save": scenario_save,
     "load": scenario_load,
     "failures": scenario_failures,
-    "async_process": scenario_async_process,
+    "async": scenario_async,
 }
 
 

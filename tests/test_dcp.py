@@ -6,7 +6,7 @@ tests/test_dcp_multirank.py.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import pickle
 import uuid
 from pathlib import Path
@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner  # noqa: E402
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: E402
 
+import ckptstore  # noqa: E402
 import ckptstore.dcp  # noqa: E402
 from ckptstore import background  # noqa: E402
 from ckptstore.errors import (  # noqa: E402
@@ -27,8 +28,9 @@ from ckptstore.errors import (  # noqa: E402
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.integrations.dcp import _commit  # noqa: E402
-from ckptstore.integrations.dcp_manifest import MANIFEST_KEY  # noqa: E402
+from ckptstore.integrations.dcp import commit  # noqa: E402
+from ckptstore.layout.commit import read_manifest  # noqa: E402
+from ckptstore.layout.keys import new_attempt_id  # noqa: E402
 from ckptstore.store.registry import open_store  # noqa: E402
 from ckptstore.store.wrappers import CountingStore  # noqa: E402
 
@@ -99,28 +101,37 @@ def test_save_then_load_is_bit_exact_and_packs_small_tensors(url: str) -> None:
     state = sample_state()
     dcp.save(state, storage_writer=ckptstore.dcp.Writer(url, pack_threshold=1 << 20))
 
+    # a URL not ending in a step number is a root holding the checkpoint as step 0
     store = open_store(url)
     keys = background.run(store.list_keys())
-    manifest = json.loads(background.run(store.get(MANIFEST_KEY)))
-    data_keys = [k for k in keys if k != MANIFEST_KEY]
+    manifest = background.run(read_manifest(store, 0))
+    data_keys = [k for k in keys if k != "0/manifest.json"]
     # 300 small tensors and the rest share one pack; the 2.4 MB tensor has its own object
     assert len(data_keys) == 2
-    assert all(k.startswith(manifest["attempt"] + "/") for k in data_keys)
-    assert len(manifest["items"]) == len(state) - 1 + 300
+    assert all(k.startswith(f"0/{manifest.attempt}/") for k in data_keys)
+    assert len(manifest.paths) == len(state) - 1 + 300
+    assert {"small.t7/0", "f32/0,0", "step"} <= set(manifest.paths)  # DCP name/chunk offsets
 
     loaded = zeros_like_state(state)
     dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
     assert_bit_exact(loaded, state)
 
 
-def test_manifest_is_plain_json_without_pickle(tmp_path: Path) -> None:
-    url = str(tmp_path / "ckpt")
-    dcp.save({"w": torch.ones(3), "step": 1}, storage_writer=ckptstore.dcp.Writer(url))
-    raw = (tmp_path / "ckpt" / MANIFEST_KEY).read_bytes()
-    record = json.loads(raw)
-    assert record["format"] == "ckptstore.dcp"
-    assert record["dcp"]["state_dict_metadata"]["w"]["dtype"] == "float32"
-    assert not (tmp_path / "ckpt" / ".metadata").exists()
+def test_step_urls_are_steps_of_a_ckptstore_root(tmp_path: Path) -> None:
+    root = str(tmp_path / "run")
+    for step in (100, 200):
+        dcp.save(
+            {"w": torch.full((3,), float(step))},
+            storage_writer=ckptstore.dcp.Writer(f"{root}/{step}"),
+        )
+    assert ckptstore.list_steps(root) == [100, 200]  # the native API sees DCP checkpoints
+    manifest = ckptstore.read_manifest(root, 200)  # versioned JSON, validated; no pickle
+    assert manifest.metadata["format"] == "ckptstore.dcp/1"
+    assert manifest.metadata["dcp"]["state_dict_metadata"]["w"]["dtype"] == "float32"
+    assert not list((tmp_path / "run").glob("**/.metadata"))
+    loaded = {"w": torch.zeros(3)}
+    dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(root, step=100))
+    assert torch.equal(loaded["w"], torch.full((3,), 100.0))
 
 
 def test_partial_load_reads_only_the_requested_items(tmp_path: Path) -> None:
@@ -149,11 +160,11 @@ def test_commit_is_idempotent_for_its_attempt_and_conflicts_for_another(tmp_path
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.ones(2)}, storage_writer=ckptstore.dcp.Writer(url))
     store = open_store(url)
-    record = background.run(store.get(MANIFEST_KEY))
-    attempt = json.loads(record)["attempt"]
-    background.run(_commit(store, url, attempt, record))  # a retry after a lost response
+    manifest = background.run(read_manifest(store, 0))
+    background.run(commit(store, 0, manifest))  # a retry after a lost response succeeds
+    other = dataclasses.replace(manifest, attempt=new_attempt_id())
     with pytest.raises(CommitConflictError, match="committed this checkpoint first"):
-        background.run(_commit(store, url, "another-attempt", record))
+        background.run(commit(store, 0, other))
 
 
 class BrokenPlanner(DefaultSavePlanner):
@@ -171,7 +182,7 @@ def test_failed_save_leaves_no_visible_checkpoint(tmp_path: Path) -> None:
             storage_writer=ckptstore.dcp.Writer(url),
             planner=BrokenPlanner(),
         )
-    assert not (tmp_path / "ckpt" / MANIFEST_KEY).exists()
+    assert not (tmp_path / "ckpt" / "0" / "manifest.json").exists()
     with pytest.raises(CheckpointException, match="no committed checkpoint"):
         dcp.load({"a": torch.zeros(4)}, storage_reader=ckptstore.dcp.Reader(url))
 
@@ -184,8 +195,8 @@ def test_reader_on_missing_checkpoint_raises_not_found(tmp_path: Path) -> None:
 def test_corrupt_data_fails_crc_check(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.arange(1000.0)}, storage_writer=ckptstore.dcp.Writer(url))
-    record = json.loads((tmp_path / "ckpt" / MANIFEST_KEY).read_bytes())
-    data_file = tmp_path / "ckpt" / next(iter(record["objects"]))
+    manifest = ckptstore.read_manifest(url, 0)
+    data_file = tmp_path / "ckpt" / manifest.object_key(0)
     raw = bytearray(data_file.read_bytes())
     raw[100] ^= 0x01
     data_file.write_bytes(bytes(raw))
@@ -193,24 +204,40 @@ def test_corrupt_data_fails_crc_check(tmp_path: Path) -> None:
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptstore.dcp.Reader(url))
 
 
+def _tamper_dcp(metadata: dict[str, Any], how: str) -> None:
+    entry = metadata["dcp"]["state_dict_metadata"]["w"]
+    if how == "dtype":
+        entry["dtype"] = "object"
+    elif how == "chunk":
+        entry["chunks"][0]["sizes"] = [7]
+    elif how == "format":
+        metadata["format"] = "something-else"
+
+
 @pytest.mark.parametrize(
-    ("field", "value", "message"),
+    ("how", "message"),
     [
-        ("start", 10**9, "runs past"),
-        ("dtype", "object", "dtype 'object'"),
-        ("shape", [7], "bytes, but"),
-        ("key", "../escape", "does not list"),
+        ("bitflip", "crc32c mismatch"),
+        ("dtype", "dtype 'object'"),
+        ("chunk", "metadata says"),
+        ("format", "not a DCP checkpoint"),
     ],
 )
 def test_tampered_manifest_is_rejected_before_any_data_read(
-    tmp_path: Path, field: str, value: Any, message: str
+    tmp_path: Path, how: str, message: str
 ) -> None:
     url = str(tmp_path / "ckpt")
     dcp.save({"w": torch.arange(10.0)}, storage_writer=ckptstore.dcp.Writer(url))
-    path = tmp_path / "ckpt" / MANIFEST_KEY
-    record = json.loads(path.read_bytes())
-    record["items"][0][field] = value
-    path.write_text(json.dumps(record))
+    path = tmp_path / "ckpt" / "0" / "manifest.json"
+    if how == "bitflip":
+        raw = bytearray(path.read_bytes())
+        raw[len(raw) // 2] ^= 0x20
+        path.write_bytes(bytes(raw))
+    else:  # a well-formed manifest (valid envelope crc) whose DCP part is wrong
+        manifest = ckptstore.read_manifest(url, 0)
+        metadata = dict(manifest.metadata)
+        _tamper_dcp(metadata, how)
+        path.write_bytes(dataclasses.replace(manifest, metadata=metadata).encode())
     counting = CountingStore(open_store(url))
     with pytest.raises(CorruptCheckpointError, match=message):
         ckptstore.dcp.Reader(counting).read_metadata()
@@ -220,9 +247,9 @@ def test_tampered_manifest_is_rejected_before_any_data_read(
 def test_writer_pickles_without_its_store_and_reopens(tmp_path: Path) -> None:
     url = str(tmp_path / "ckpt")
     writer = ckptstore.dcp.Writer(url, pack_threshold=123)
-    assert writer._handle.store is not None  # opened
+    assert writer._target.handle.store is not None  # opened
     clone = pickle.loads(pickle.dumps(writer))
-    assert clone._handle._store is None
+    assert clone._target.handle._store is None
     assert clone.url == writer.url
     assert clone.pack_threshold == 123
     dcp.save({"w": torch.ones(3)}, storage_writer=clone)

@@ -20,6 +20,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+import ckptstore
 from ckptstore import background
 from ckptstore.store.registry import open_store
 
@@ -113,19 +114,16 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 
 def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: str, tmp_path: Path) -> None:
-    url = f"{target}/step7"
+    url = f"{target}/7"  # step 7 of the root ``target``
     saved = assert_all_ok(run_ranks(4, "save", url, "7", logs=tmp_path / "logs"))
     assert saved == [{"saved": True}] * 4
-    keys = keys_under(url)
-    # every rank wrote its own objects under one attempt; one manifest
-    assert "manifest.json" in keys
-    assert {key.split("/")[1].split("-")[0] for key in keys if "/" in key} == {
-        "r0",
-        "r1",
-        "r2",
-        "r3",
-    }
-    assert len({key.split("/")[0] for key in keys if "/" in key}) == 1
+    keys = keys_under(target)
+    # every rank wrote its own objects under one attempt of step 7; one manifest
+    assert "7/manifest.json" in keys
+    data = [key.split("/") for key in keys if key != "7/manifest.json"]
+    assert {rank_object.split("-")[0] for _, _, rank_object in data} == {"r0", "r1", "r2", "r3"}
+    assert len({attempt for _, attempt, _ in data}) == 1
+    assert ckptstore.list_steps(target) == [7]
 
     loaded = assert_all_ok(run_ranks(2, "load", url, "7", logs=tmp_path / "logs"))
     for result in loaded:
@@ -138,7 +136,7 @@ def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: str, tmp_path: Pat
 def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     target: str, tmp_path: Path
 ) -> None:
-    good, failed, died = (f"{target}/{name}" for name in ("good", "failed", "died"))
+    good, failed, died = (f"{target}/{step}" for step in (1, 2, 3))
     outcomes = run_ranks(2, "failures", good, failed, died, logs=tmp_path / "logs")
     rank0, rank1 = outcomes
     assert rank0.returncode == 0, rank0.log[-4000:]
@@ -147,10 +145,7 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     assert rank1.returncode == 17  # it really died mid-save
     assert rank1.results[-1] == {"raise": "CheckpointException"}
 
-    assert "manifest.json" in keys_under(good)
-    for url in (failed, died):
-        keys = keys_under(url)
-        assert "manifest.json" not in keys
+    assert ckptstore.list_steps(target) == [1]  # neither failed save is visible
     # rank 1 had uploaded objects of its own before it died: a real mid-save death
     assert any("/r1-" in key for key in keys_under(died))
 
@@ -159,8 +154,7 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
 
 
 def test_async_save_thread_and_process_executors_on_2_ranks(target: str, tmp_path: Path) -> None:
-    thread_url, process_url = f"{target}/thread", f"{target}/process"
+    thread_url, process_url = f"{target}/10", f"{target}/20"
     results = assert_all_ok(run_ranks(2, "async", thread_url, process_url, logs=tmp_path / "logs"))
     assert results == [{"exact": [True, True]}] * 2
-    for url in (thread_url, process_url):
-        assert "manifest.json" in keys_under(url)
+    assert ckptstore.list_steps(target) == [10, 20]

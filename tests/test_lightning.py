@@ -3,7 +3,6 @@ resume, plain and wrapped in AsyncCheckpointIO."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+import ckptstore  # noqa: E402
 from ckptstore import background  # noqa: E402
 from ckptstore.errors import CorruptCheckpointError  # noqa: E402
 from ckptstore.lightning import StoreCheckpointIO  # noqa: E402
@@ -137,11 +137,12 @@ def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
     assert loaded["empty"].shape == (0, 3)
     assert loaded["epoch"] == 3
 
-    manifest = json.loads((tmp_path / "ck" / "manifest.json").read_bytes())
-    big = manifest["tensors"][0]
-    data = tmp_path / "ck" / big["key"]
+    manifest = ckptstore.read_manifest(path, 0)  # an ordinary ckptstore checkpoint
+    assert manifest.metadata == {"format": "ckptstore.lightning/1"}
+    big = manifest.paths.index("tensors/0")
+    data = tmp_path / "ck" / manifest.object_key(manifest.leaf_object[big])
     raw = bytearray(data.read_bytes())
-    raw[big["start"] + 5] ^= 0xFF
+    raw[manifest.leaf_offset[big] + 5] ^= 0xFF
     data.write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match="crc32c"):
         io.load_checkpoint(path)

@@ -58,23 +58,29 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.integrations.dcp_manifest import (
-    MANIFEST_KEY,
-    MAX_MANIFEST_BYTES,
     ItemLocation,
-    decode_manifest,
+    build_manifest,
     dtype_from_name,
     dtype_name,
-    encode_manifest,
+    read_dcp_metadata,
 )
 from ckptstore.integrations.tensor_objects import (
+    CheckpointTarget,
     Packer,
     Placed,
-    StoreHandle,
     UploadBatch,
     crc32c,
     served,
     tensor_bytes,
 )
+from ckptstore.layout.commit import read_manifest
+from ckptstore.layout.keys import (
+    attempt_prefix,
+    manifest_key,
+    new_attempt_id,
+    step_prefix,
+)
+from ckptstore.layout.manifest import Manifest
 from ckptstore.store.base import Store
 
 __all__ = ["Reader", "Writer"]
@@ -112,6 +118,7 @@ class Writer(StorageWriter):
         self,
         url: str | os.PathLike[str] | Store,
         *,
+        step: int | None = None,
         pack_threshold: int = 8 << 20,
         pack_size: int = 64 << 20,
         **options: Any,
@@ -119,7 +126,7 @@ class Writer(StorageWriter):
         super().__init__()
         if pack_threshold < 0 or pack_size <= 0:
             raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
-        self._handle = StoreHandle(url, options)
+        self._target = CheckpointTarget(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
         self.save_id = uuid.uuid4().hex
@@ -130,23 +137,23 @@ class Writer(StorageWriter):
     @property
     def url(self) -> str:
         """The checkpoint URL this writer saves to."""
-        return self._handle.url
+        return self._target.url
 
     @property
     def checkpoint_id(self) -> str:
         """The checkpoint URL (DCP logs it under this name)."""
-        return self._handle.url
+        return self._target.url
 
     def close(self) -> None:
         """Close the store this writer opened (it reopens on next use)."""
-        self._handle.close()
+        self._target.handle.close()
 
     # ------------------------------------------------------------- DCP's calls, in order
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # docstring inherited
         if checkpoint_id is not None:
-            self._handle.reopen(checkpoint_id)
+            self._target.point_at(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._attempt = None
 
@@ -170,12 +177,13 @@ class Writer(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # docstring inherited
-        if background.run(self._handle.store.exists(MANIFEST_KEY)):
+        store, step = self._target.store, self._target.step
+        if background.run(store.exists(manifest_key(step))):
             raise AlreadyExistsError(
-                f"{self.url} already holds a committed checkpoint; save to a new URL "
-                "(checkpoints are immutable)"
+                f"{self.url} already holds a committed checkpoint (step {step} of "
+                f"{store.url}); save to a new URL (checkpoints are immutable)"
             )
-        attempt = uuid.uuid4().hex
+        attempt = new_attempt_id()
         return [
             SavePlan(
                 items=plan.items,
@@ -198,7 +206,9 @@ class Writer(StorageWriter):
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
         self._attempt = prefix.attempt
-        batch = UploadBatch(self._handle.store, f"{prefix.attempt}/r{prefix.rank}")
+        batch = UploadBatch(
+            self._target.store, f"{attempt_prefix(self._target.step, prefix.attempt)}r{prefix.rank}"
+        )
         packer: Packer[WriteItem] = Packer(batch, self.pack_size)
         placed: list[Placed[WriteItem]] = []
         for item in plan.items:
@@ -235,8 +245,11 @@ class Writer(StorageWriter):
                 if not isinstance(result.storage_data, ItemLocation):
                     raise TypeError(f"write result of {result.index.fqn} was not written here")
                 locations[result.index] = result.storage_data
-        record = encode_manifest(self._attempt, metadata, locations)
-        background.run(_commit(self._handle.store, self.url, self._attempt, record))
+        step = self._target.step
+        manifest = build_manifest(
+            step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
+        )
+        background.run(commit(self._target.store, step, manifest))
         metadata.storage_data = locations
 
     @classmethod
@@ -281,30 +294,24 @@ def _result(placed: Placed[WriteItem]) -> WriteResult:
     return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
 
 
-async def _commit(store: Store, url: str, attempt: str, record: bytes) -> None:
+async def commit(store: Store, step: int, manifest: Manifest) -> None:
+    """Write ``manifest`` with one put-if-absent, as the layout's commit protocol says.
+
+    A manifest already in place that carries this attempt's id means an earlier try of this
+    put succeeded and only its response was lost: success. Any other raises
+    :class:`~ckptstore.errors.CommitConflictError`; this attempt stays invisible.
+    """
+    key = manifest_key(step)
     try:
-        await store.put(MANIFEST_KEY, record, mode="create")
+        await store.put(key, manifest.encode(), mode="create")
     except AlreadyExistsError:
-        existing = await _read_manifest(store, url)
-        if existing[0] == attempt:
-            return  # our own earlier try succeeded; its response was lost
+        existing = await read_manifest(store, step)
+        if existing.attempt == manifest.attempt:
+            return
         raise CommitConflictError(
-            f"{url}: another save (attempt {existing[0]}) committed this checkpoint first; "
-            f"this attempt ({attempt}) stays invisible"
+            f"{store.url}/{key}: another save (attempt {existing.attempt}) committed this "
+            f"checkpoint first; this attempt ({manifest.attempt}) stays invisible"
         ) from None
-
-
-async def _read_manifest(store: Store, url: str) -> tuple[str, Metadata]:
-    try:
-        meta = await store.head(MANIFEST_KEY)
-    except NotFoundError:
-        raise NotFoundError(
-            f"{url} holds no committed checkpoint (no {MANIFEST_KEY}); the save may not have "
-            "finished"
-        ) from None
-    if meta.size > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(f"{url}/{MANIFEST_KEY} is {meta.size} bytes, over the cap")
-    return decode_manifest(await store.get(MANIFEST_KEY), f"{url}/{MANIFEST_KEY}")
 
 
 # =========================================================================== reader
@@ -319,30 +326,32 @@ class Reader(StorageReader):
         **options: store options and Settings fields, as for :func:`ckptstore.open_store`.
     """
 
-    def __init__(self, url: str | os.PathLike[str] | Store, **options: Any) -> None:
+    def __init__(
+        self, url: str | os.PathLike[str] | Store, *, step: int | None = None, **options: Any
+    ) -> None:
         super().__init__()
-        self._handle = StoreHandle(url, options)
+        self._target = CheckpointTarget(url, step, options)
         self.load_id = uuid.uuid4().hex
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
     @property
     def url(self) -> str:
         """The checkpoint URL this reader loads from."""
-        return self._handle.url
+        return self._target.url
 
     @property
     def checkpoint_id(self) -> str:
         """The checkpoint URL (DCP logs it under this name)."""
-        return self._handle.url
+        return self._target.url
 
     def close(self) -> None:
         """Close the store this reader opened (it reopens on next use)."""
-        self._handle.close()
+        self._target.handle.close()
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # docstring inherited
         if checkpoint_id is not None:
-            self._handle.reopen(checkpoint_id)
+            self._target.point_at(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self._locations = {}
 
@@ -357,7 +366,15 @@ class Reader(StorageReader):
         # to decide whether to fall back to per-rank metadata, which ckptstore never writes.
         if options.get("rank") is not None:
             raise NotFoundError(f"{self.url}: ckptstore writes no per-rank metadata")
-        _, metadata = background.run(_read_manifest(self._handle.store, self.url))
+        store, step = self._target.store, self._target.step
+        try:
+            manifest = background.run(read_manifest(store, step))
+        except NotFoundError:
+            raise NotFoundError(
+                f"{self.url} holds no committed checkpoint (no manifest for step {step} of "
+                f"{store.url}); the save may not have finished"
+            ) from None
+        metadata = read_dcp_metadata(manifest, f"{store.url}/{manifest_key(step)}")
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -389,7 +406,7 @@ class Reader(StorageReader):
         and are narrowed and copied as DCP's plan says.
         """
         reads = _ReadPlan(self._locations, plan.items, planner)
-        background.run(reads.fetch(self._handle.store))
+        background.run(reads.fetch(self._target.store))
         reads.deliver(planner, self.url)
         future: Future[None] = Future()
         future.set_result(None)

@@ -1,25 +1,20 @@
-"""The commit record of a DCP checkpoint written through ckptstore, as versioned JSON.
+"""DCP's checkpoint metadata in a ckptstore manifest: commit record, JSON, no pickle.
 
 DCP's own file writer commits by renaming a pickled ``.metadata`` file, and its reader unpickles
 whatever it finds there. Neither step is safe on an object store: S3 has no atomic rename, and
-unpickling bytes from a bucket executes them. Here DCP's :class:`Metadata` is turned into plain
-JSON and written, together with the location, length and crc32c of every stored item, as one
-``manifest.json`` by a single put-if-absent. The reader validates the whole record (keys stay
-under the save attempt's prefix, ranges lie inside their objects and do not overlap, tensor
-shapes times item sizes equal the stored lengths, dtypes come from an allow-list, the record has
-a size cap) before it hands DCP a rebuilt ``Metadata``; nothing read back is ever unpickled by
-ckptstore. (DCP's planner still deserialises the non-tensor values of a state dict, which it
-stored itself, with ``torch.load``; that is DCP's format, not ours.)
+unpickling bytes from a bucket executes them. Here a DCP checkpoint is an ordinary ckptstore
+checkpoint (:class:`ckptstore.layout.Manifest`, committed with one put-if-absent): every stored
+DCP item (a tensor chunk, or the bytes DCP serialised for a non-tensor value) is one leaf of
+the manifest, with its object, offset, length, dtype, shape and crc32c, and DCP's
+:class:`Metadata` (state-dict metadata, planner data, storage meta) is plain JSON in the
+manifest's ``metadata``. The layout validates the whole record before any data read; this
+module validates the DCP part and rebuilds DCP's ``Metadata`` from it. Nothing read back is
+unpickled by ckptstore. (DCP's planner still deserialises the non-tensor values of a state
+dict, which it serialised itself, with ``torch.load``; that is DCP's format, not ours.)
 
-The record::
-
-    {"format": "ckptstore.dcp", "version": 1, "attempt": "<hex>", "created": <unix seconds>,
-     "objects": {"<attempt>/r0-0": {"size": n, "crc32c": c}, ...},
-     "items": [{"fqn": "...", "offset": [..] | null, "index": i | null, "key": "...",
-                "start": s, "length": n, "crc32c": c, "dtype": "float32" | null,
-                "shape": [..] | null}, ...],
-     "dcp": {"state_dict_metadata": {...}, "planner_data": <tagged JSON>,
-             "storage_meta": {...} | null, "version": "..." | null}}
+The manifest's tree names each leaf by its DCP fully qualified name and, for a tensor chunk,
+the chunk's offsets: ``{"d": [fqn, ...], "c": [<bytes leaf index> | {"d": ["0,0", "512,0"],
+"c": [<leaf>, <leaf>]}, ...]}``, so ``ckptstore show`` lists ``model.weight/512,0``.
 
 ``planner_data`` is whatever the DCP planner put there; it is encoded with tags for tuples and
 for dicts (whose keys need not be strings), and anything else is refused when saving rather than
@@ -28,14 +23,13 @@ pickled.
 
 from __future__ import annotations
 
-import itertools
-import json
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -48,55 +42,29 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.store.base import validate_key
+from ckptstore.integrations.tensor_objects import TORCH_TO_NUMPY, numpy_dtype, torch_dtype
+from ckptstore.layout import dtypes as layout_dtypes
+from ckptstore.layout.manifest import Manifest
 
 __all__ = [
     "FORMAT",
-    "MANIFEST_KEY",
-    "MAX_MANIFEST_BYTES",
-    "VERSION",
     "ItemLocation",
     "ManifestChecker",
-    "check_no_overlap",
-    "decode_manifest",
-    "decode_objects",
+    "build_manifest",
     "dtype_from_name",
     "dtype_name",
-    "encode_manifest",
+    "numpy_dtype",
+    "read_dcp_metadata",
+    "torch_dtype",
 ]
 
-FORMAT = "ckptstore.dcp"
-VERSION = 1
-#: The commit marker, relative to the checkpoint URL.
-MANIFEST_KEY = "manifest.json"
-#: A manifest larger than this is refused before it is parsed.
-MAX_MANIFEST_BYTES = 256 << 20
+#: Marks a manifest's ``metadata`` as holding a DCP checkpoint, and its version.
+FORMAT = "ckptstore.dcp/1"
 
 _DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype
-    for dtype in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.complex64,
-        torch.complex128,
-        torch.int8,
-        torch.int16,
-        torch.int32,
-        torch.int64,
-        torch.uint8,
-        torch.uint16,
-        torch.uint32,
-        torch.uint64,
-        torch.bool,
-        torch.float8_e4m3fn,
-        torch.float8_e5m2,
-        torch.float8_e4m3fnuz,
-        torch.float8_e5m2fnuz,
-    )
+    str(dtype).removeprefix("torch."): dtype for dtype in TORCH_TO_NUMPY
 }
-_CRC_MAX = (1 << 32) - 1
+_BYTES_DTYPE = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,40 +109,85 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-# --------------------------------------------------------------------------- encoding
+# --------------------------------------------------------------------------- writing
 
 
-def encode_manifest(
-    attempt: str, metadata: Metadata, locations: Mapping[MetadataIndex, ItemLocation]
-) -> bytes:
-    """The JSON manifest of one save attempt: every object, every item, and DCP's metadata."""
-    objects: dict[str, dict[str, int]] = {}
-    items: list[dict[str, Any]] = []
+def build_manifest(
+    step: int,
+    attempt: str,
+    metadata: Metadata,
+    locations: Mapping[MetadataIndex, ItemLocation],
+    object_prefix: str,
+) -> Manifest:
+    """The manifest committing one DCP save attempt.
+
+    Args:
+        step: the step the checkpoint is stored as.
+        attempt: the attempt id (``ckptstore.layout.keys.new_attempt_id``).
+        metadata: DCP's global metadata, from ``finish``.
+        locations: where every item of every rank landed; keys relative to the store root.
+        object_prefix: what to strip from those keys to make them relative to the step.
+    """
+    objects: dict[str, int] = {}
+    object_lengths: list[int] = []
+    object_crcs: list[int] = []
+    paths: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[list[int]] = []
+    leaf_object: list[int] = []
+    leaf_offset: list[int] = []
+    leaf_length: list[int] = []
+    leaf_crc: list[int] = []
+    children: dict[str, Any] = {}
     for index, loc in locations.items():
-        objects[loc.key] = {"size": loc.object_size, "crc32c": loc.object_crc32c}
-        items.append(
-            {
-                "fqn": index.fqn,
-                "offset": None if index.offset is None else list(index.offset),
-                "index": index.index,
-                "key": loc.key,
-                "start": loc.start,
-                "length": loc.length,
-                "crc32c": loc.crc32c,
-                "dtype": loc.dtype,
-                "shape": None if loc.shape is None else list(loc.shape),
-            }
-        )
-    record = {
-        "format": FORMAT,
-        "version": VERSION,
-        "attempt": attempt,
-        "created": time.time(),
-        "objects": objects,
-        "items": items,
-        "dcp": _encode_metadata(metadata),
-    }
-    return json.dumps(record, separators=(",", ":"), allow_nan=False).encode()
+        if loc.key not in objects:
+            objects[loc.key] = len(objects)
+            object_lengths.append(loc.object_size)
+            object_crcs.append(loc.object_crc32c)
+        leaf = len(paths)
+        if loc.dtype is None:
+            np_dtype, shape = _BYTES_DTYPE, [loc.length]
+            children[index.fqn] = leaf
+            path = _escape(index.fqn)
+        else:
+            np_dtype, shape = numpy_dtype(_DTYPES[loc.dtype]), list(loc.shape or ())
+            chunk = ",".join(str(o) for o in (index.offset or ()))
+            node = children.setdefault(index.fqn, {"d": [], "c": []})
+            node["d"].append(chunk)
+            node["c"].append(leaf)
+            path = f"{_escape(index.fqn)}/{_escape(chunk)}"
+        name = layout_dtypes.dtype_name(np_dtype)
+        assert name is not None  # every entry of the table above is allowed
+        paths.append(path)
+        dtypes.append(name)
+        shapes.append(shape)
+        leaf_object.append(objects[loc.key])
+        leaf_offset.append(loc.start)
+        leaf_length.append(loc.length)
+        leaf_crc.append(loc.crc32c)
+    tree = {"d": list(children), "c": list(children.values())}
+    return Manifest(
+        step=step,
+        attempt=attempt,
+        created=time.time(),
+        metadata={"format": FORMAT, "dcp": _encode_metadata(metadata)},
+        tree=tree,
+        object_keys=[key.removeprefix(object_prefix) for key in objects],
+        object_lengths=object_lengths,
+        object_crcs=object_crcs,
+        paths=paths,
+        dtypes=dtypes,
+        shapes=shapes,
+        leaf_object=leaf_object,
+        leaf_offset=leaf_offset,
+        leaf_length=leaf_length,
+        leaf_crc=leaf_crc,
+        attrs=[None] * len(paths),
+    )
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _encode_metadata(metadata: Metadata) -> dict[str, Any]:
@@ -233,48 +246,78 @@ def _encode_value(value: Any, where: str) -> Any:
     )
 
 
-# --------------------------------------------------------------------------- decoding
+# --------------------------------------------------------------------------- reading
 
 
-def decode_manifest(data: bytes, source: str) -> tuple[str, Metadata]:
-    """Validate a manifest and rebuild DCP's ``Metadata`` from it.
+def read_dcp_metadata(manifest: Manifest, source: str) -> Metadata:
+    """Rebuild DCP's ``Metadata`` from a validated manifest.
 
-    Returns the attempt id and the metadata, whose ``storage_data`` maps each
-    :class:`MetadataIndex` to its :class:`ItemLocation`.
+    Its ``storage_data`` maps each :class:`MetadataIndex` to the :class:`ItemLocation` of the
+    stored item (keys relative to the store root).
 
     Raises:
-        CorruptCheckpointError: the record is too large, not JSON, of an unknown format or
-            version, or fails any check listed in the module docstring.
+        CorruptCheckpointError: the manifest is not a DCP checkpoint, or its DCP part is
+            malformed or disagrees with its leaves.
     """
-    if len(data) > MAX_MANIFEST_BYTES:
-        raise CorruptCheckpointError(
-            f"{source}: manifest of {len(data)} bytes is over the {MAX_MANIFEST_BYTES} byte cap"
-        )
-    try:
-        record = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"{source}: manifest is not valid JSON: {exc}") from None
     check = ManifestChecker(source)
-    check.is_type(record, dict, "manifest")
-    if record.get("format") != FORMAT:
-        raise CorruptCheckpointError(
-            f"{source}: not a ckptstore DCP manifest (format {record.get('format')!r})"
+    meta = manifest.metadata
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise check.fail(
+            f"not a DCP checkpoint written by ckptstore (metadata format {found!r}); "
+            "load it with ckptstore.load"
         )
-    if record.get("version") != VERSION:
-        raise CorruptCheckpointError(
-            f"{source}: manifest version {record.get('version')!r} is not {VERSION}; "
-            "it was written by another ckptstore version"
-        )
-    attempt = check.is_type(record.get("attempt"), str, "attempt")
-    if "/" in attempt:
-        raise CorruptCheckpointError(f"{source}: attempt id {attempt!r} contains '/'")
-    check.key(attempt)
-    objects = decode_objects(check, record.get("objects"), attempt)
-    locations = _decode_items(check, record.get("items"), objects)
-    metadata = _decode_metadata(check, record.get("dcp"))
+    metadata = _decode_metadata(check, meta.get("dcp"))
+    locations = _locations(check, manifest)
     _check_complete(check, metadata, locations)
     metadata.storage_data = locations
-    return attempt, metadata
+    return metadata
+
+
+def _locations(check: ManifestChecker, manifest: Manifest) -> dict[MetadataIndex, ItemLocation]:
+    tree = manifest.tree
+    if not isinstance(tree, dict) or "d" not in tree:
+        raise check.fail("the tree is not a dict of DCP names")
+    locations: dict[MetadataIndex, ItemLocation] = {}
+
+    def place(leaf: Any, index: MetadataIndex, tensor: bool) -> None:
+        if type(leaf) is not int:
+            raise check.fail(f"{index.fqn}: a DCP item is not an array leaf")
+        obj = manifest.leaf_object[leaf]
+        key = manifest.object_key(obj) if obj >= 0 else ""
+        np_dtype = manifest.dtype(leaf)
+        shape = tuple(manifest.shapes[leaf])
+        dtype: str | None = None
+        if tensor:
+            dtype = dtype_name(torch_dtype(np_dtype, f"{check.source} {index.fqn}"))
+        elif np_dtype != _BYTES_DTYPE or len(shape) != 1:
+            raise check.fail(f"{index.fqn}: a bytes item is stored as {np_dtype} {list(shape)}")
+        locations[index] = ItemLocation(
+            key,
+            manifest.leaf_offset[leaf],
+            manifest.leaf_length[leaf],
+            manifest.leaf_crc[leaf],
+            manifest.object_lengths[obj] if obj >= 0 else 0,
+            manifest.object_crcs[obj] if obj >= 0 else 0,
+            dtype,
+            shape if tensor else None,
+        )
+
+    for fqn, node in zip(tree["d"], tree["c"], strict=True):
+        if not isinstance(fqn, str):
+            raise check.fail(f"DCP name {fqn!r} is not a string")
+        if type(node) is int:
+            place(node, MetadataIndex(fqn), tensor=False)
+            continue
+        if not isinstance(node, dict) or "d" not in node:
+            raise check.fail(f"{fqn}: tree node is neither a bytes leaf nor a chunk dict")
+        for chunk, leaf in zip(node["d"], node["c"], strict=True):
+            try:
+                offsets = [int(o) for o in chunk.split(",")] if chunk else []
+            except (AttributeError, ValueError):
+                raise check.fail(f"{fqn}: chunk name {chunk!r} is not a list of offsets") from None
+            place(leaf, MetadataIndex(fqn, offsets), tensor=True)
+    return locations
 
 
 class ManifestChecker:
@@ -300,77 +343,6 @@ class ManifestChecker:
     def ints(self, value: Any, field: str) -> tuple[int, ...]:
         self.is_type(value, list, field)
         return tuple(self.count(v, field) for v in value)
-
-    def key(self, key: str) -> str:
-        try:
-            return validate_key(key)
-        except ValueError as exc:
-            raise self.fail(str(exc)) from None
-
-
-def decode_objects(check: ManifestChecker, raw: Any, attempt: str) -> dict[str, tuple[int, int]]:
-    check.is_type(raw, dict, "objects")
-    objects: dict[str, tuple[int, int]] = {}
-    for key, entry in raw.items():
-        check.key(key)
-        if not key.startswith(attempt + "/"):
-            raise check.fail(f"object {key!r} lies outside the attempt prefix {attempt}/")
-        check.is_type(entry, dict, f"objects[{key!r}]")
-        size = check.count(entry.get("size"), f"objects[{key!r}].size")
-        crc = check.count(entry.get("crc32c"), f"objects[{key!r}].crc32c", maximum=_CRC_MAX)
-        objects[key] = (size, crc)
-    return objects
-
-
-def _decode_items(
-    check: ManifestChecker, raw: Any, objects: dict[str, tuple[int, int]]
-) -> dict[MetadataIndex, ItemLocation]:
-    check.is_type(raw, list, "items")
-    locations: dict[MetadataIndex, ItemLocation] = {}
-    spans: dict[str, list[tuple[int, int]]] = {}
-    for n, item in enumerate(raw):
-        where = f"items[{n}]"
-        check.is_type(item, dict, where)
-        fqn = check.is_type(item.get("fqn"), str, f"{where}.fqn")
-        offset = None if item.get("offset") is None else check.ints(item["offset"], where)
-        hint = None if item.get("index") is None else check.count(item["index"], where)
-        key = check.is_type(item.get("key"), str, f"{where}.key")
-        if key not in objects:
-            raise check.fail(f"{where} names object {key!r}, which the manifest does not list")
-        size, object_crc = objects[key]
-        start = check.count(item.get("start"), f"{where}.start")
-        length = check.count(item.get("length"), f"{where}.length")
-        if start + length > size:
-            raise check.fail(f"{where} [{start}, {start + length}) runs past {key!r} ({size})")
-        crc = check.count(item.get("crc32c"), f"{where}.crc32c", maximum=_CRC_MAX)
-        dtype: str | None = None
-        shape: tuple[int, ...] | None = None
-        if item.get("dtype") is not None:
-            torch_dtype = dtype_from_name(item["dtype"], f"{check.source} {where}")
-            dtype = item["dtype"]
-            shape = check.ints(item.get("shape"), f"{where}.shape")
-            expected = math.prod(shape) * torch_dtype.itemsize
-            if expected != length:
-                raise check.fail(
-                    f"{where} ({fqn}): shape {list(shape)} of {dtype} is {expected} bytes, "
-                    f"but {length} are stored"
-                )
-        index = MetadataIndex(fqn, offset, hint)
-        if index in locations:
-            raise check.fail(f"{where} ({fqn}, {offset}) is listed twice")
-        locations[index] = ItemLocation(key, start, length, crc, size, object_crc, dtype, shape)
-        spans.setdefault(key, []).append((start, start + length))
-    check_no_overlap(check, spans)
-    return locations
-
-
-def check_no_overlap(check: ManifestChecker, spans: dict[str, list[tuple[int, int]]]) -> None:
-    """Raise if two ``[start, end)`` spans of one object overlap."""
-    for key, ranges in spans.items():
-        ranges.sort()
-        for (_, prev_end), (start, _) in itertools.pairwise(ranges):
-            if start < prev_end:
-                raise check.fail(f"items overlap in {key!r} at byte {start}")
 
 
 def _decode_metadata(check: ManifestChecker, raw: Any) -> Metadata:

@@ -20,15 +20,22 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 import google_crc32c
+import ml_dtypes
 import numpy as np
 import torch
 
 from ckptstore import background
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.layout.keys import check_step, parse_step
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store, registered_schemes
 
 __all__ = [
     "ALIGN",
+    "TORCH_TO_NUMPY",
+    "CheckpointTarget",
+    "numpy_dtype",
+    "torch_dtype",
     "Packer",
     "Placed",
     "StoreHandle",
@@ -61,6 +68,49 @@ def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:
         return tensor, memoryview(b"")
     flat = tensor.reshape(-1).view(torch.uint8).numpy()
     return tensor, memoryview(flat)  # type: ignore[arg-type]  # ndarray is a buffer
+
+
+TORCH_TO_NUMPY: dict[torch.dtype, np.dtype[Any]] = {
+    torch.float64: np.dtype(np.float64),
+    torch.float32: np.dtype(np.float32),
+    torch.float16: np.dtype(np.float16),
+    torch.bfloat16: np.dtype(ml_dtypes.bfloat16),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.uint8: np.dtype(np.uint8),
+    torch.uint16: np.dtype(np.uint16),
+    torch.uint32: np.dtype(np.uint32),
+    torch.uint64: np.dtype(np.uint64),
+    torch.bool: np.dtype(np.bool_),
+    torch.float8_e4m3fn: np.dtype(ml_dtypes.float8_e4m3fn),
+    torch.float8_e5m2: np.dtype(ml_dtypes.float8_e5m2),
+    torch.float8_e4m3fnuz: np.dtype(ml_dtypes.float8_e4m3fnuz),
+    torch.float8_e5m2fnuz: np.dtype(ml_dtypes.float8_e5m2fnuz),
+}
+_NUMPY_TO_TORCH = {np_dtype: dtype for dtype, np_dtype in TORCH_TO_NUMPY.items()}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype with the same bytes as a torch dtype; refuses others."""
+    try:
+        return TORCH_TO_NUMPY[dtype]
+    except KeyError:
+        known = ", ".join(str(d).removeprefix("torch.") for d in TORCH_TO_NUMPY)
+        raise TypeError(
+            f"ckptstore cannot store tensors of dtype {dtype}; supported: {known}"
+        ) from None
+
+
+def torch_dtype(dtype: np.dtype[Any], where: str) -> torch.dtype:
+    """The torch dtype of a manifest leaf's numpy dtype, or CorruptCheckpointError."""
+    try:
+        return _NUMPY_TO_TORCH[dtype]
+    except KeyError:
+        raise CorruptCheckpointError(f"{where}: dtype {dtype} has no torch equivalent") from None
 
 
 def served(url: str | os.PathLike[str]) -> bool:
@@ -230,3 +280,49 @@ class Packer(Generic[T]):
 
 def _aligned(offset: int) -> int:
     return -(-offset // ALIGN) * ALIGN
+
+
+class CheckpointTarget:
+    """Where one DCP checkpoint lives: a run root (URL or Store) and a step under it.
+
+    A URL whose last segment is a step number (``s3://b/run/100``) is step 100 of the root
+    ``s3://b/run``, exactly as :func:`ckptstore.save` would store it; any other URL is the root
+    of a checkpoint stored as step 0, unless ``step`` is given. Pickles without its store.
+    """
+
+    def __init__(
+        self, target: str | os.PathLike[str] | Store, step: int | None, options: dict[str, Any]
+    ) -> None:
+        if isinstance(target, Store):
+            self.url = f"{target.url}/{step or 0}"
+            self.handle = StoreHandle(target, options)
+            self.step = check_step(step or 0)
+            return
+        self.options = options
+        self.url = os.fspath(target)
+        root, self.step = _split(self.url, step)
+        self.handle = StoreHandle(root, options)
+
+    @property
+    def store(self) -> Store:
+        return self.handle.store
+
+    def point_at(self, checkpoint_id: str | os.PathLike[str]) -> None:
+        """Follow a ``checkpoint_id`` that DCP passes to ``reset``."""
+        url = os.fspath(checkpoint_id)
+        if url == self.url:
+            return
+        root, self.step = _split(url, None)
+        self.url = url
+        self.handle.reopen(root)
+
+
+def _split(url: str, step: int | None) -> tuple[str, int]:
+    if step is not None:
+        return url, check_step(step)
+    trimmed = url.rstrip("/")
+    parent, _, last = trimmed.rpartition("/")
+    number = parse_step(last)
+    if number is None or not parent or parent.endswith(":/") or parent.endswith(":"):
+        return url, 0
+    return parent, number
