@@ -1,3 +1,4 @@
 from __future__ import annotations
 
-pytest_plugins = ["tests.servers.seaweed"]
+# Server fixtures (moto, SeaweedFS, ...) live in tests/servers/, one plugin module each.
+pytest_plugins = ["tests.servers.moto", "tests.servers.seaweed"]

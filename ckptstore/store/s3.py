@@ -1,0 +1,1158 @@
+"""``s3://bucket/prefix``: Amazon S3 and S3-compatible stores, on aiobotocore directly.
+
+Why each piece is the way it is:
+
+* **One client per store**, created lazily on the event loop that first uses it (an aiohttp
+  session belongs to one loop) and closed by :meth:`S3Store.close`. Its connection pool is as
+  large as ``Settings.max_concurrency``, so the base class's parallel parts and ranges each get
+  a connection.
+* **Zero-copy bodies.** A part is sent as a ``memoryview`` of the caller's buffer; aiohttp
+  writes it to the socket as is. botocore's parameter validation only knows ``bytes`` and file
+  objects, so it is turned off: every request here is built by this module, not by a user.
+* **Checksums once.** The crc32c of every PutObject and UploadPart body is computed here, once
+  (in a thread for large bodies, which ``crc32c`` runs without the GIL), and sent as
+  ``x-amz-checksum-crc32c`` so the server rejects a body damaged on the way. botocore is told
+  to checksum only where a request requires it (``request_checksum_calculation=
+  "when_required"``; DeleteObjects does), or it would hash every body a second time; and
+  payload signing is off (over ``http://`` botocore would otherwise SHA-256 every byte). Reads
+  are verified by length here and by crc32c in the checkpoint layer, which knows the expected
+  value of every range; ``response_checksum_validation="when_required"`` keeps botocore from
+  asking for whole-object checksums a ranged read cannot use.
+* **Retries at two levels.** botocore's ``standard`` (or ``adaptive``) mode retries throttling
+  (503 SlowDown), 5xx and broken connections of a request. Errors while *reading a response
+  body* happen after botocore has returned, so :meth:`S3Store._read_into` retries those itself:
+  a reset, a timeout or a body shorter than its range restarts that range. A 409
+  ``ConditionalRequestConflict`` and a 400 ``BadDigest`` (the body was damaged in transit) are
+  retried here too.
+* **Put-if-absent** is ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload; 412
+  means another writer won. A server that ignores the header would let two writers both
+  "win", so the first create on a store runs a probe (write a scratch object twice with the
+  condition; the second must fail) and, if the server ignores it, refuses ``mode="create"``
+  unless the user declared ``single_writer=True``. When a create meets 412, the object's ETag
+  is compared with the ETag our own bytes give: equal means an earlier attempt of this same put
+  landed and only its reply was lost (botocore resends, and so does aiohttp, unseen by
+  botocore, when a keep-alive connection drops), and the put reports success. So a create
+  whose key already holds exactly the bytes sent succeeds; the commit layer's manifests carry
+  an attempt id, so two attempts never send the same bytes.
+* **Errors** are translated in one table (:data:`_ERROR_TABLE`); messages name the
+  ``s3://`` URL and the fix, and never carry credentials or signatures (AWS echoes the
+  signature in SignatureDoesNotMatch bodies, so only the code and message are kept).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import builtins
+import contextlib
+import hashlib
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar, NoReturn, TypeVar
+from urllib.parse import urlsplit
+
+import aiohttp
+import aiohttp.payload
+import botocore
+import botocore.exceptions as bx
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+
+from ckptstore.config import Settings
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CkptStoreError,
+    InvalidRangeError,
+    InvalidURLError,
+    NotFoundError,
+    NotSupportedError,
+    StoreError,
+)
+from ckptstore.store.base import (
+    TEMP_PREFIX,
+    Capabilities,
+    MultipartUpload,
+    ObjectMeta,
+    PutMode,
+    Store,
+    validate_key,
+)
+from ckptstore.store.options import parse_bool, split_settings
+
+__all__ = ["S3Store", "StaleUpload"]
+
+_log = logging.getLogger("ckptstore.s3")
+_T = TypeVar("_T")
+
+_MIN_PART = 5 << 20  # S3: every part but the last
+_MAX_PART = 5 << 30
+_MAX_PARTS = 10_000
+_DELETE_BATCH = 1000  # DeleteObjects limit
+_THREAD_CRC_BYTES = 1 << 20  # checksum larger bodies in a thread
+_READ_CHUNK = 1 << 20
+
+try:  # crc32c hashes any buffer (a memoryview too) and releases the GIL
+    import crc32c as _crc32c_mod
+
+    def _crc32c(data: memoryview) -> int:
+        return int(_crc32c_mod.crc32c(data))
+
+except ImportError:  # google-crc32c is a core dependency but takes only bytes: one copy
+    import google_crc32c as _google_crc32c
+
+    def _crc32c(data: memoryview) -> int:
+        return int(_google_crc32c.value(bytes(data)))
+
+
+def _b64_crc(value: int) -> str:
+    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
+
+
+class _ViewBody(aiohttp.payload.Payload):
+    """A request body that is a view of the caller's buffer, written to the socket as is.
+
+    A plain ``memoryview`` body would work in aiohttp but not in botocore, whose retry path
+    rewinds any body that is not ``bytes`` and fails on a view; this payload "rewinds" by
+    doing nothing (it is re-sent whole) and tells botocore its length.
+    """
+
+    _autoclose = True  # no resource to release, so aiohttp may reuse it on a retry
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__(view, content_type="application/octet-stream")
+        self._view = view
+        self._size = len(view)
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __repr__(self) -> str:
+        return f"<{len(self._view)} bytes>"
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return 0
+
+    def tell(self) -> int:
+        return 0
+
+    def decode(self, encoding: str = "utf-8", errors: str = "strict") -> str:
+        return bytes(self._view).decode(encoding, errors)
+
+    async def write(self, writer: Any) -> None:
+        await writer.write(self._view)
+
+    async def write_with_length(self, writer: Any, content_length: int | None) -> None:
+        view = self._view if content_length is None else self._view[:content_length]
+        await writer.write(view)
+
+    async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+        return bytes(self._view)
+
+
+# ---------------------------------------------------------------------------- errors
+
+#: Error code (or HTTP status as a string) -> (exception class, what to tell the user).
+_ERROR_TABLE: dict[str, tuple[type[CkptStoreError], str]] = {
+    "NoSuchKey": (NotFoundError, "does not exist"),
+    "404": (NotFoundError, "does not exist"),
+    "NotFound": (NotFoundError, "does not exist"),
+    "NoSuchBucket": (NotFoundError, "the bucket does not exist; create it or fix the URL"),
+    "NoSuchUpload": (NotFoundError, "the multipart upload was aborted or already completed"),
+    "PreconditionFailed": (AlreadyExistsError, "already exists"),
+    "412": (AlreadyExistsError, "already exists"),
+    "InvalidRange": (InvalidRangeError, "the byte range lies past the end of the object"),
+    "416": (InvalidRangeError, "the byte range lies past the end of the object"),
+    "AccessDenied": (
+        StoreError,
+        "access denied; check the credentials (options, AWS_* environment, profile) and the "
+        "bucket policy",
+    ),
+    "403": (StoreError, "forbidden; check the credentials and the bucket policy"),
+    "InvalidAccessKeyId": (
+        StoreError,
+        "the access key id is unknown to this endpoint; check AWS_ACCESS_KEY_ID, the profile, "
+        "or the access_key_id option",
+    ),
+    "SignatureDoesNotMatch": (
+        StoreError,
+        "the request signature was rejected; check the secret key and the region",
+    ),
+    "ExpiredToken": (StoreError, "the session token has expired; refresh the credentials"),
+    "SlowDown": (StoreError, "the server kept throttling (503 SlowDown) after every retry"),
+    "BadDigest": (StoreError, "the server kept receiving bytes that fail their checksum"),
+    "ConditionalRequestConflict": (
+        StoreError,
+        "a concurrent conditional write kept conflicting (409) after every retry",
+    ),
+}
+
+#: Codes retried by this module (botocore does not retry them).
+_RETRY_CODES = frozenset({"ConditionalRequestConflict", "409", "BadDigest"})
+
+
+def _error_code(exc: BaseException) -> tuple[str, int]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def _retry_attempts(exc: BaseException) -> int:
+    response = getattr(exc, "response", None) or {}
+    return int(response.get("ResponseMetadata", {}).get("RetryAttempts", 0) or 0)
+
+
+class _BodyError(Exception):
+    """A response body ended early or broke off; the request is retried."""
+
+
+# ---------------------------------------------------------------------------- options
+
+
+class _Secret:
+    """A credential string that never shows itself in a repr, a log line or an error."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: str) -> None:
+        self._value = value
+
+    def reveal(self) -> str:
+        return self._value
+
+    def __repr__(self) -> str:
+        return "<redacted>"
+
+    __str__ = __repr__
+
+
+@dataclass(frozen=True, slots=True)
+class StaleUpload:
+    """A multipart upload that was started and neither completed nor aborted.
+
+    Attributes:
+        key: the key relative to the store root.
+        upload_id: S3's id of the upload.
+        initiated: when it was started, seconds since the epoch.
+    """
+
+    key: str
+    upload_id: str
+    initiated: float
+
+
+class _ByteBudget:
+    """At most ``limit`` bytes of request bodies in flight; a request larger than the limit
+    runs alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._changed = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def hold(self, nbytes: int) -> AsyncIterator[None]:
+        need = min(nbytes, self.limit)
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.in_flight + need <= self.limit)
+            self.in_flight += need
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.in_flight -= need
+                self._changed.notify_all()
+
+
+# ---------------------------------------------------------------------------- the store
+
+
+class S3Store(Store):
+    """Objects under ``s3://bucket/prefix`` of Amazon S3 or any S3-compatible server.
+
+    Args:
+        bucket: the bucket name.
+        prefix: key prefix inside the bucket that is this store's root (``""`` for the bucket).
+        endpoint_url: the server, e.g. ``http://127.0.0.1:8333``; AWS if omitted.
+        region: the signing region (default: from the AWS config, else ``us-east-1``).
+        path_style: address buckets as ``endpoint/bucket`` rather than ``bucket.endpoint``;
+            most self-hosted servers need it (default: on when ``endpoint_url`` is given).
+        profile: an AWS profile from ``~/.aws/config`` / ``credentials``.
+        access_key_id, secret_access_key, session_token: explicit credentials; otherwise the
+            usual AWS chain (environment, profile, instance metadata) applies.
+        anonymous: send unsigned requests (public buckets, anonymous test servers).
+        verify: ``False`` to skip TLS verification, or the path of a CA bundle (self-signed
+            test servers).
+        single_writer: promise that no other process writes this prefix; lets
+            ``mode="create"`` work on a server that ignores ``If-None-Match`` (non-atomic).
+        retry_mode: botocore retry mode, ``"standard"`` or ``"adaptive"`` (client-side rate
+            limiting on throttling).
+        max_attempts: attempts per request, botocore's and this module's body retries alike.
+        connect_timeout, read_timeout: seconds.
+        settings: part size, concurrency and the other tunables.
+    """
+
+    schemes: ClassVar[tuple[str, ...]] = ("s3",)
+    url_query_options: ClassVar[bool] = True
+    #: Keys per ListObjectsV2 page (S3's maximum; tests lower it to exercise pagination).
+    list_page_size: int = 1000
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        path_style: bool | None = None,
+        profile: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        anonymous: bool = False,
+        verify: bool | str | None = None,
+        single_writer: bool = False,
+        retry_mode: str = "standard",
+        max_attempts: int = 10,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        settings: Settings | None = None,
+    ) -> None:
+        super().__init__(settings=settings)
+        if not bucket or "/" in bucket:
+            raise InvalidURLError(f"invalid S3 bucket name {bucket!r}")
+        prefix = prefix.strip("/")
+        if prefix:
+            validate_key(prefix)
+        if retry_mode not in ("standard", "adaptive", "legacy"):
+            raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
+        if (access_key_id is None) != (secret_access_key is None):
+            raise ValueError("give both access_key_id and secret_access_key, or neither")
+        self.bucket = bucket
+        self.prefix = prefix
+        self._root = prefix + "/" if prefix else ""
+        self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        self.region = region
+        self.path_style = endpoint_url is not None if path_style is None else path_style
+        self.profile = profile
+        self.anonymous = anonymous
+        self.verify = verify
+        self.single_writer = single_writer
+        self.retry_mode = retry_mode
+        self.max_attempts = max_attempts
+        self.connect_timeout = connect_timeout
+        self.read_timeout = read_timeout
+        self._access_key_id = _Secret(access_key_id) if access_key_id is not None else None
+        self._secret_access_key = (
+            _Secret(secret_access_key) if secret_access_key is not None else None
+        )
+        self._session_token = _Secret(session_token) if session_token is not None else None
+        self._client: Any = None
+        self._client_cm: Any = None
+        self._client_loop: asyncio.AbstractEventLoop | None = None
+        self._client_ready: asyncio.Future[Any] | None = None
+        self._budget: _ByteBudget | None = None
+        # None: not probed yet; True/False: whether If-None-Match is honoured
+        self._conditional: dict[str, bool] = {}
+        self._probe_lock: asyncio.Lock | None = None
+        self._closed = False
+        self._bucket_exists = False
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_url(cls, url: str, **options: Any) -> S3Store:
+        # docstring inherited
+        settings, rest = split_settings(options)
+        parts = urlsplit(url)
+        if parts.scheme.lower() != "s3":
+            raise InvalidURLError(f"not an s3:// URL: {url!r}")
+        if parts.username or parts.password:
+            raise InvalidURLError(
+                "credentials do not belong in an s3:// URL; pass access_key_id/"
+                "secret_access_key options or use the AWS environment or a profile"
+            )
+        if not parts.netloc:
+            raise InvalidURLError(f"{url!r} names no bucket (s3://bucket/prefix)")
+        kwargs: dict[str, Any] = {}
+        for name in ("endpoint_url", "region", "profile", "retry_mode"):
+            if name in rest:
+                kwargs[name] = str(rest.pop(name))
+        for name in ("access_key_id", "secret_access_key", "session_token"):
+            if name in rest:
+                kwargs[name] = rest.pop(name)
+        for name in ("path_style", "anonymous", "single_writer"):
+            if name in rest:
+                kwargs[name] = parse_bool(name, rest.pop(name))
+        if "max_attempts" in rest:
+            kwargs["max_attempts"] = int(rest.pop("max_attempts"))
+        for name in ("connect_timeout", "read_timeout"):
+            if name in rest:
+                kwargs[name] = float(rest.pop(name))
+        if "verify" in rest:
+            verify = rest.pop("verify")
+            if isinstance(verify, str) and verify.lower() in {"0", "1", "true", "false"}:
+                verify = parse_bool("verify", verify)
+            kwargs["verify"] = verify
+        if rest:
+            raise TypeError(
+                f"S3Store: unknown options {sorted(rest)}; known: endpoint_url, region, "
+                "path_style, profile, access_key_id, secret_access_key, session_token, "
+                "anonymous, verify, single_writer, retry_mode, max_attempts, connect_timeout, "
+                "read_timeout and the Settings fields"
+            )
+        return cls(parts.netloc, parts.path, settings=settings, **kwargs)
+
+    @property
+    def url(self) -> str:
+        # docstring inherited
+        return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # docstring inherited
+        return Capabilities(
+            atomic_create=True,  # checked by a probe on first use; see _require_conditional
+            multipart=True,
+            min_part_size=_MIN_PART,
+            max_part_size=_MAX_PART,
+            max_parts=_MAX_PARTS,
+        )
+
+    def __repr__(self) -> str:
+        where = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"S3Store({self.url!r}{where})"
+
+    def _where(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._root}{key}"
+
+    # ------------------------------------------------------------------ client
+
+    def _config(self) -> Any:
+        extra: dict[str, Any] = {}
+        if self.anonymous:
+            extra["signature_version"] = botocore.UNSIGNED
+        return AioConfig(
+            region_name=self.region,
+            max_pool_connections=self.settings.max_concurrency + 4,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
+            s3={
+                "addressing_style": "path" if self.path_style else "auto",
+                "payload_signing_enabled": False,
+            },
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            parameter_validation=False,  # lets a memoryview through as a body
+            tcp_keepalive=True,
+            **extra,
+        )
+
+    async def _get_client(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._closed:
+            raise StoreError(f"{self.url}: the store is closed")
+        if self._client_ready is not None:
+            if self._client_loop is not loop:
+                raise StoreError(
+                    f"{self.url}: this store's client belongs to another event loop; open one "
+                    "store per loop (sync callers share ckptstore.background's loop)"
+                )
+            return await asyncio.shield(self._client_ready)
+        self._client_loop = loop
+        self._client_ready = loop.create_future()
+        try:
+            client = await self._open_client()
+        except BaseException as exc:
+            self._client_ready.set_exception(exc)
+            self._client_ready.exception()  # mark retrieved; the caller raises it
+            self._client_ready = None
+            raise
+        self._client_ready.set_result(client)
+        return client
+
+    async def _open_client(self) -> Any:
+        session = AioSession(profile=self.profile) if self.profile else AioSession()
+        kwargs: dict[str, Any] = {"config": self._config()}
+        if self.endpoint_url:
+            kwargs["endpoint_url"] = self.endpoint_url
+        region = self.region or session.get_config_variable("region") or "us-east-1"
+        kwargs["region_name"] = region
+        if self._access_key_id is not None and self._secret_access_key is not None:
+            kwargs["aws_access_key_id"] = self._access_key_id.reveal()
+            kwargs["aws_secret_access_key"] = self._secret_access_key.reveal()
+            if self._session_token is not None:
+                kwargs["aws_session_token"] = self._session_token.reveal()
+        if self.verify is not None:
+            kwargs["verify"] = self.verify
+        self._client_cm = session.create_client("s3", **kwargs)
+        self._client = await self._client_cm.__aenter__()
+        return self._client
+
+    async def close(self) -> None:
+        # docstring inherited
+        self._closed = True
+        cm, self._client_cm, self._client = self._client_cm, None, None
+        self._client_ready = None
+        if cm is not None:
+            await cm.__aexit__(None, None, None)
+
+    def _bytes(self) -> _ByteBudget:
+        if self._budget is None or self._budget.limit != self.settings.max_inflight_bytes:
+            self._budget = _ByteBudget(self.settings.max_inflight_bytes)
+        return self._budget
+
+    # ------------------------------------------------------------------ requests and errors
+
+    def _translate(self, exc: BaseException, op: str, key: str) -> CkptStoreError:
+        """Map a botocore/aiohttp exception to ckptstore's tree (never echoing credentials)."""
+        where = self._where(key) if key else f"s3://{self.bucket}/{self._root}"
+        if isinstance(exc, bx.ClientError):
+            code, status = _error_code(exc)
+            entry = _ERROR_TABLE.get(code) or _ERROR_TABLE.get(str(status))
+            message = str(exc.response.get("Error", {}).get("Message", "") or "")
+            tries = _retry_attempts(exc) + 1
+            if entry is not None:
+                cls, what = entry
+                if code == "NoSuchBucket" or (cls is NotFoundError and op == "list"):
+                    return cls(f"{op} {where}: bucket {self.bucket!r}: {what}")
+                return cls(f"{op} {where}: {what} ({code or status})")
+            return StoreError(
+                f"{op} {where} failed after {tries} attempt(s): HTTP {status} {code}: {message}"
+            )
+        if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
+            return StoreError(
+                f"{op} {where}: no S3 credentials found; set AWS_ACCESS_KEY_ID/"
+                "AWS_SECRET_ACCESS_KEY, choose a profile, pass access_key_id/secret_access_key, "
+                "or anonymous=True for a public bucket"
+            )
+        if isinstance(exc, bx.EndpointConnectionError | bx.ConnectTimeoutError):
+            return StoreError(
+                f"{op} {where}: cannot reach {self.endpoint_url or 'AWS S3'} after "
+                f"{self.max_attempts} attempt(s) ({type(exc).__name__}); check endpoint_url "
+                "and the network"
+            )
+        if isinstance(exc, bx.BotoCoreError | _BodyError | OSError):
+            return StoreError(
+                f"{op} {where} failed after {self.max_attempts} attempt(s): "
+                f"{type(exc).__name__}: {exc}"
+            )
+        return StoreError(f"{op} {where} failed: {type(exc).__name__}")
+
+    def _raise(self, exc: BaseException, op: str, key: str) -> NoReturn:
+        raise self._translate(exc, op, key) from None
+
+    async def _backoff(self, attempt: int) -> None:
+        await asyncio.sleep(min(2.0, 0.05 * (2**attempt)) * random.uniform(0.5, 1.0))
+
+    async def _call(
+        self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
+    ) -> _T:
+        """One API call, with this module's retries on top of botocore's; raw botocore
+        exceptions propagate (callers translate them, some inspect them first)."""
+        attempt = 0
+        while True:
+            try:
+                return await fn(**params)
+            except bx.ClientError as exc:
+                code, status = _error_code(exc)
+                if (code in _RETRY_CODES or status == 409) and attempt + 1 < self.max_attempts:
+                    _log.debug("%s %s: %s, retrying", op, self._where(key), code or status)
+                    attempt += 1
+                    await self._backoff(attempt)
+                    continue
+                raise
+
+    # ------------------------------------------------------------------ put-if-absent
+
+    async def _require_conditional(self, kind: str) -> bool:
+        """Whether ``If-None-Match`` is honoured for ``kind`` ("put" or "multipart"); probe
+        once per store. Raise if it is not and the user did not declare single_writer."""
+        if kind not in self._conditional:
+            if self._probe_lock is None:
+                self._probe_lock = asyncio.Lock()
+            async with self._probe_lock:
+                if kind not in self._conditional:
+                    self._conditional[kind] = await self._probe(kind)
+                    if not self._conditional[kind]:
+                        _log.warning(
+                            "%s ignores If-None-Match on %s; put-if-absent is not atomic there",
+                            self.endpoint_url or "the S3 endpoint",
+                            "PutObject" if kind == "put" else "CompleteMultipartUpload",
+                        )
+        if self._conditional[kind] or self.single_writer:
+            return self._conditional[kind]
+        raise NotSupportedError(
+            "put(mode='create')",
+            "S3Store",
+            f"the server at {self.endpoint_url or 'AWS S3'} ignored If-None-Match: * on "
+            f"{'PutObject' if kind == 'put' else 'CompleteMultipartUpload'} (a probe wrote one "
+            "scratch object twice and both writes succeeded), so two writers could both "
+            "commit. Use a server that supports conditional writes, or pass "
+            "single_writer=True if only one process ever writes under "
+            f"{self.url}",
+        )
+
+    async def _probe(self, kind: str) -> bool:
+        client = await self._get_client()
+        name = f"{TEMP_PREFIX}probe-{uuid.uuid4().hex}"
+        full = self._root + name
+        try:
+            for attempt in range(2):
+                try:
+                    if kind == "put":
+                        await self._call(
+                            "put",
+                            name,
+                            client.put_object,
+                            Bucket=self.bucket,
+                            Key=full,
+                            Body=b"probe",
+                            IfNoneMatch="*",
+                        )
+                    else:
+                        await self._probe_multipart(client, full)
+                except bx.ClientError as exc:
+                    code, status = _error_code(exc)
+                    if status == 412 or code == "PreconditionFailed":
+                        if attempt == 1:
+                            return True
+                        continue  # the key is ours alone: a lost reply, the write landed
+                    self._raise(exc, "probe conditional write", name)
+            return False
+        finally:
+            with contextlib.suppress(Exception):
+                await client.delete_object(Bucket=self.bucket, Key=full)
+
+    async def _probe_multipart(self, client: Any, full: str) -> None:
+        created = await client.create_multipart_upload(Bucket=self.bucket, Key=full)
+        upload_id = created["UploadId"]
+        try:
+            part = await client.upload_part(
+                Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=1, Body=b"probe"
+            )
+            await client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=full,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
+                IfNoneMatch="*",
+            )
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id
+                )
+            raise
+
+    async def _landed(self, key: str, expected_etag: str) -> bool:
+        """Whether ``key`` now holds the object whose ETag we expect (our own earlier attempt
+        landed and only its response was lost)."""
+        try:
+            meta = await self._head(key)
+        except NotFoundError:
+            return False
+        return meta.etag is not None and meta.etag.strip('"') == expected_etag
+
+    # ------------------------------------------------------------------ writes
+
+    async def _checksum(self, data: memoryview) -> str:
+        if len(data) >= _THREAD_CRC_BYTES:
+            return _b64_crc(await asyncio.to_thread(_crc32c, data))
+        return _b64_crc(_crc32c(data))
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        # docstring inherited
+        client = await self._get_client()
+        params: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": self._root + key,
+            "Body": _ViewBody(data),
+            "ChecksumCRC32C": await self._checksum(data),
+        }
+        if mode == "create":
+            if await self._require_conditional("put"):
+                params["IfNoneMatch"] = "*"
+            elif await self._exists_raw(key):  # single_writer on a server without conditions
+                raise AlreadyExistsError(f"{self._where(key)} already exists")
+        try:
+            async with self._bytes().hold(len(data)):
+                await self._call("put", key, client.put_object, **params)
+        except bx.ClientError as exc:
+            code, status = _error_code(exc)
+            if mode == "create" and (status == 412 or code == "PreconditionFailed"):
+                # A retried request (botocore's, or aiohttp's own resend on a dropped
+                # keep-alive connection, which botocore never sees) may meet the object its
+                # first attempt wrote: the same bytes under the key mean this put landed.
+                digest = await asyncio.to_thread(_md5_hex, data)
+                if await self._landed(key, digest):
+                    _log.info(
+                        "put %s: met 412, but the object holds exactly the bytes sent; an "
+                        "earlier attempt landed and its response was lost",
+                        self._where(key),
+                    )
+                    return
+                raise AlreadyExistsError(
+                    f"{self._where(key)} already exists (put-if-absent lost to another writer)"
+                ) from None
+            self._raise(exc, "put", key)
+        except (bx.BotoCoreError, OSError) as exc:
+            self._raise(exc, "put", key)
+
+    async def _exists_raw(self, key: str) -> bool:
+        try:
+            await self._head(key)
+        except NotFoundError:
+            return False
+        return True
+
+    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+        # docstring inherited
+        client = await self._get_client()
+        conditional = False
+        if mode == "create":
+            conditional = await self._require_conditional("multipart")
+            if not conditional and await self._exists_raw(key):
+                raise AlreadyExistsError(f"{self._where(key)} already exists")
+        try:
+            created = await self._call(
+                "create_multipart",
+                key,
+                client.create_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._root + key,
+                ChecksumAlgorithm="CRC32C",
+            )
+        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            self._raise(exc, "create_multipart", key)
+        return _S3Upload(self, key, created["UploadId"], part_size, mode, conditional)
+
+    # ------------------------------------------------------------------ reads
+
+    async def _get(self, key: str) -> bytes:
+        # docstring inherited
+        holder: builtins.list[bytearray] = []
+        await self._retrying_read(key, 0, None, holder)
+        return bytes(holder[0])
+
+    async def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        # docstring inherited
+        if len(out) == 0:
+            await self._head(key)
+            return
+        async with self._bytes().hold(len(out)):
+            await self._retrying_read(key, start, out, [])
+
+    async def _retrying_read(
+        self, key: str, start: int, out: memoryview | None, whole: builtins.list[bytearray]
+    ) -> None:
+        """GET ``[start, start + len(out))`` into ``out`` (or, with ``out=None``, the whole
+        object into a new buffer put in ``whole``), restarting on broken bodies."""
+        client = await self._get_client()
+        attempt = 0
+        while True:
+            try:
+                await self._fetch(client, key, start, out, whole)
+            except bx.ClientError as exc:
+                code, status = _error_code(exc)
+                if out is not None and (code == "InvalidRange" or status == 416):
+                    raise InvalidRangeError(
+                        f"range [{start}, {start + len(out)}) reaches past the end of "
+                        f"{self._where(key)}"
+                    ) from None
+                if status == 404 and code != "NoSuchKey":
+                    await self._raise_missing_bucket(client, key)
+                self._raise(exc, "read", key)
+            except (_BodyError, bx.BotoCoreError, OSError) as exc:
+                attempt += 1
+                if attempt >= self.max_attempts:
+                    self._raise(exc, "read", key)
+                _log.debug("read %s: %s, retrying", self._where(key), exc)
+                await self._backoff(attempt)
+            else:
+                return
+
+    async def _fetch(
+        self,
+        client: Any,
+        key: str,
+        start: int,
+        out: memoryview | None,
+        whole: builtins.list[bytearray],
+    ) -> None:
+        params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._root + key}
+        if out is not None:
+            params["Range"] = f"bytes={start}-{start + len(out) - 1}"
+        response = await client.get_object(**params)
+        body = response["Body"]
+        try:
+            length = response.get("ContentLength")
+            if out is None:
+                if not isinstance(length, int):
+                    raise _BodyError("the server announced no Content-Length")
+                whole[:] = [bytearray(length)]
+                out = memoryview(whole[0])
+            else:
+                end = start + len(out)
+                total = _total_size(response.get("ContentRange"))
+                if total is not None and total < end:
+                    raise InvalidRangeError(
+                        f"range [{start}, {end}) reaches past the end of {self._where(key)} "
+                        f"({total} bytes)"
+                    )
+            if length != len(out):
+                raise _BodyError(f"asked for {len(out)} bytes, the server announced {length}")
+            stream = body.raw_stream.content
+            got = 0
+            try:
+                while got < len(out):
+                    chunk = await stream.read(min(_READ_CHUNK, len(out) - got))
+                    if not chunk:
+                        break
+                    out[got : got + len(chunk)] = chunk
+                    got += len(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                raise _BodyError(f"the body broke off after {got} bytes: {exc}") from None
+            if got != len(out):
+                raise _BodyError(f"the body ended after {got} of {len(out)} bytes")
+        finally:
+            body.close()
+
+    async def _head(self, key: str) -> ObjectMeta:
+        # docstring inherited
+        client = await self._get_client()
+        try:
+            response = await self._call(
+                "head", key, client.head_object, Bucket=self.bucket, Key=self._root + key
+            )
+        except bx.ClientError as exc:
+            if _error_code(exc)[1] == 404:
+                await self._raise_missing_bucket(client, key)
+            self._raise(exc, "head", key)
+        except (bx.BotoCoreError, OSError) as exc:
+            self._raise(exc, "head", key)
+        modified = response.get("LastModified")
+        return ObjectMeta(
+            key,
+            int(response["ContentLength"]),
+            response.get("ETag"),
+            modified.timestamp() if modified is not None else None,
+        )
+
+    async def _raise_missing_bucket(self, client: Any, key: str) -> None:
+        """A 404 without an error code (HEAD has no body) may mean a missing bucket rather
+        than a missing key: ask once, and remember a bucket that exists."""
+        if self._bucket_exists:
+            return
+        try:
+            await client.head_bucket(Bucket=self.bucket)
+        except bx.ClientError as exc:
+            if _error_code(exc)[1] == 404:
+                raise NotFoundError(
+                    f"{self._where(key)}: bucket {self.bucket!r} does not exist at "
+                    f"{self.endpoint_url or 'AWS S3'}; create it or fix the URL"
+                ) from None
+            return
+        except (bx.BotoCoreError, OSError):
+            return
+        self._bucket_exists = True
+
+    # ------------------------------------------------------------------ listing, deletes
+
+    async def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        # docstring inherited
+        # S3 lists in UTF-8 byte order, but not every S3-compatible server does: SeaweedFS
+        # walks its directory tree, so "a/b" comes before "a.x". The pages are gathered and
+        # sorted (one pass to check, a sort only if needed) to keep the contract's order.
+        found: builtins.list[ObjectMeta] = []
+        ordered = True
+        async for meta in self._list_pages(prefix):
+            if found and meta.key < found[-1].key:
+                ordered = False
+            found.append(meta)
+        if not ordered:
+            found.sort(key=lambda meta: meta.key)
+        for meta in found:
+            yield meta
+
+    async def _list_pages(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+        client = await self._get_client()
+        cut = len(self._root)
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": self._root + prefix,
+                "MaxKeys": self.list_page_size,
+            }
+            if token:
+                params["ContinuationToken"] = token
+            try:
+                page = await self._call("list", prefix, client.list_objects_v2, **params)
+            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+                self._raise(exc, "list", prefix)
+            for item in page.get("Contents", ()):
+                key = item["Key"][cut:]
+                if not _listable(key):
+                    continue
+                modified = item.get("LastModified")
+                yield ObjectMeta(
+                    key,
+                    int(item["Size"]),
+                    item.get("ETag"),
+                    modified.timestamp() if modified is not None else None,
+                )
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def _list_prefixes(self, prefix: str) -> builtins.list[str]:
+        # docstring inherited
+        client = await self._get_client()
+        cut = len(self._root)
+        found: builtins.list[str] = []
+        token: str | None = None
+        while True:
+            params: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Prefix": self._root + prefix,
+                "Delimiter": "/",
+                "MaxKeys": self.list_page_size,
+            }
+            if token:
+                params["ContinuationToken"] = token
+            try:
+                page = await self._call("list", prefix, client.list_objects_v2, **params)
+            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+                self._raise(exc, "list", prefix)
+            for item in page.get("CommonPrefixes", ()):
+                name = item["Prefix"][cut:]
+                if name.strip("/") and _listable(name.rstrip("/")):
+                    found.append(name)
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return sorted(set(found))
+
+    async def _delete(self, keys: builtins.list[str]) -> None:
+        # docstring inherited
+        client = await self._get_client()
+        failed: builtins.list[str] = []
+        for i in range(0, len(keys), _DELETE_BATCH):
+            batch = keys[i : i + _DELETE_BATCH]
+            try:
+                response = await self._call(
+                    "delete",
+                    batch[0],
+                    client.delete_objects,
+                    Bucket=self.bucket,
+                    Delete={"Objects": [{"Key": self._root + k} for k in batch], "Quiet": True},
+                )
+            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+                self._raise(exc, "delete", batch[0])
+            for error in response.get("Errors", ()):
+                if error.get("Code") == "NoSuchKey":
+                    continue
+                failed.append(f"{error.get('Key', '?')[len(self._root) :]} ({error.get('Code')})")
+        if failed:
+            shown = ", ".join(failed[:5]) + (
+                f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+            )
+            raise StoreError(
+                f"delete under s3://{self.bucket}/{self._root}: {len(failed)} key(s) were not "
+                f"deleted: {shown}"
+            )
+
+    # ------------------------------------------------------------------ multipart upkeep
+
+    async def multipart_uploads(self, prefix: str = "") -> builtins.list[StaleUpload]:
+        """Multipart uploads under ``prefix`` that were started and not yet completed or
+        aborted (ListMultipartUploads, paginated)."""
+        client = await self._get_client()
+        found: builtins.list[StaleUpload] = []
+        params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._root + prefix}
+        while True:
+            try:
+                page = await self._call("list", prefix, client.list_multipart_uploads, **params)
+            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+                self._raise(exc, "list multipart uploads", prefix)
+            for item in page.get("Uploads", ()):
+                found.append(
+                    StaleUpload(
+                        item["Key"][len(self._root) :],
+                        item["UploadId"],
+                        item["Initiated"].timestamp(),
+                    )
+                )
+            if not page.get("IsTruncated"):
+                return found
+            params["KeyMarker"] = page.get("NextKeyMarker", "")
+            params["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    async def abort_stale_uploads(self, prefix: str = "", older_than: float = 86400.0) -> int:
+        """Abort multipart uploads under ``prefix`` started more than ``older_than`` seconds
+        ago (a crashed writer's parts, which S3 bills for until aborted). Returns how many
+        were aborted. Uploads younger than that may belong to a running save and are kept."""
+        client = await self._get_client()
+        cutoff = time.time() - older_than
+        aborted = 0
+        for upload in await self.multipart_uploads(prefix):
+            if upload.initiated > cutoff:
+                continue
+            try:
+                await self._call(
+                    "abort_multipart",
+                    upload.key,
+                    client.abort_multipart_upload,
+                    Bucket=self.bucket,
+                    Key=self._root + upload.key,
+                    UploadId=upload.upload_id,
+                )
+            except bx.ClientError as exc:
+                if _error_code(exc)[0] != "NoSuchUpload":
+                    self._raise(exc, "abort_multipart", upload.key)
+                continue
+            aborted += 1
+        return aborted
+
+
+def _listable(key: str) -> bool:
+    """Keys this store shows: valid keys that are not our in-progress scratch objects."""
+    if not key or key.endswith("/"):
+        return False
+    return not any(segment.startswith(TEMP_PREFIX) for segment in key.split("/"))
+
+
+def _total_size(content_range: str | None) -> int | None:
+    if not content_range or "/" not in content_range:
+        return None
+    total = content_range.rsplit("/", 1)[1]
+    return int(total) if total.isdigit() else None
+
+
+def _md5_hex(data: memoryview) -> str:
+    return hashlib.md5(data, usedforsecurity=False).hexdigest()
+
+
+def _multipart_etag(part_etags: builtins.list[str]) -> str:
+    """The ETag S3 gives a multipart object: md5 of the parts' binary md5s, dash, count."""
+    joined = b"".join(binascii.unhexlify(etag.strip('"')) for etag in part_etags)
+    return f"{hashlib.md5(joined, usedforsecurity=False).hexdigest()}-{len(part_etags)}"
+
+
+class _S3Upload(MultipartUpload):
+    """One S3 multipart upload; parts carry their crc32c, complete may be conditional."""
+
+    def __init__(
+        self,
+        store: S3Store,
+        key: str,
+        upload_id: str,
+        part_size: int,
+        mode: PutMode,
+        conditional: bool,
+    ) -> None:
+        super().__init__(key, part_size, mode)
+        self._store = store
+        self._upload_id = upload_id
+        self._conditional = conditional
+        self._parts: dict[int, tuple[str, str]] = {}  # index -> (ETag, crc32c)
+        self._finished = False
+
+    def __repr__(self) -> str:
+        return f"<S3 multipart upload of {self._store._where(self.key)}>"
+
+    async def _put_part(self, index: int, data: memoryview) -> None:
+        if index >= _MAX_PARTS:
+            raise ValueError(f"part index {index} is over S3's limit of {_MAX_PARTS} parts")
+        store = self._store
+        client = await store._get_client()
+        crc = await store._checksum(data)
+        try:
+            async with store._bytes().hold(len(data)):
+                response = await store._call(
+                    "put_part",
+                    self.key,
+                    client.upload_part,
+                    Bucket=store.bucket,
+                    Key=store._root + self.key,
+                    UploadId=self._upload_id,
+                    PartNumber=index + 1,
+                    Body=_ViewBody(data),
+                    ChecksumCRC32C=crc,
+                )
+        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            store._raise(exc, f"put_part {index} of", self.key)
+        self._parts[index] = (response["ETag"], crc)
+
+    async def _complete(self, part_count: int, size: int) -> ObjectMeta:
+        store = self._store
+        client = await store._get_client()
+        if part_count == 0:  # S3 refuses an upload without parts; an empty object is one put
+            await self._abort()
+            await store._put(self.key, memoryview(b""), self.mode)
+            return await store._head(self.key)
+        etags = [self._parts[i][0] for i in range(part_count)]
+        params: dict[str, Any] = {
+            "Bucket": store.bucket,
+            "Key": store._root + self.key,
+            "UploadId": self._upload_id,
+            "MultipartUpload": {
+                "Parts": [
+                    {"PartNumber": i + 1, "ETag": etag, "ChecksumCRC32C": self._parts[i][1]}
+                    for i, etag in enumerate(etags)
+                ]
+            },
+        }
+        if self.mode == "create" and self._conditional:
+            params["IfNoneMatch"] = "*"
+        try:
+            response = await store._call(
+                "complete_multipart", self.key, client.complete_multipart_upload, **params
+            )
+        except bx.ClientError as exc:
+            code, status = _error_code(exc)
+            lost = code in ("PreconditionFailed", "NoSuchUpload") or status == 412
+            # a retry after a lost response: the first Complete may have landed
+            if lost and await store._landed(self.key, _multipart_etag(etags)):
+                self._finished = True
+                return await store._head(self.key)
+            if self.mode == "create" and (status == 412 or code == "PreconditionFailed"):
+                raise AlreadyExistsError(
+                    f"{store._where(self.key)} already exists (put-if-absent lost to another "
+                    "writer)"
+                ) from None
+            store._raise(exc, "complete_multipart", self.key)
+        except (bx.BotoCoreError, OSError) as exc:
+            store._raise(exc, "complete_multipart", self.key)
+        self._finished = True
+        return ObjectMeta(self.key, size, response.get("ETag"))
+
+    async def _abort(self) -> None:
+        if self._finished:
+            return
+        store = self._store
+        client = await store._get_client()
+        try:
+            await store._call(
+                "abort_multipart",
+                self.key,
+                client.abort_multipart_upload,
+                Bucket=store.bucket,
+                Key=store._root + self.key,
+                UploadId=self._upload_id,
+            )
+        except bx.ClientError as exc:
+            if _error_code(exc)[0] != "NoSuchUpload":
+                store._raise(exc, "abort_multipart", self.key)
+        except (bx.BotoCoreError, OSError) as exc:
+            store._raise(exc, "abort_multipart", self.key)
+        self._finished = True
+        self._parts.clear()
