@@ -1,7 +1,8 @@
 """One rank of a multi-process DCP scenario; tests/test_dcp_multirank.py starts N of these.
 
 Usage: ``python tests/dcp_ranks.py SCENARIO URL [URL...]`` with RANK, WORLD_SIZE, MASTER_ADDR
-and MASTER_PORT set. Each rank prints one ``RESULT <json>`` line; the test reads it.
+and MASTER_PORT set, and store options as JSON in CKPTSTORE_TEST_STORE_OPTIONS. Each rank
+prints one ``RESULT <json>`` line; the test reads it.
 
 The state is the same on every run: a row-sharded DTensor (so saving on 4 ranks and loading
 on 2 makes DCP reshard), a replicated tensor, a bytes value, and many small tensors.
@@ -29,6 +30,8 @@ from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
 
+#: Store options (an S3 endpoint...) as JSON, from the test.
+OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 ROWS, COLS = 1024, 256  # 1 MiB of float32, sharded by rows
 
 
@@ -90,7 +93,7 @@ class FailingPlanner(DefaultSavePlanner):
 
 def wait_for_own_object(url: str) -> None:
     """Poll until this rank has at least one object stored, so it dies mid-save."""
-    store = open_store(url)
+    store = open_store(url, **OPTIONS)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         keys = background.run(store.list_keys())
@@ -100,26 +103,27 @@ def wait_for_own_object(url: str) -> None:
 
 
 def scenario_save(mesh: Any, url: str, seed: str) -> dict[str, Any]:
-    dcp.save(make_state(mesh, int(seed)), storage_writer=ckptstore.dcp.Writer(url))
+    dcp.save(make_state(mesh, int(seed)), storage_writer=ckptstore.dcp.Writer(url, **OPTIONS))
     return {"saved": True}
 
 
 def scenario_load(mesh: Any, url: str, seed: str) -> dict[str, Any]:
     root, step = url.rsplit("/", 1)  # count the requests to the whole root
-    counting = CountingStore(open_store(root))
+    counting = CountingStore(open_store(root, **OPTIONS))
     state = make_state(mesh, 0, empty=True)
     dcp.load(state, storage_reader=ckptstore.dcp.Reader(counting, step=int(step)))
+    background.run(counting.close())  # a Store the caller passes in stays the caller's
     return {"exact": check_state(state, int(seed)), "bytes_read": counting.bytes["read"]}
 
 
 def scenario_failures(mesh: Any, good: str, failed: str, died: str) -> dict[str, Any]:
     """Save ``good``; then a save where rank 1 raises; then one where rank 1 dies."""
-    dcp.save(make_state(mesh, 1), storage_writer=ckptstore.dcp.Writer(good))
+    dcp.save(make_state(mesh, 1), storage_writer=ckptstore.dcp.Writer(good, **OPTIONS))
     outcome: dict[str, Any] = {}
     try:
         dcp.save(
             make_state(mesh, 2),
-            storage_writer=ckptstore.dcp.Writer(failed),
+            storage_writer=ckptstore.dcp.Writer(failed, **OPTIONS),
             planner=FailingPlanner("raise", failed),
         )
         outcome["raise"] = "succeeded"
@@ -130,7 +134,7 @@ def scenario_failures(mesh: Any, good: str, failed: str, died: str) -> dict[str,
         dcp.save(
             make_state(mesh, 3),
             # small packs, so rank 1 has uploaded some objects when it dies
-            storage_writer=ckptstore.dcp.Writer(died, pack_size=512),
+            storage_writer=ckptstore.dcp.Writer(died, pack_size=512, **OPTIONS),
             planner=FailingPlanner("die", died),
         )
         outcome["die"] = "succeeded"
@@ -147,7 +151,7 @@ def scenario_async(mesh: Any, thread_url: str, process_url: str) -> dict[str, An
     """
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    writer = ckptstore.dcp.Writer(thread_url)
+    writer = ckptstore.dcp.Writer(thread_url, **OPTIONS)
     dcp.async_save(make_state(mesh, 5), checkpoint_id=thread_url, storage_writer=writer).result(
         timeout=120
     )
@@ -160,7 +164,7 @@ def scenario_async(mesh: Any, thread_url: str, process_url: str) -> dict[str, An
     exact = []
     for url, seed in ((thread_url, 5), (process_url, 6)):
         loaded = make_state(mesh, 0, empty=True)
-        dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
+        dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url, **OPTIONS))
         exact.append(check_state(loaded, seed))
     return {"exact": exact}
 

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,29 +104,73 @@ def assert_all_ok(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
     return [outcome.results[-1] for outcome in outcomes]
 
 
-def keys_under(url: str) -> list[str]:
-    return background.run(open_store(url).list_keys())
+@dataclass
+class Target:
+    """Where checkpoints go: a base URL and the store options that reach it."""
+
+    base: str
+    options: dict[str, Any]
+
+    def env(self) -> dict[str, str]:
+        return {"CKPTSTORE_TEST_STORE_OPTIONS": json.dumps(self.options)}
+
+    def keys(self, url: str) -> list[str]:
+        async def run() -> list[str]:
+            async with open_store(url, **self.options) as store:
+                return await store.list_keys()
+
+        return background.run(run())
+
+    def steps(self) -> list[int]:
+        async def run() -> list[int]:
+            async with open_store(self.base, **self.options) as store:
+                return await ckptstore.alist_steps(store)
+
+        return background.run(run())
 
 
-@pytest.fixture(params=["local"])
-def target(request: pytest.FixtureRequest, tmp_path: Path) -> str:
-    """The base URL checkpoints go under (one per backend)."""
-    return str(tmp_path / "ckpts")
+@pytest.fixture(
+    params=[
+        "local",
+        pytest.param("moto", marks=[pytest.mark.s3, pytest.mark.slow]),
+        pytest.param("seaweedfs", marks=[pytest.mark.s3, pytest.mark.slow]),
+    ]
+)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    """The root checkpoints go under, on each backend."""
+    prefix = f"dcp-{uuid.uuid4().hex[:8]}"
+    if request.param == "moto":
+        moto = request.getfixturevalue("moto_s3")
+        options = {
+            **moto.options(),
+            "access_key_id": moto.access_key,
+            "secret_access_key": moto.secret_key,
+        }
+        return Target(f"s3://{moto.bucket}/{prefix}", options)
+    if request.param == "seaweedfs":
+        server = request.getfixturevalue("seaweedfs")
+        bucket = "ckptstore-dcp"
+        server.create_bucket(bucket)
+        return Target(
+            f"s3://{bucket}/{prefix}", {"endpoint_url": server.s3_endpoint, "anonymous": True}
+        )
+    return Target(str(tmp_path / "ckpts"), {})
 
 
-def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: str, tmp_path: Path) -> None:
-    url = f"{target}/7"  # step 7 of the root ``target``
-    saved = assert_all_ok(run_ranks(4, "save", url, "7", logs=tmp_path / "logs"))
+def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: Target, tmp_path: Path) -> None:
+    url = f"{target.base}/7"  # step 7 of the root
+    logs, env = tmp_path / "logs", target.env()
+    saved = assert_all_ok(run_ranks(4, "save", url, "7", logs=logs, env=env))
     assert saved == [{"saved": True}] * 4
-    keys = keys_under(target)
+    keys = target.keys(target.base)
     # every rank wrote its own objects under one attempt of step 7; one manifest
     assert "7/manifest.json" in keys
     data = [key.split("/") for key in keys if key != "7/manifest.json"]
     assert {rank_object.split("-")[0] for _, _, rank_object in data} == {"r0", "r1", "r2", "r3"}
     assert len({attempt for _, attempt, _ in data}) == 1
-    assert ckptstore.list_steps(target) == [7]
+    assert target.steps() == [7]
 
-    loaded = assert_all_ok(run_ranks(2, "load", url, "7", logs=tmp_path / "logs"))
+    loaded = assert_all_ok(run_ranks(2, "load", url, "7", logs=logs, env=env))
     for result in loaded:
         assert result["exact"] is True
         # each of 2 ranks reads its half of the sharded weight plus small replicated items,
@@ -134,10 +179,11 @@ def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: str, tmp_path: Pat
 
 
 def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
-    target: str, tmp_path: Path
+    target: Target, tmp_path: Path
 ) -> None:
-    good, failed, died = (f"{target}/{step}" for step in (1, 2, 3))
-    outcomes = run_ranks(2, "failures", good, failed, died, logs=tmp_path / "logs")
+    good, failed, died = (f"{target.base}/{step}" for step in (1, 2, 3))
+    logs, env = tmp_path / "logs", target.env()
+    outcomes = run_ranks(2, "failures", good, failed, died, logs=logs, env=env)
     rank0, rank1 = outcomes
     assert rank0.returncode == 0, rank0.log[-4000:]
     assert rank0.results[-1]["raise"] == "CheckpointException"
@@ -145,16 +191,18 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     assert rank1.returncode == 17  # it really died mid-save
     assert rank1.results[-1] == {"raise": "CheckpointException"}
 
-    assert ckptstore.list_steps(target) == [1]  # neither failed save is visible
+    assert target.steps() == [1]  # neither failed save is visible
     # rank 1 had uploaded objects of its own before it died: a real mid-save death
-    assert any("/r1-" in key for key in keys_under(died))
+    assert any("/r1-" in key for key in target.keys(died))
 
-    loaded = assert_all_ok(run_ranks(2, "load", good, "1", logs=tmp_path / "logs"))
+    loaded = assert_all_ok(run_ranks(2, "load", good, "1", logs=logs, env=env))
     assert all(result["exact"] for result in loaded)
 
 
-def test_async_save_thread_and_process_executors_on_2_ranks(target: str, tmp_path: Path) -> None:
-    thread_url, process_url = f"{target}/10", f"{target}/20"
-    results = assert_all_ok(run_ranks(2, "async", thread_url, process_url, logs=tmp_path / "logs"))
-    assert results == [{"exact": [True, True]}] * 2
-    assert ckptstore.list_steps(target) == [10, 20]
+def test_async_save_thread_and_process_executors_on_2_ranks(target: Target, tmp_path: Path) -> None:
+    thread_url, process_url = f"{target.base}/10", f"{target.base}/20"
+    outcomes = run_ranks(
+        2, "async", thread_url, process_url, logs=tmp_path / "logs", env=target.env()
+    )
+    assert assert_all_ok(outcomes) == [{"exact": [True, True]}] * 2
+    assert target.steps() == [10, 20]

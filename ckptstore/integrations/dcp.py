@@ -228,7 +228,13 @@ class Writer(StorageWriter):
             else:
                 future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
 
-        batch.when_done(settle)
+        handle, coordinator = self._target.handle, self._is_coordinator
+
+        async def cleanup(error: BaseException | None) -> None:
+            if error is not None or not coordinator:  # the coordinator commits in finish()
+                await handle.arelease()
+
+        batch.when_done(settle, cleanup)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -249,7 +255,10 @@ class Writer(StorageWriter):
         manifest = build_manifest(
             step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
         )
-        background.run(commit(self._target.store, step, manifest))
+        try:
+            background.run(commit(self._target.store, step, manifest))
+        finally:
+            self._target.handle.release()
         metadata.storage_data = locations
 
     @classmethod
@@ -406,7 +415,10 @@ class Reader(StorageReader):
         and are narrowed and copied as DCP's plan says.
         """
         reads = _ReadPlan(self._locations, plan.items, planner)
-        background.run(reads.fetch(self._target.store))
+        try:
+            background.run(reads.fetch(self._target.store))
+        finally:
+            self._target.handle.release()
         reads.deliver(planner, self.url)
         future: Future[None] = Future()
         future.set_result(None)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -132,10 +132,12 @@ class StoreHandle:
                 raise TypeError("store options cannot be given with an open Store")
             self.url, self.options = url.url, options
             self._store: Store | None = url
+            self._owned = False
             return
         self.url = os.fspath(url)
         self.options = options
         self._store = None
+        self._owned = True
 
     @property
     def store(self) -> Store:
@@ -151,9 +153,23 @@ class StoreHandle:
             self.url = new
 
     def close(self) -> None:
+        """Close the store, also one the caller passed in."""
         if self._store is not None:
             store, self._store = self._store, None
+            self._owned = True  # reopened by URL from now on
             background.run(store.close())
+
+    def release(self) -> None:
+        """Close the store if this handle opened it (a caller's Store stays open); the next
+        use reopens it. Called at the end of each save or load, so no client outlives it."""
+        if self._owned:
+            self.close()
+
+    async def arelease(self) -> None:
+        """:meth:`release`, from a coroutine on the background loop."""
+        if self._owned and self._store is not None:
+            store, self._store = self._store, None
+            await store.close()
 
     def __getstate__(self) -> dict[str, Any]:
         return {"url": self.url, "options": self.options}
@@ -162,6 +178,7 @@ class StoreHandle:
         self.url = state["url"]
         self.options = state["options"]
         self._store = None
+        self._owned = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,11 +243,24 @@ class UploadBatch:
         for future in concurrent.futures.as_completed(self.futures):
             future.result()
 
-    def when_done(self, callback: Callable[[BaseException | None], None]) -> None:
-        """Call ``callback(None)`` once every PUT has returned, or with the first error."""
+    def when_done(
+        self,
+        callback: Callable[[BaseException | None], None],
+        cleanup: Callable[[BaseException | None], Awaitable[None]] | None = None,
+    ) -> None:
+        """Call ``callback(None)`` once every PUT has returned, or with the first error;
+        ``cleanup`` gets the same argument first, on the background loop."""
 
         async def wait_all(futures: Sequence[concurrent.futures.Future[None]]) -> None:
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            error: BaseException | None = None
+            try:
+                await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            except BaseException as exc:
+                error = exc
+                raise
+            finally:
+                if cleanup is not None:
+                    await cleanup(error)
 
         def done(f: concurrent.futures.Future[None]) -> None:
             callback(f.exception())
