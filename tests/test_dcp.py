@@ -308,3 +308,41 @@ def test_async_save_with_async_stager(tmp_path: Path) -> None:
     loaded = zeros_like_state(state)
     dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
     assert_bit_exact(loaded, sample_state())  # the staged copy, not the modified state
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("moto", marks=pytest.mark.s3),
+        pytest.param("seaweedfs", marks=pytest.mark.s3),
+    ]
+)
+def s3_root(request: pytest.FixtureRequest) -> tuple[str, dict[str, Any]]:
+    """A fresh S3 root and the store options that reach it."""
+    prefix = f"dcp-{uuid.uuid4().hex[:8]}"
+    if request.param == "moto":
+        moto = request.getfixturevalue("moto_s3")
+        return f"s3://{moto.bucket}/{prefix}", moto.options()
+    server = request.getfixturevalue("seaweedfs")
+    server.create_bucket("ckptstore-dcp")
+    return f"s3://ckptstore-dcp/{prefix}", {"endpoint_url": server.s3_endpoint, "anonymous": True}
+
+
+def test_save_load_and_async_save_on_s3(s3_root: tuple[str, dict[str, Any]]) -> None:
+    root, options = s3_root
+    state = sample_state()
+    dcp.save(
+        state, storage_writer=ckptstore.dcp.Writer(f"{root}/1", pack_threshold=1 << 20, **options)
+    )
+    dcp.async_save(state, storage_writer=ckptstore.dcp.Writer(f"{root}/2", **options)).result(
+        timeout=120
+    )
+    for step in (1, 2):
+        loaded = zeros_like_state(state)
+        dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(f"{root}/{step}", **options))
+        assert_bit_exact(loaded, state)
+
+    async def steps() -> list[int]:
+        async with open_store(root, **options) as store:
+            return await ckptstore.alist_steps(store)
+
+    assert background.run(steps()) == [1, 2]

@@ -26,6 +26,7 @@ set ``FSSPEC_S3_ENDPOINT_URL`` or Lightning's storage options).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 from typing import Any
@@ -38,6 +39,7 @@ from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.integrations.tensor_objects import CheckpointTarget, numpy_dtype, torch_dtype
 from ckptstore.layout.commit import delete_step, read_manifest, write_checkpoint
+from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
@@ -66,13 +68,16 @@ class StoreCheckpointIO(CheckpointIO):
     ) -> None:
         """Store ``checkpoint`` at ``path``; returns once it is committed.
 
-        Raises:
-            AlreadyExistsError: ``path`` already holds a committed checkpoint (remove it first).
+        A checkpoint already at ``path`` is replaced, as Lightning expects of a file path
+        (``last.ckpt`` is saved over and over): it is deleted first, manifest first, so until
+        the new one commits there is no checkpoint at ``path``, never a mixed one.
         """
         if storage_options is not None:
             raise TypeError("StoreCheckpointIO takes store options in its constructor")
         target = CheckpointTarget(path, None, dict(self.options))
         try:
+            if background.run(target.store.exists(manifest_key(target.step))):
+                background.run(delete_step(target.store, target.step))
             _save(target.store, target.step, checkpoint)
         finally:
             target.handle.close()
@@ -102,10 +107,15 @@ class StoreCheckpointIO(CheckpointIO):
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
-        """Remove the checkpoint at ``path``: its manifest first, then its objects."""
+        """Remove the checkpoint at ``path``: its manifest first, then its objects.
+
+        Nothing at ``path`` is not an error: under ``AsyncCheckpointIO`` Lightning may ask to
+        remove a checkpoint whose save is still queued (its own file IO ignores that too).
+        """
         target = CheckpointTarget(path, None, dict(self.options))
         try:
-            background.run(delete_step(target.store, target.step))
+            with contextlib.suppress(NotFoundError):
+                background.run(delete_step(target.store, target.step))
         finally:
             target.handle.close()
 
