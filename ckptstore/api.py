@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ __all__ = [
     "gc",
     "list_steps",
     "load",
+    "load_state",
     "read_manifest",
     "save",
 ]
@@ -123,27 +124,52 @@ async def aload(
         CorruptCheckpointError: the manifest or any byte read fails verification.
     """
     async with _opened(root) as store:
-        manifest = await _read_manifest(store, step)
-        index = {path: i for i, path in enumerate(manifest.paths)}
-        accept = None
-        if keys is not None:
-            wanted = [keys] if isinstance(keys, str) else list(keys)
-            accept = select_paths(wanted)
-            _check_keys(store, manifest, wanted)
-            leaves = [i for i, path in enumerate(manifest.paths) if accept(path)]
-        else:
-            leaves = list(range(len(manifest.paths)))
-        targets: dict[int, np.ndarray[Any, Any]] = {}
-        if into is not None:
-            given = flatten(into)
-            for path, array in zip(given.paths, given.arrays, strict=True):
-                if path not in index:
-                    raise NotFoundError(
-                        f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
-                    )
-                targets[index[path]] = array
-        arrays = await read_leaves(store, manifest, leaves, targets)
-        return unflatten(manifest.tree, arrays, selected=accept)
+        return await load_state(store, step=step, keys=keys, into=into)
+
+
+async def load_state(
+    store: Store,
+    *,
+    step: int | None = None,
+    keys: Iterable[str] | None = None,
+    into: Any = None,
+    restore: Callable[[np.ndarray[Any, Any], str, dict[str, Any] | None], Any] | None = None,
+) -> Any:
+    """:func:`aload` on an open store, with a hook for stagers.
+
+    Args:
+        restore: called as ``restore(array, path, attrs)`` for every array leaf loaded,
+            with the attrs its saver stored; its result takes the array's place in the
+            returned state (a torch stager returns a tensor here).
+    """
+    manifest = await _read_manifest(store, step)
+    index = {path: i for i, path in enumerate(manifest.paths)}
+    accept = None
+    if keys is not None:
+        wanted = [keys] if isinstance(keys, str) else list(keys)
+        accept = select_paths(wanted)
+        _check_keys(store, manifest, wanted)
+        leaves = [i for i, path in enumerate(manifest.paths) if accept(path)]
+    else:
+        leaves = list(range(len(manifest.paths)))
+    targets: dict[int, np.ndarray[Any, Any]] = {}
+    if into is not None:
+        given = flatten(into)
+        for path, array in zip(given.paths, given.arrays, strict=True):
+            if path not in index:
+                raise NotFoundError(
+                    f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
+                )
+            targets[index[path]] = array
+    arrays = await read_leaves(store, manifest, leaves, targets)
+    hook = None
+    if restore is not None:
+        paths, attrs = manifest.paths, manifest.attrs
+
+        def hook(array: Any, leaf: int) -> Any:
+            return restore(array, paths[leaf], attrs[leaf])
+
+    return unflatten(manifest.tree, arrays, selected=accept, restore=hook)
 
 
 def _check_keys(store: Store, manifest: Manifest, wanted: list[str]) -> None:

@@ -124,9 +124,15 @@ def _coerce(values: Mapping[str, Any]) -> dict[str, Any]:
 @functools.cache
 def default_settings() -> Settings:
     """Settings with ``CKPTSTORE_*`` environment overrides applied (read once)."""
-    env = {
-        name: os.environ[f"CKPTSTORE_{name.upper()}"]
-        for name in Settings.field_names()
-        if f"CKPTSTORE_{name.upper()}" in os.environ
-    }
-    return Settings().replace(**env)
+    values: dict[str, Any] = {}
+    for name in sorted(Settings.field_names()):
+        variable = f"CKPTSTORE_{name.upper()}"
+        if variable in os.environ:
+            try:
+                values.update(_coerce({name: os.environ[variable]}))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"environment variable {variable}: {exc}") from None
+    try:
+        return Settings().replace(**values)
+    except (TypeError, ValueError) as exc:  # checks across fields: max_inflight >= part_size
+        raise type(exc)(f"CKPTSTORE_* environment variables: {exc}") from None

@@ -25,6 +25,7 @@ from ckptstore.testing.servers import (
     SeaweedFS,
     ServerError,
     process_is,
+    remove_grpc_sockets,
     stop_pid,
     unmount,
 )
@@ -76,6 +77,7 @@ def stop(args: argparse.Namespace) -> int:
         unmount(state["mount"]["path"])
         stop_pid(state["mount"]["pid"], program="weed")
     stop_pid(state["pid"], program="weed", timeout=30.0)
+    remove_grpc_sockets(state["ports"])
     state_path.unlink()
     print(f"stopped pid {state['pid']}")
     return 0

@@ -1,4 +1,9 @@
 from __future__ import annotations
 
-# Server fixtures (moto, SeaweedFS, ...) live in tests/servers/, one plugin module each.
-pytest_plugins = ["tests.servers.moto", "tests.servers.seaweed"]
+# Test servers, each a module of session-scoped fixtures.
+pytest_plugins = [
+    "tests.servers.moto",
+    "tests.servers.seaweed",
+    "tests.servers.fakegcs",
+    "tests.servers.httpfault",
+]

@@ -134,3 +134,35 @@ def test_buffer_pool_reuses_and_caps() -> None:
     pool.release(np.empty(60, np.uint8))  # over the cap: dropped
     assert pool.acquire(10) is a
     assert pool.acquire(10) is not a
+
+
+async def test_stager_attrs_round_trip_through_restore_hook() -> None:
+    from ckptstore.api import load_state
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store.memory import MemoryStore
+
+    class Tensor:  # stands in for a framework tensor
+        def __init__(self, data: np.ndarray, grad: bool) -> None:
+            self.data, self.grad = data, grad
+
+    def convert(leaf: object, path: str) -> tuple[np.ndarray, dict[str, object]] | None:
+        if isinstance(leaf, Tensor):
+            return leaf.data, {"framework": "fake", "requires_grad": leaf.grad}
+        return None
+
+    state = {"w": Tensor(np.arange(6.0).reshape(2, 3), True), "n": np.ones(2), "k": 1}
+    store = MemoryStore()
+    await write_checkpoint(store, flatten(state, convert=convert), step=3)
+    seen: list[tuple[str, object]] = []
+
+    def restore(array: np.ndarray, path: str, attrs: dict[str, object] | None) -> object:
+        seen.append((path, attrs))
+        return Tensor(array, bool(attrs["requires_grad"])) if attrs else array
+
+    out = await load_state(store, restore=restore)
+    assert isinstance(out["w"], Tensor)
+    assert out["w"].grad is True
+    assert_same_state(out["w"].data, np.arange(6.0).reshape(2, 3))
+    assert_same_state(out["n"], np.ones(2))
+    assert out["k"] == 1
+    assert seen == [("w", {"framework": "fake", "requires_grad": True}), ("n", None)]

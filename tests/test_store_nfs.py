@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
+import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from ckptstore.errors import AlreadyExistsError, InvalidKeyError, InvalidURLErro
 from ckptstore.store.local import temp_files
 from ckptstore.store.nfs import NFSStore
 from ckptstore.testing import StoreTests
-from ckptstore.testing.servers import FuseMount
+from ckptstore.testing.servers import FuseMount, SeaweedFS
 
 pytestmark = pytest.mark.nfs
 
@@ -150,3 +152,31 @@ def test_nfs_url_opens_the_mount_path(tmp_path: Path) -> None:
     assert spaced.root == f"{tmp_path}/with space"
     with pytest.raises(TypeError, match="unknown options"):
         open_store(f"nfs://{tmp_path}", mount_options="hard")
+
+
+@pytest.fixture
+def second_client(seaweedfs: SeaweedFS, seaweedfs_mount: FuseMount) -> Iterator[FuseMount]:
+    """A second ``weed mount`` of the same filer: another client of the same filesystem."""
+    mount = seaweedfs.mount(seaweedfs.workdir / f"mnt-{uuid.uuid4().hex[:8]}")
+    yield mount
+    mount.stop()
+
+
+async def test_second_client_sees_commits_at_once(
+    nfs_dir: Path, seaweedfs_mount: FuseMount, second_client: FuseMount
+) -> None:
+    other_dir = second_client.path / nfs_dir.relative_to(seaweedfs_mount.path)
+    async with NFSStore(nfs_dir) as writer, NFSStore(other_dir) as reader:
+        await writer.put("step/1/manifest.json", b"v1", mode="create")
+        assert await reader.get("step/1/manifest.json") == b"v1"
+        assert await reader.list_keys() == ["step/1/manifest.json"]
+        with pytest.raises(AlreadyExistsError):
+            await reader.put("step/1/manifest.json", b"late", mode="create")
+        await writer.put("step/1/manifest.json", b"version 2")
+        # weed mount pushes metadata changes to other clients asynchronously (a few ms here),
+        # weaker than NFS close-to-open: poll, with a deadline, for the new version
+        deadline = time.monotonic() + 10
+        while (await reader.head("step/1/manifest.json")).size != len(b"version 2"):
+            assert time.monotonic() < deadline, "the second client never saw the overwrite"
+            await asyncio.sleep(0.01)
+        assert await reader.get("step/1/manifest.json") == b"version 2"

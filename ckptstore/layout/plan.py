@@ -165,10 +165,11 @@ class PackPlan:
 
         One copy per leaf; a non-contiguous leaf is gathered by that same copy.
         """
-        from ckptstore.layout.checksum import crc32c
+        import google_crc32c
 
         obj = self.objects[index]
         buf: np.ndarray[Any, np.dtype[np.uint8]] = out
+        whole = memoryview(buf)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
         crcs: list[int] = []
         position = 0
         offsets = self.leaf_offset
@@ -179,12 +180,16 @@ class PackPlan:
             if offset > position:
                 buf[position:offset] = 0
             array = arrays[leaf]
-            slot = buf[offset:end]
             if array.flags.c_contiguous:
-                slot[...] = array.reshape(-1).view(_UINT8)
+                try:
+                    # memoryview assignment is a plain memcpy, ~3x cheaper than numpy's
+                    # assignment for small leaves.
+                    whole[offset:end] = memoryview(array).cast("B")  # type: ignore[arg-type]
+                except (ValueError, TypeError):  # dtypes without a buffer format (ml_dtypes)
+                    buf[offset:end] = array.reshape(-1).view(_UINT8)
             else:
-                np.copyto(np.ndarray(array.shape, array.dtype, buffer=slot), array)
-            crcs.append(crc32c(slot))
+                np.copyto(np.ndarray(array.shape, array.dtype, buffer=buf[offset:end]), array)
+            crcs.append(google_crc32c.value(buf[offset:end]))
             position = end
         return crcs
 

@@ -258,6 +258,7 @@ def unflatten(
     leaves: Sequence[Any] | Mapping[int, Any],
     *,
     selected: Callable[[str], bool] | None = None,
+    restore: Callable[[Any, int], Any] | None = None,
 ) -> Any:
     """Rebuild the nested state from ``tree`` and the array ``leaves`` (by index).
 
@@ -267,6 +268,9 @@ def unflatten(
         selected: if given, keep only leaves whose path it accepts: dicts drop unselected
             entries, lists and tuples keep their length with ``None`` in unselected places,
             and containers left with nothing selected are dropped.
+        restore: called as ``restore(array, index)`` for each array leaf (not numpy
+            scalars); its result takes the array's place. Stagers turn arrays back into
+            tensors here, using the leaf's attrs from the manifest.
     """
     missing = object()
 
@@ -274,7 +278,7 @@ def unflatten(
         if type(node) is int:
             if selected is not None and not selected(path):
                 return missing
-            return leaves[node]
+            return leaves[node] if restore is None else restore(leaves[node], node)
         if "v" in node:
             if selected is not None and not selected(path):
                 return missing

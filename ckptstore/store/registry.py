@@ -4,7 +4,8 @@ Each entry names the backend's class by import path, so that importing ckptstore
 client library; the class is imported on first use and a missing client library fails with
 the command that installs it. Schemes not in the table go, in order, to a backend registered
 by a third-party package under the ``ckptstore.backends`` entry point group, then to the
-generic fsspec backend if fsspec knows the protocol.
+generic fsspec backend if fsspec knows the protocol. ``fsspec+PROTOCOL://`` always goes to
+the fsspec backend (``fsspec+memory://`` is fsspec's memory filesystem).
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ def _scheme_of(url: str) -> str:
 def _spec_for(scheme: str) -> BackendSpec:
     if scheme in _BACKENDS:
         return _BACKENDS[scheme]
+    if scheme.startswith("fsspec+"):  # fsspec's implementation, even where we have our own
+        return _FSSPEC
     for entry in importlib.metadata.entry_points(group=_ENTRY_POINT_GROUP):
         if entry.name.lower() == scheme:
             return BackendSpec(entry.value)

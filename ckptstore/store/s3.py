@@ -714,14 +714,33 @@ class S3Store(Store):
             return False
         return True
 
+    async def _put_parallel(self, key: str, view: memoryview, mode: PutMode) -> None:
+        # Put-if-absent of a large object stays one PutObject (up to 5 GiB): a conditional
+        # PutObject was atomic under races on every server measured, a conditional
+        # CompleteMultipartUpload was not (moto 5.2.1, SeaweedFS 4.48: several winners).
+        if mode == "create":
+            if len(view) > _MAX_PART:
+                raise NotSupportedError(
+                    f"put(mode='create') of {len(view)} bytes",
+                    "S3Store",
+                    "one PutObject holds at most 5 GiB; use create_multipart(mode='create')",
+                )
+            async with self._limit():
+                await self._put(key, view, mode)
+            return
+        await super()._put_parallel(key, view, mode)
+
     async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
         # docstring inherited
         client = await self._get_client()
         conditional = False
+        lock: str | None = None
         if mode == "create":
             conditional = await self._require_conditional("multipart")
             if not conditional and await self._exists_raw(key):
                 raise AlreadyExistsError(f"{self._where(key)} already exists")
+            if await self._require_conditional("put"):
+                lock = await self._claim_create_lock(key)
         try:
             created = await self._call(
                 "create_multipart",
@@ -732,8 +751,56 @@ class S3Store(Store):
                 ChecksumAlgorithm="CRC32C",
             )
         except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            if lock is not None:
+                await self._release_create_lock(lock)
             self._raise(exc, "create_multipart", key)
-        return _S3Upload(self, key, created["UploadId"], part_size, mode, conditional)
+        return _S3Upload(self, key, created["UploadId"], part_size, mode, conditional, lock)
+
+    async def _claim_create_lock(self, key: str) -> str:
+        """Claim the right to create ``key`` by multipart upload; return the lock's key.
+
+        Servers measured here check ``If-None-Match`` on CompleteMultipartUpload
+        non-atomically, so racing multipart creators could all "win". The lock is a scratch
+        object beside the key written with a conditional PutObject (atomic on those servers):
+        one racer gets it, the others fail at once. The winner's conditional complete still
+        guards against an object that already exists, and the lock is removed when the
+        upload completes or aborts; a crashed writer's lock is removed by
+        :meth:`abort_stale_uploads`.
+        """
+        parent, _, name = key.rpartition("/")
+        lock = (parent + "/" if parent else "") + f"{TEMP_PREFIX}create-lock.{name}"
+        client = await self._get_client()
+        try:
+            await self._call(
+                "put",
+                lock,
+                client.put_object,
+                Bucket=self.bucket,
+                Key=self._root + lock,
+                Body=str(time.time()).encode(),
+                IfNoneMatch="*",
+            )
+        except bx.ClientError as exc:
+            code, status = _error_code(exc)
+            if status == 412 or code == "PreconditionFailed":
+                raise AlreadyExistsError(
+                    f"{self._where(key)} is being created by another writer (it holds "
+                    f"{self._where(lock)}; if that writer crashed, abort_stale_uploads removes "
+                    "the lock)"
+                ) from None
+            self._raise(exc, "put", lock)
+        except (bx.BotoCoreError, OSError) as exc:
+            self._raise(exc, "put", lock)
+        return lock
+
+    async def _release_create_lock(self, lock: str) -> None:
+        client = await self._get_client()
+        try:
+            await self._call(
+                "delete", lock, client.delete_object, Bucket=self.bucket, Key=self._root + lock
+            )
+        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            self._raise(exc, "delete", lock)
 
     # ------------------------------------------------------------------ reads
 
@@ -998,8 +1065,9 @@ class S3Store(Store):
 
     async def abort_stale_uploads(self, prefix: str = "", older_than: float = 86400.0) -> int:
         """Abort multipart uploads under ``prefix`` started more than ``older_than`` seconds
-        ago (a crashed writer's parts, which S3 bills for until aborted). Returns how many
-        were aborted. Uploads younger than that may belong to a running save and are kept."""
+        ago (a crashed writer's parts, which S3 bills for until aborted), and remove the
+        create locks such writers left. Returns how many uploads were aborted. Younger ones
+        may belong to a running save and are kept."""
         client = await self._get_client()
         cutoff = time.time() - older_than
         aborted = 0
@@ -1020,7 +1088,29 @@ class S3Store(Store):
                     self._raise(exc, "abort_multipart", upload.key)
                 continue
             aborted += 1
+        # create locks of multipart creators that crashed (see _claim_create_lock)
+        stale_locks = [
+            key
+            async for key, modified in self._scratch_objects(prefix)
+            if f"{TEMP_PREFIX}create-lock." in key and modified <= cutoff
+        ]
+        if stale_locks:
+            await self._delete(stale_locks)
         return aborted
+
+    async def _scratch_objects(self, prefix: str) -> AsyncIterator[tuple[str, float]]:
+        """Our scratch objects (probe, create locks) under ``prefix``, with their mtimes."""
+        client = await self._get_client()
+        paginator = client.get_paginator("list_objects_v2")
+        cut = len(self._root)
+        try:
+            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self._root + prefix):
+                for item in page.get("Contents", ()):
+                    key = item["Key"][cut:]
+                    if TEMP_PREFIX in key:
+                        yield key, item["LastModified"].timestamp()
+        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            self._raise(exc, "list", prefix)
 
 
 def _listable(key: str) -> bool:
@@ -1058,11 +1148,13 @@ class _S3Upload(MultipartUpload):
         part_size: int,
         mode: PutMode,
         conditional: bool,
+        lock: str | None = None,
     ) -> None:
         super().__init__(key, part_size, mode)
         self._store = store
         self._upload_id = upload_id
         self._conditional = conditional
+        self._lock = lock
         self._parts: dict[int, tuple[str, str]] = {}  # index -> (ETag, crc32c)
         self._finished = False
 
@@ -1093,6 +1185,16 @@ class _S3Upload(MultipartUpload):
         self._parts[index] = (response["ETag"], crc)
 
     async def _complete(self, part_count: int, size: int) -> ObjectMeta:
+        meta = await self._complete_upload(part_count, size)
+        await self._release_lock()
+        return meta
+
+    async def _release_lock(self) -> None:
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            await self._store._release_create_lock(lock)
+
+    async def _complete_upload(self, part_count: int, size: int) -> ObjectMeta:
         store = self._store
         client = await store._get_client()
         if part_count == 0:  # S3 refuses an upload without parts; an empty object is one put
@@ -1136,6 +1238,12 @@ class _S3Upload(MultipartUpload):
         return ObjectMeta(self.key, size, response.get("ETag"))
 
     async def _abort(self) -> None:
+        try:
+            await self._abort_upload()
+        finally:
+            await self._release_lock()
+
+    async def _abort_upload(self) -> None:
         if self._finished:
             return
         store = self._store

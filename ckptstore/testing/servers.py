@@ -46,6 +46,7 @@ __all__ = [
     "fuse_unavailable_reason",
     "free_ports",
     "process_is",
+    "remove_grpc_sockets",
     "stop_pid",
     "unmount",
     "wait_for",
@@ -143,6 +144,20 @@ def stop_pid(pid: int, *, program: str, timeout: float = 20.0, popen: Any = None
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
             wait_for(gone, timeout=10.0, what=f"killing {program} (pid {pid})")
+
+
+def remove_grpc_sockets(ports: dict[str, int]) -> None:
+    """Remove the gRPC unix sockets a stopped ``weed mini`` left behind.
+
+    ``weed`` puts them at fixed ``/tmp/seaweedfs-<role>-grpc-<port>.sock`` paths (no flag moves
+    them) and does not always remove them; ``ports`` is :attr:`SeaweedFS.ports`.
+    """
+    for role in ("master", "volume", "filer", "s3", "admin"):
+        port = ports.get(f"{role}_grpc")
+        path = Path(f"/tmp/seaweedfs-{role}-grpc-{port}.sock")
+        if port is not None and path.is_socket():
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
 
 def _die_with_parent() -> None:
@@ -267,7 +282,7 @@ class SeaweedFS(_Managed):
         workdir: directory for data, logs, sockets and certificates (created if missing).
         access_key, secret_key: S3 credentials to require; anonymous access if both are None.
         tls: also serve S3 over HTTPS with a self-signed certificate (:attr:`ca_file`).
-        start_timeout: seconds to wait for readiness (``weed mini`` takes about 10 s).
+        start_timeout: seconds to wait for readiness (``weed mini`` took 1-10 s here).
         tie_to_parent: stop the server when the starting thread exits (fixtures); scripts that
             leave the server running pass False.
     """
@@ -312,7 +327,8 @@ class SeaweedFS(_Managed):
 
     @property
     def filer_address(self) -> str:
-        """``127.0.0.1:PORT`` of the filer, what ``weed mount -filer=`` takes."""
+        """``127.0.0.1:PORT``: the filer's HTTP address (``weed mount`` needs
+        :attr:`filer_peer_address`, since our gRPC port is not HTTP + 10000)."""
         return f"{_LOOPBACK}:{self.ports['filer']}"
 
     @property
@@ -442,6 +458,7 @@ class SeaweedFS(_Managed):
             mount.stop()
         self._mounts.clear()
         self._reap(timeout)
+        remove_grpc_sockets(self.ports)
 
     def __enter__(self) -> Self:
         return self.start()

@@ -9,7 +9,9 @@ files into the same buffers. Before every read run both sides' files are dropped
 cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` after an fsync), so both read from the disk.
 A third system, the same plain calls with one file per thread on 8 threads, shows
 what parallel I/O alone buys on this disk. Runs alternate (``interleave``) after one untimed
-warm-up run each, so noise lands on every system alike.
+warm-up run each, so noise lands on every system alike. The disk of the machine these figures
+come from is shared: single runs of the same system differ by up to 5x (the runs column), so
+read ratios to within about a third, not to the percent.
 """
 
 from __future__ import annotations

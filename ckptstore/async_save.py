@@ -1,0 +1,183 @@
+"""Saves that return once the state is staged, and finish on the background loop.
+
+:class:`AsyncSaver` is the machinery under ``CheckpointManager(async_save=True)``. A save
+first waits until fewer than ``max_in_flight`` saves are still writing (one by default, as
+Orbax and the torch.distributed.checkpoint tutorial do: a second staging arena would double
+host memory, and the store's bandwidth is already in use), then stages the state into pooled
+host buffers (the only part that blocks training) and hands the write, commit and whatever
+follows to ckptstore's background event loop.
+
+No background error is lost: a failed save is raised by the next ``save`` (before it stages
+anything) and by :meth:`AsyncSaver.wait_until_finished`, each error exactly once, in the order
+the saves were made.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from ckptstore import background
+from ckptstore.stage import StagedState
+
+__all__ = ["AsyncSaver", "SaveHandle", "SaveTiming"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveTiming:
+    """Where one save spent its time, in seconds.
+
+    Attributes:
+        waited: blocked on the previous save before staging began.
+        staged: blocked copying the state into host buffers.
+        nbytes: bytes of array data staged.
+    """
+
+    waited: float
+    staged: float
+    nbytes: int
+
+    @property
+    def blocked(self) -> float:
+        """Total time the caller was blocked."""
+        return self.waited + self.staged
+
+
+class SaveHandle:
+    """One save whose write and commit run in the background.
+
+    Attributes:
+        step: the step being saved.
+        timing: how long the call that started it blocked.
+    """
+
+    def __init__(
+        self, step: int, future: concurrent.futures.Future[Any], timing: SaveTiming
+    ) -> None:
+        self.step = step
+        self.timing = timing
+        self._future = future
+        self._started = time.perf_counter()
+        #: Seconds from the end of staging to the end of the write and commit, once done.
+        self.write_seconds: float | None = None
+
+    def done(self) -> bool:
+        """Whether the write and commit have finished (successfully or not)."""
+        return self._future.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        """Wait for the save; return what the write returned or raise its error."""
+        return self._future.result(timeout)
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "writing"
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+class AsyncSaver:
+    """Runs writes of staged states on the background loop, a bounded number at a time.
+
+    Args:
+        max_in_flight: saves that may be writing at once; the next one waits.
+    """
+
+    def __init__(self, max_in_flight: int = 1) -> None:
+        if max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        self.max_in_flight = max_in_flight
+        self._lock = threading.Lock()
+        self._in_flight: list[SaveHandle] = []
+        self._errors: list[tuple[int, BaseException]] = []
+
+    def submit(
+        self,
+        step: int,
+        stage: Callable[[], StagedState],
+        write: Callable[[StagedState], Coroutine[Any, Any, Any]],
+    ) -> SaveHandle:
+        """Stage a state and write it in the background.
+
+        Args:
+            step: the step, for handles and error messages.
+            stage: copies the state into host buffers; runs in the caller's thread.
+            write: the coroutine function that writes and commits the staged state; runs on
+                the background loop. The staged buffers are released when it finishes.
+
+        Raises:
+            Exception: the error of an earlier background save not yet reported.
+        """
+        t0 = time.perf_counter()
+        self._wait_for_slot()
+        self.raise_errors()
+        t1 = time.perf_counter()
+        staged = stage()
+        t2 = time.perf_counter()
+        future = background.submit(_write_then_release(staged, write))
+        handle = SaveHandle(step, future, SaveTiming(t1 - t0, t2 - t1, staged.nbytes))
+        with self._lock:
+            self._in_flight.append(handle)
+        future.add_done_callback(lambda f: self._finished(handle))
+        return handle
+
+    def _finished(self, handle: SaveHandle) -> None:
+        with self._lock:
+            if handle in self._in_flight:
+                handle.write_seconds = time.perf_counter() - handle._started
+                self._in_flight.remove(handle)
+                error = handle._future.exception()
+                if error is not None:
+                    self._errors.append((handle.step, error))
+
+    def _wait_for_slot(self) -> None:
+        while True:
+            with self._lock:
+                if len(self._in_flight) < self.max_in_flight:
+                    return
+                oldest = self._in_flight[0]
+            concurrent.futures.wait([oldest._future])
+            self._finished(oldest)
+
+    def raise_errors(self) -> None:
+        """Raise the first unreported background error (the others stay queued)."""
+        with self._lock:
+            if not self._errors:
+                return
+            step, error = self._errors.pop(0)
+        if hasattr(error, "add_note"):
+            error.add_note(f"(raised by the background save of step {step})")
+        raise error
+
+    def wait_until_finished(self) -> None:
+        """Block until every save has finished; raise the first unreported error."""
+        while True:
+            with self._lock:
+                pending = list(self._in_flight)
+            if not pending:
+                break
+            concurrent.futures.wait([h._future for h in pending])
+            for handle in pending:
+                self._finished(handle)
+        self.raise_errors()
+
+    @property
+    def in_flight(self) -> int:
+        """Saves still writing."""
+        with self._lock:
+            return sum(1 for h in self._in_flight if not h.done())
+
+
+async def _write_then_release(
+    staged: StagedState, write: Callable[[StagedState], Coroutine[Any, Any, Any]]
+) -> Any:
+    import asyncio
+
+    try:
+        if staged.fences:
+            await asyncio.to_thread(staged.wait_ready)
+        return await write(staged)
+    finally:
+        staged.release()

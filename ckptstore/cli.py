@@ -1,0 +1,867 @@
+"""The ``ckptstore`` command: look at, check, copy and clean up checkpoints from a terminal.
+
+Every command takes a store URL (a path, ``file://``, ``nfs://``, ``s3://``, ``gs://``,
+``memory://`` or any fsspec URL), prints a human-readable answer, or one JSON document with
+``--json`` for scripts, and exits with a status a script can test:
+
+* 0: done (for ``verify``: every byte intact);
+* 1: an error the user can fix (bad URL, missing step, no credentials, missing client
+  library, a server that refuses): one line on stderr, no traceback;
+* 2: a command line argparse rejects;
+* 3: ``verify`` found damage.
+
+Anything else that escapes is a bug in ckptstore and keeps its traceback. Progress bars (tqdm,
+from the ``cli`` extra) are drawn on stderr only when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import textwrap
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+
+from ckptstore.config import parse_size
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError
+from ckptstore.store.base import Store
+from ckptstore.store.registry import open_store
+
+if TYPE_CHECKING:
+    from ckptstore.layout.manifest import Manifest
+
+__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+EXIT_DAMAGED = 3
+
+#: Exceptions of client libraries that mean "fix your setup", not "ckptstore has a bug"
+#: (matched by qualified name, so the libraries need not be imported to test for them).
+_SETUP_ERRORS = {
+    "botocore.exceptions.NoCredentialsError": "no AWS credentials found",
+    "botocore.exceptions.PartialCredentialsError": "incomplete AWS credentials",
+    "botocore.exceptions.ProfileNotFound": "AWS profile not found",
+    "google.auth.exceptions.DefaultCredentialsError": "no Google Cloud credentials found",
+}
+
+
+class UsageError(Exception):
+    """A command-line value that cannot be used; reported in one line, exit status 1."""
+
+
+@dataclass
+class Outcome:
+    """What a command produced: a JSON-able document, its text rendering and an exit status."""
+
+    data: Any
+    text: str
+    status: int = EXIT_OK
+
+
+class Progress(Protocol):
+    def update(self, n: int = 1) -> Any: ...
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> Any: ...
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def progress_bar(
+    args: argparse.Namespace, total: int | None, desc: str, *, unit: str = "it"
+) -> Iterator[Progress]:
+    """A tqdm bar on stderr when stderr is a terminal, tqdm is installed and not
+    ``--no-progress``; otherwise a bar that draws nothing."""
+    if getattr(args, "no_progress", False) or not sys.stderr.isatty():
+        yield _NoProgress()
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the cli extra is optional; without it there are no bars
+        yield _NoProgress()
+        return
+    bar = tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=unit == "B",
+        unit_divisor=1024,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
+    try:
+        yield bar
+    finally:
+        bar.close()
+
+
+# ----------------------------------------------------------------- formatting
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _size_name(n: int) -> str:
+    """A size as a ``Settings`` value: ``33554432`` -> ``"32MiB"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A plain text table; columns after the first are right-aligned."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+    lines = []
+    for row in cells:
+        parts = [
+            cell.ljust(widths[i]) if i == 0 else cell.rjust(widths[i]) for i, cell in enumerate(row)
+        ]
+        lines.append("  ".join(parts).rstrip())
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- argument types
+
+
+def _size_arg(text: str) -> int:
+    try:
+        value = parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def _size_list_arg(text: str) -> list[int]:
+    return [_size_arg(part) for part in text.split(",") if part.strip()]
+
+
+def _positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _int_list_arg(text: str) -> list[int]:
+    return [_positive_int_arg(part) for part in text.split(",") if part.strip()]
+
+
+def _seconds_arg(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _option_arg(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.strip():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE, got {text!r}")
+    return name.strip(), value
+
+
+def _options(pairs: Sequence[tuple[str, str]] | None) -> dict[str, str]:
+    return dict(pairs or ())
+
+
+# ----------------------------------------------------------------- stores
+
+
+@contextlib.asynccontextmanager
+async def cli_store(
+    url: str, options: dict[str, str], *, must_exist: bool = True
+) -> AsyncIterator[Store]:
+    """Open ``url`` for a command and close it afterwards; option mistakes become one-line
+    usage errors.
+
+    With ``must_exist`` a local directory that does not exist is an error (an object store
+    prefix cannot be told from an empty one, so only the backend's own errors apply there).
+    """
+    try:
+        store = open_store(url, **options)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, CkptStoreError):
+            raise
+        raise UsageError(f"cannot open {url}: {exc}") from None
+    async with store:
+        root = getattr(store, "root", None)
+        local = store.capabilities.local_path and isinstance(root, str)
+        if must_exist and local and not await asyncio.to_thread(os.path.isdir, str(root)):
+            raise NotFoundError(f"{store.url}: no such directory")
+        yield store
+
+
+# ----------------------------------------------------------------- steps
+
+
+def _step_arg(text: str) -> int | None:
+    """A step number, or ``None`` for ``latest``."""
+    if text == "latest":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a step is a number or 'latest', not {text!r}") from None
+    if not 0 <= value < 1 << 63:
+        raise argparse.ArgumentTypeError(f"steps are in [0, 2**63), got {value}")
+    return value
+
+
+def _step_number_arg(text: str) -> int:
+    step = _step_arg(text)
+    if step is None:
+        raise argparse.ArgumentTypeError("give the step number to delete, not 'latest'")
+    return step
+
+
+def _when(created: float) -> str:
+    return datetime.datetime.fromtimestamp(created, datetime.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+async def _resolve_step(store: Store, step: int | None) -> int:
+    from ckptstore.api import alist_steps
+
+    if step is not None:
+        return step
+    steps = await alist_steps(store)
+    if not steps:
+        raise NotFoundError(f"{store.url}: no committed checkpoint")
+    return steps[-1]
+
+
+async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | CkptStoreError]:
+    """The manifest of each step, or the error that reading it raised (invalid ones)."""
+    from ckptstore.api import aread_manifest
+
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+
+    async def read(step: int) -> Manifest | CkptStoreError:
+        async with slots:
+            try:
+                return await aread_manifest(store, step)
+            except CorruptCheckpointError as exc:
+                return exc
+
+    return list(await asyncio.gather(*(read(step) for step in steps)))
+
+
+async def _ls(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import summarize_step
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        steps = await alist_steps(store)
+        manifests = await _manifests(store, steps)
+        url = store.url
+    rows: list[dict[str, Any]] = []
+    table: list[tuple[object, ...]] = []
+    invalid: list[str] = []
+    for step, manifest in zip(steps, manifests, strict=True):
+        if isinstance(manifest, CkptStoreError):
+            rows.append({"step": step, "error": _one_line(manifest)})
+            table.append((step, "INVALID", "", "", ""))
+            invalid.append(f"step {step}: {_one_line(manifest)}")
+            continue
+        summary = summarize_step(manifest)
+        rows.append({**dataclasses.asdict(summary), "created_utc": _when(summary.created)})
+        table.append(
+            (
+                step,
+                format_bytes(summary.nbytes),
+                summary.objects,
+                summary.leaves,
+                _when(summary.created),
+            )
+        )
+    if not steps:
+        text = f"{url}: no committed checkpoints"
+    else:
+        text = "\n".join(
+            [
+                render_table(["step", "size", "objects", "leaves", "committed (UTC)"], table),
+                *invalid,
+            ]
+        )
+    return Outcome({"url": url, "steps": rows}, text)
+
+
+async def _show(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import aread_manifest
+    from ckptstore.maintenance import plain_values, summarize_step
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        step = await _resolve_step(store, args.step)
+        manifest = await aread_manifest(store, step)
+        url = store.url
+    summary = summarize_step(manifest)
+    leaves = [
+        {
+            "path": manifest.paths[i],
+            "dtype": manifest.dtypes[i],
+            "shape": list(manifest.shapes[i]),
+            "nbytes": manifest.leaf_length[i],
+            "object": manifest.object_keys[manifest.leaf_object[i]]
+            if manifest.leaf_object[i] >= 0
+            else None,
+            "offset": manifest.leaf_offset[i],
+            "crc32c": manifest.leaf_crc[i],
+        }
+        for i in range(len(manifest.paths))
+    ]
+    values = [{"path": path, "value": value} for path, value in plain_values(manifest.tree)]
+    objects = [
+        {"key": key, "nbytes": length, "crc32c": crc}
+        for key, length, crc in zip(
+            manifest.object_keys, manifest.object_lengths, manifest.object_crcs, strict=True
+        )
+    ]
+    data = {
+        "url": url,
+        **dataclasses.asdict(summary),
+        "created_utc": _when(summary.created),
+        "metadata": manifest.metadata,
+        "leaves": leaves,
+        "values": values,
+        "objects": objects,
+    }
+    lines = [
+        f"{url} step {step}",
+        f"  committed  {_when(summary.created)} (attempt {summary.attempt})",
+        f"  size       {format_bytes(summary.nbytes)} in {summary.objects} objects, "
+        f"{summary.leaves} arrays, {len(values)} plain values",
+        f"  metadata   {json.dumps(manifest.metadata)}",
+        "",
+        render_table(
+            ["path", "dtype", "shape", "size"],
+            [
+                (
+                    manifest.paths[i],
+                    manifest.dtypes[i],
+                    "x".join(map(str, manifest.shapes[i])) or "()",
+                    format_bytes(manifest.leaf_length[i]),
+                )
+                for i in range(len(manifest.paths))
+            ],
+        )
+        if leaves
+        else "  (no arrays)",
+    ]
+    if values:
+        lines += [
+            "",
+            render_table(["path", "value"], [(v["path"], json.dumps(v["value"])) for v in values]),
+        ]
+    return Outcome(data, "\n".join(lines))
+
+
+async def _verify(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import Damage, VerifyReport, verify_manifest
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        if args.all:
+            steps = await alist_steps(store)
+        elif args.steps:
+            steps = [await _resolve_step(store, s) for s in args.steps]
+        else:
+            steps = [await _resolve_step(store, None)]
+        manifests = await _manifests(store, steps)
+        total = sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
+        reports: list[VerifyReport] = []
+        with progress_bar(args, total, "verify", unit="B") as bar:
+            for step, manifest in zip(steps, manifests, strict=True):
+                if isinstance(manifest, CkptStoreError):
+                    reports.append(
+                        VerifyReport(
+                            step,
+                            damage=[
+                                Damage("manifest", f"{step}/manifest.json", _one_line(manifest))
+                            ],
+                        )
+                    )
+                    continue
+                reports.append(await verify_manifest(store, manifest, progress=bar.update))
+        url = store.url
+    damaged = [r for r in reports if not r.ok]
+    lines = []
+    for r in reports:
+        state = "ok" if r.ok else "DAMAGED"
+        lines.append(
+            f"step {r.step}: {state} ({r.objects} objects, {r.leaves} leaves, "
+            f"{format_bytes(r.nbytes)} checked)"
+        )
+        lines += [f"  {d.kind} {d.name}: {d.problem}" for d in r.damage]
+    if not reports:
+        lines.append(f"{url}: no committed checkpoints to verify")
+    elif damaged:
+        lines.append(f"{len(damaged)} of {len(reports)} steps DAMAGED")
+    else:
+        lines.append(f"all {len(reports)} steps intact")
+    data = {
+        "url": url,
+        "ok": not damaged,
+        "steps": [
+            {
+                "step": r.step,
+                "ok": r.ok,
+                "objects": r.objects,
+                "leaves": r.leaves,
+                "nbytes": r.nbytes,
+                "damage": [dataclasses.asdict(d) for d in r.damage],
+            }
+            for r in reports
+        ],
+    }
+    return Outcome(data, "\n".join(lines), EXIT_DAMAGED if damaged else EXIT_OK)
+
+
+async def _cp(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import alist_steps
+    from ckptstore.maintenance import CopyReport, copy_step
+
+    async with (
+        cli_store(args.src, _options(args.option)) as src,
+        cli_store(args.dst, _options(args.dst_option), must_exist=False) as dst,
+    ):
+        if args.steps:
+            steps = [await _resolve_step(src, s) for s in args.steps]
+        else:
+            steps = await alist_steps(src)
+            if not steps:
+                raise NotFoundError(f"{src.url}: no committed checkpoints to copy")
+        manifests = await _manifests(src, steps)
+        for manifest in manifests:
+            if isinstance(manifest, CkptStoreError):
+                raise manifest
+        total = 2 * sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
+        reports: list[CopyReport] = []
+        with progress_bar(args, total, "copy+verify", unit="B") as bar:
+            for step in steps:
+                r = await copy_step(src, dst, step, progress=bar.update)
+                reports.append(r)
+                if not args.json:  # said as each step is done, so a later failure keeps it
+                    print(
+                        f"step {r.step}: already at the destination (identical), skipped"
+                        if r.skipped
+                        else f"step {r.step}: copied {r.objects} objects, "
+                        f"{format_bytes(r.nbytes)}, verified, committed (attempt {r.attempt})",
+                        flush=True,
+                    )
+        src_url, dst_url = src.url, dst.url
+    data = {"src": src_url, "dst": dst_url, "steps": [dataclasses.asdict(r) for r in reports]}
+    return Outcome(data, "")
+
+
+async def _gc(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import agc
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        report = await agc(store, grace=args.grace)
+        url = store.url
+    data = {"url": url, **dataclasses.asdict(report)}
+    lines = [
+        f"{url}: removed {len(report.removed)} abandoned attempts "
+        f"({report.removed_objects} objects), {report.stale_writes} stale in-progress writes",
+        *(f"  removed {p}" for p in report.removed),
+    ]
+    if report.kept_recent:
+        lines.append(
+            f"kept {len(report.kept_recent)} uncommitted attempts within the grace period "
+            "(possibly saves in progress)"
+        )
+    if report.invalid_steps:
+        lines.append(
+            f"left steps with an invalid manifest untouched: {report.invalid_steps} "
+            "(ckptstore verify shows why)"
+        )
+    return Outcome(data, "\n".join(lines))
+
+
+async def _rm(args: argparse.Namespace) -> Outcome:
+    from ckptstore.api import adelete_step
+
+    removed = []
+    async with cli_store(args.url, _options(args.option)) as store:
+        for step in args.steps:
+            await adelete_step(store, step)
+            removed.append(step)
+        url = store.url
+    return Outcome(
+        {"url": url, "removed": removed}, "\n".join(f"removed step {s}" for s in removed)
+    )
+
+
+# ----------------------------------------------------------------- bench
+
+
+async def _bench(args: argparse.Namespace) -> Outcome:
+    from ckptstore.bench import bench_store, usable_part_sizes
+
+    options = _options(args.option)
+    async with cli_store(args.url, options, must_exist=False) as store:
+        caps = store.capabilities
+    try:
+        part_sizes = usable_part_sizes(caps, args.size, args.part_sizes)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    total = len(part_sizes) + 2 * len(set(args.concurrency)) - 1
+    with progress_bar(args, total, "bench", unit="trial") as bar:
+
+        def step(done: int, total: int, label: str) -> None:
+            bar.update(1)
+            bar.set_postfix_str(label)
+
+        report = await bench_store(
+            args.url,
+            size=args.size,
+            part_sizes=part_sizes,
+            concurrencies=args.concurrency,
+            small_count=args.small_count,
+            small_size=args.small_size,
+            repeat=args.repeat,
+            options=options,
+            progress=step,
+        )
+    best = report.best
+    large_rows = [
+        (
+            f"{_size_name(t.part_size)} x{t.concurrency}" + ("  <- best" if t is best else ""),
+            f"{t.write_mib_s:.0f}",
+            f"{t.read_mib_s:.0f}",
+            f"{t.write_cpu_seconds / (t.nbytes / (1 << 30)):.2f}",
+            f"{t.read_cpu_seconds / (t.nbytes / (1 << 30)):.2f}",
+        )
+        for t in report.large
+    ]
+    small_rows = [
+        (f"x{t.concurrency}", f"{t.puts_per_s:.0f}", f"{t.gets_per_s:.0f}") for t in report.small
+    ]
+    suggested = report.suggested_settings
+    part_text = _size_name(suggested["part_size"])
+    lines = [
+        f"{report.url}: {format_bytes(args.size)} object per trial, median of {report.repeat}",
+        "",
+        render_table(
+            [
+                "part size x concurrency",
+                "write MiB/s",
+                "read MiB/s",
+                "write CPU s/GiB",
+                "read CPU s/GiB",
+            ],
+            large_rows,
+        ),
+        "",
+        render_table(
+            [f"{args.small_count} objects of {format_bytes(args.small_size)}", "PUT/s", "GET/s"],
+            small_rows,
+        ),
+        "",
+        f"suggested: part_size={part_text} max_concurrency={suggested['max_concurrency']} "
+        f"(write {best.write_mib_s:.0f} MiB/s, read {best.read_mib_s:.0f} MiB/s)",
+        f"  environment: CKPTSTORE_PART_SIZE={part_text} "
+        f"CKPTSTORE_MAX_CONCURRENCY={suggested['max_concurrency']}",
+        *(f"note: {note}" for note in report.notes),
+    ]
+    return Outcome(report.as_dict(), "\n".join(lines))
+
+
+# ----------------------------------------------------------------- parser
+
+_EXAMPLES: dict[str, str] = {
+    "ls": """
+        ckptstore ls ./checkpoints
+        ckptstore ls s3://bucket/run7 -o endpoint_url=http://127.0.0.1:8333
+        ckptstore ls gs://bucket/run7 --json | jq '.steps[].step'
+    """,
+    "show": """
+        ckptstore show ./checkpoints 1000
+        ckptstore show s3://bucket/run7 latest --json > step.json
+    """,
+    "verify": """
+        ckptstore verify ./checkpoints              # the latest step
+        ckptstore verify ./checkpoints 900 1000
+        ckptstore verify s3://bucket/run7 --all || echo "damaged or unreadable"
+    """,
+    "cp": """
+        ckptstore cp ./checkpoints s3://bucket/run7 --step 1000
+        ckptstore cp s3://bucket/run7 /scratch/run7          # every committed step
+        ckptstore cp ./ckpts s3://bucket/run7 --dst-option endpoint_url=http://127.0.0.1:8333
+    """,
+    "gc": """
+        ckptstore gc ./checkpoints
+        ckptstore gc s3://bucket/run7 --grace 3600
+    """,
+    "rm": """
+        ckptstore rm ./checkpoints 100
+        ckptstore rm s3://bucket/run7 100 200 300
+    """,
+    "bench": """
+        ckptstore bench /scratch/ckpt
+        ckptstore bench s3://bucket/scratch -o endpoint_url=http://127.0.0.1:8333
+        ckptstore bench s3://bucket/scratch --size 1GiB --part-sizes 16MiB,64MiB \\
+            --concurrency 8,32 --json > bench.json
+    """,
+}
+
+_DESCRIPTIONS: dict[str, str] = {
+    "ls": "List the committed steps under a checkpoint root with their size, object count, "
+    "leaf count and commit time. A step whose manifest fails validation is listed as INVALID.",
+    "show": "Show one step: its metadata, every array leaf (path, dtype, shape, size) and every "
+    "plain value. STEP is a number or 'latest'.",
+    "verify": "Re-read every byte of the given steps (default: the latest; --all: every "
+    "committed step) and check the crc32c of every object and every leaf. Exit status 0 "
+    "means all intact, 3 means damage was found (each problem is listed).",
+    "cp": "Copy committed steps (default: all; --step N for one) from SRC to DST, between any "
+    "two backends. Objects stream in parallel parts with their crc32c checked on the way, the "
+    "copy is read back and verified at DST, and only then committed there with the same "
+    "put-if-absent manifest write a save uses. A step DST already holds identically is "
+    "skipped; a different one is an error.",
+    "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
+    "are older than the grace period, and stale in-progress writes. Committed steps and keys "
+    "ckptstore did not write are never touched.",
+    "rm": "Delete committed steps: the manifest first, so a step is never half visible, then "
+    "its data objects.",
+    "bench": (
+        "Measure write and read throughput of large multipart objects and the request rate "
+        "of small objects on a store, and suggest part_size and max_concurrency. Scratch "
+        "objects go under a fresh .ckptstore-bench-<id>/ prefix and are deleted afterwards."
+    ),
+}
+
+Command = Callable[[argparse.Namespace], Coroutine[Any, Any, Outcome]]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def _common(*, options: bool = True) -> _Parser:
+    common = _Parser(add_help=False)
+    common.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="print one JSON document"
+    )
+    common.add_argument(
+        "--no-progress",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="never draw progress bars (they are drawn only when stderr is a terminal)",
+    )
+    if options:
+        common.add_argument(
+            "-o",
+            "--option",
+            action="append",
+            type=_option_arg,
+            metavar="NAME=VALUE",
+            help="a store option or Settings field, e.g. endpoint_url=http://127.0.0.1:9000 "
+            "or part_size=64MiB (repeatable)",
+        )
+    return common
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``ckptstore`` command."""
+    from ckptstore import __version__
+    from ckptstore.bench import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES
+
+    parser = _Parser(
+        prog="ckptstore",
+        description="Look at, check, copy and clean up checkpoints on any store:\na local or "
+        "NFS directory, s3://, gs://, memory:// or any fsspec URL.",
+        epilog="Run 'ckptstore COMMAND --help' for a command's options and examples.\n\n"
+        "Exit status: 0 ok; 1 error (one line on stderr); 2 bad command line; "
+        "3 verify found damage.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"ckptstore {__version__}")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    parser.add_argument("--no-progress", action="store_true", help="never draw progress bars")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def add(name: str, help_text: str, func: Command, **kwargs: Any) -> argparse.ArgumentParser:
+        sub = commands.add_parser(
+            name,
+            help=help_text,
+            description=textwrap.fill(_DESCRIPTIONS.get(name, help_text), 79),
+            epilog="examples:\n" + textwrap.indent(textwrap.dedent(_EXAMPLES[name]).strip(), "  "),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+            parents=[_common(**kwargs)],
+        )
+        sub.set_defaults(func=func)
+        return sub
+
+    ls = add("ls", "list committed steps", _ls)
+    ls.add_argument("url", metavar="URL", help="checkpoint root")
+
+    show = add("show", "show one step's leaves, dtypes, shapes, sizes and metadata", _show)
+    show.add_argument("url", metavar="URL", help="checkpoint root")
+    show.add_argument("step", metavar="STEP", type=_step_arg, help="step number or 'latest'")
+
+    verify = add("verify", "re-read every byte and check its crc32c", _verify)
+    verify.add_argument("url", metavar="URL", help="checkpoint root")
+    verify.add_argument(
+        "steps", metavar="STEP", type=_step_arg, nargs="*", help="steps (default: latest)"
+    )
+    verify.add_argument("--all", action="store_true", help="verify every committed step")
+
+    cp = add("cp", "copy steps between any two stores, verified and committed", _cp)
+    cp.add_argument("src", metavar="SRC", help="source checkpoint root")
+    cp.add_argument("dst", metavar="DST", help="destination checkpoint root")
+    cp.add_argument(
+        "--step",
+        dest="steps",
+        type=_step_arg,
+        action="append",
+        metavar="N",
+        help="a step to copy, or 'latest' (repeatable; default: every committed step)",
+    )
+    cp.add_argument(
+        "--dst-option",
+        action="append",
+        type=_option_arg,
+        metavar="NAME=VALUE",
+        help="a store option for DST (-o applies to SRC)",
+    )
+
+    gc = add("gc", "remove abandoned save attempts", _gc)
+    gc.add_argument("url", metavar="URL", help="checkpoint root")
+    gc.add_argument(
+        "--grace",
+        type=_seconds_arg,
+        default=None,
+        metavar="SECONDS",
+        help="leave attempts younger than this alone (default: Settings.gc_grace_seconds)",
+    )
+
+    rm = add("rm", "delete committed steps", _rm)
+    rm.add_argument("url", metavar="URL", help="checkpoint root")
+    rm.add_argument("steps", metavar="STEP", type=_step_number_arg, nargs="+", help="steps")
+
+    bench = add("bench", "measure a store and suggest part size and concurrency", _bench)
+    bench.add_argument("url", metavar="URL", help="store to measure (scratch objects are removed)")
+    bench.add_argument(
+        "--size",
+        type=_size_arg,
+        default=256 << 20,
+        help="bytes of the large object each trial writes and reads (default 256MiB)",
+    )
+    bench.add_argument(
+        "--part-sizes",
+        type=_size_list_arg,
+        default=list(DEFAULT_PART_SIZES),
+        metavar="SIZES",
+        help="comma-separated part sizes to try (default "
+        + ",".join(_size_name(p) for p in DEFAULT_PART_SIZES)
+        + ")",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=_int_list_arg,
+        default=list(DEFAULT_CONCURRENCIES),
+        metavar="NS",
+        help="comma-separated concurrencies to try (default "
+        + ",".join(map(str, DEFAULT_CONCURRENCIES))
+        + ")",
+    )
+    bench.add_argument(
+        "--small-count",
+        type=_positive_int_arg,
+        default=512,
+        help="small objects per small-object trial (default 512)",
+    )
+    bench.add_argument(
+        "--small-size",
+        type=_size_arg,
+        default=4 << 10,
+        help="bytes per small object (default 4KiB)",
+    )
+    bench.add_argument(
+        "--repeat",
+        type=_positive_int_arg,
+        default=1,
+        help="runs per figure, median kept (default 1)",
+    )
+    return parser
+
+
+def _one_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text
+
+
+def _setup_error(exc: BaseException) -> str | None:
+    """The one-line message for a client library's setup error, else None."""
+    for cls in type(exc).__mro__:
+        what = _SETUP_ERRORS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if what is not None:
+            return f"{what}: {_one_line(exc)}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``ckptstore`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit
+    status instead of exiting, so tests and scripts can call it in-process."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version and usage errors
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    try:
+        command: Command = args.func
+        outcome = asyncio.run(command(args))
+    except (CkptStoreError, UsageError) as exc:
+        print(f"ckptstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"ckptstore {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        message = _setup_error(exc)
+        if message is None:
+            raise
+        print(f"ckptstore {args.command}: error: {message}", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        if args.json:
+            print(json.dumps(outcome.data, indent=2, sort_keys=False))
+        elif outcome.text:
+            print(outcome.text)
+        sys.stdout.flush()
+    except BrokenPipeError:  # `ckptstore show ... | head`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return outcome.status

@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m ckptstore.examples.train`` (torch), ``...train_jax`` (JAX)."""

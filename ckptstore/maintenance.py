@@ -1,0 +1,456 @@
+"""Operations an operator runs on whole checkpoints: summarise, verify, copy.
+
+These sit above the layout layer, beside the CheckpointManager, and back the ``ckptstore``
+command (``ls``, ``show``, ``verify``, ``cp``); they are plain async functions for scripts too.
+
+**Verify** re-reads every byte of every data object a manifest names, in part-sized chunks
+read in parallel into a bounded pool of buffers, and checks the crc32c of every object and of
+every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces are combined
+(:func:`~ckptstore.store.transfer.crc32c_combine`), so no leaf is read twice and memory stays
+at ``max_concurrency`` chunks. It reports every problem found instead of stopping at the first.
+
+**Copy** streams a committed step from one store to another (any backends) and commits it at
+the destination with the commit protocol of :mod:`ckptstore.layout.commit`:
+
+1. the source manifest is read and validated; a destination that already has the step is a
+   :class:`~ckptstore.errors.CommitConflictError` unless its checkpoint is identical (same
+   leaves, dtypes, shapes and checksums), which makes a repeated copy a no-op;
+2. the data objects are copied under a *fresh* attempt prefix at the destination (a copy is a
+   new save attempt there, dated now, so the destination's garbage collection treats it like
+   any save in progress), each object streamed in parallel parts, its crc32c computed on the
+   way and compared with the manifest: damaged source bytes are never committed;
+3. the copied objects are read back and verified at the destination;
+4. the manifest, rewritten to name the new attempt, is put with put-if-absent. A copy whose
+   data took over half the destination's garbage-collection grace period is not committed,
+   exactly as a save is not.
+
+On any failure before step 4 the new attempt prefix is deleted (or left for gc if that fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptstore.errors import (
+    CkptStoreError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    InvalidRangeError,
+    NotFoundError,
+)
+from ckptstore.layout.commit import _put_manifest, gather_all, read_manifest
+from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.tree import escape_key
+from ckptstore.store.base import Store
+from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine, crc32c_of
+
+__all__ = [
+    "CopyReport",
+    "Damage",
+    "StepSummary",
+    "VerifyReport",
+    "copy_step",
+    "plain_values",
+    "summarize_step",
+    "verify_manifest",
+    "verify_step",
+]
+
+Progress = Callable[[int], None]
+
+
+# ----------------------------------------------------------------- summaries
+
+
+@dataclass(frozen=True, slots=True)
+class StepSummary:
+    """One committed step as ``ls`` shows it.
+
+    Attributes:
+        step: the step number.
+        nbytes: bytes over its data objects.
+        objects: number of data objects.
+        leaves: number of array leaves.
+        created: when it was committed (seconds since the epoch).
+        attempt: the save attempt whose objects the manifest names.
+    """
+
+    step: int
+    nbytes: int
+    objects: int
+    leaves: int
+    created: float
+    attempt: str
+
+
+def summarize_step(manifest: Manifest) -> StepSummary:
+    """The :class:`StepSummary` of a parsed manifest."""
+    return StepSummary(
+        step=manifest.step,
+        nbytes=manifest.nbytes,
+        objects=len(manifest.object_keys),
+        leaves=len(manifest.paths),
+        created=manifest.created,
+        attempt=manifest.attempt,
+    )
+
+
+def plain_values(tree: Any) -> list[tuple[str, Any]]:
+    """``(path, value)`` of every plain (non-array) value in a validated manifest's tree,
+    in tree order."""
+    out: list[tuple[str, Any]] = []
+
+    def join(path: str, segment: str, depth: int) -> str:
+        return segment if depth == 0 else f"{path}/{segment}"  # as the tree's own paths
+
+    def walk(node: Any, path: str, depth: int) -> None:
+        if type(node) is not dict:
+            return  # an array leaf (its index)
+        if "v" in node and len(node) == 1:
+            out.append((path, node["v"]))
+        elif "d" in node:
+            for key, child in zip(node["d"], node["c"], strict=True):
+                walk(child, join(path, escape_key(key), depth), depth + 1)
+        elif "l" in node or "t" in node:
+            for i, child in enumerate(node["l"] if "l" in node else node["t"]):
+                walk(child, join(path, str(i), depth), depth + 1)
+
+    walk(tree, "", 0)
+    return out
+
+
+# ----------------------------------------------------------------- verify
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """One problem found by :func:`verify_step`.
+
+    Attributes:
+        kind: ``"manifest"``, ``"object"`` or ``"leaf"``.
+        name: the manifest key, object key (relative to the store root) or leaf path.
+        problem: what is wrong, e.g. ``"crc32c mismatch: recorded 1, read 2"``.
+    """
+
+    kind: str
+    name: str
+    problem: str
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    """What :func:`verify_step` checked and found.
+
+    Attributes:
+        step: the step checked.
+        objects: data objects checked.
+        leaves: leaves checked.
+        nbytes: bytes read and checked.
+        damage: every problem found; empty means intact.
+    """
+
+    step: int
+    objects: int = 0
+    leaves: int = 0
+    nbytes: int = 0
+    damage: list[Damage] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
+
+def _leaf_index(manifest: Manifest) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Per object: its leaves sorted by offset, their offsets and their ends."""
+    by_object: dict[int, list[int]] = defaultdict(list)
+    for leaf, obj in enumerate(manifest.leaf_object):
+        if obj >= 0 and manifest.leaf_length[leaf] > 0:
+            by_object[obj].append(leaf)
+    index = {}
+    for obj, leaves in by_object.items():
+        leaves.sort(key=lambda i: manifest.leaf_offset[i])
+        offsets = [manifest.leaf_offset[i] for i in leaves]
+        ends = [manifest.leaf_offset[i] + manifest.leaf_length[i] for i in leaves]
+        index[obj] = (leaves, offsets, ends)
+    return index
+
+
+def _combine(pieces: list[tuple[int, int, int]]) -> int:
+    """crc32c of consecutive pieces given as ``(start, crc, length)``, in any order."""
+    if not pieces:
+        return 0
+    pieces.sort()
+    crc = pieces[0][1]  # most leaves are one piece: no combining (it costs ~50 us in Python)
+    for _, piece_crc, length in pieces[1:]:
+        crc = crc32c_combine(crc, piece_crc, length)
+    return crc
+
+
+async def verify_manifest(
+    store: Store,
+    manifest: Manifest,
+    *,
+    progress: Progress | None = None,
+    chunk_size: int | None = None,
+) -> VerifyReport:
+    """Re-read every data object ``manifest`` names on ``store`` and check every checksum.
+
+    Args:
+        store: the checkpoint root holding the objects.
+        manifest: a validated manifest (its objects need not be committed yet: copy checks
+            its data this way before committing).
+        progress: called with the byte count of each chunk checked.
+        chunk_size: bytes per read (default ``Settings.part_size``).
+    """
+    report = VerifyReport(manifest.step)
+    chunk = chunk_size or store.settings.part_size
+    pool = BufferPool(
+        max(1, min(chunk, max(manifest.object_lengths, default=1))),
+        max(1, store.settings.max_concurrency),
+    )
+    leaf_index = _leaf_index(manifest)
+    leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+
+    def hash_chunk(obj: int, start: int, view: memoryview) -> tuple[int, list[tuple[int, int]]]:
+        """crc of the chunk, and ``(leaf, crc)`` of each leaf's piece inside it."""
+        leaves, offsets, ends = leaf_index.get(obj, ([], [], []))
+        end = start + len(view)
+        pieces = []
+        i = bisect.bisect_right(ends, start)
+        while i < len(leaves) and offsets[i] < end:
+            lo, hi = max(offsets[i], start), min(ends[i], end)
+            pieces.append((leaves[i], crc32c_of(view[lo - start : hi - start])))
+            i += 1
+        return crc32c_of(view), pieces
+
+    async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
+        buf = await pool.acquire()
+        try:
+            view = memoryview(buf)[:length]
+            await store.read_into(key, start, view)
+            crc, pieces = await asyncio.to_thread(hash_chunk, obj, start, view)
+        finally:
+            pool.release(buf)
+        for leaf, piece_crc in pieces:
+            lo = max(manifest.leaf_offset[leaf], start)
+            hi = min(manifest.leaf_offset[leaf] + manifest.leaf_length[leaf], start + length)
+            leaf_pieces[leaf].append((lo, piece_crc, hi - lo))
+        if progress is not None:
+            progress(length)
+        return start, crc, length
+
+    async def check_object(obj: int) -> None:
+        key = manifest.object_key(obj)
+        expected = manifest.object_lengths[obj]
+        try:
+            meta = await store.head(key)
+        except NotFoundError:
+            report.damage.append(Damage("object", key, "missing"))
+            return
+        if meta.size != expected:
+            report.damage.append(
+                Damage("object", key, f"{meta.size} bytes, the manifest says {expected}")
+            )
+            return
+        try:
+            pieces = await gather_all(
+                check_chunk(obj, key, start, min(chunk, expected - start))
+                for start in range(0, expected, chunk)
+            )
+        except (NotFoundError, InvalidRangeError) as exc:
+            report.damage.append(Damage("object", key, f"read failed: {exc}"))
+            return
+        report.objects += 1
+        report.nbytes += expected
+        crc = _combine(pieces)
+        if crc != manifest.object_crcs[obj]:
+            report.damage.append(
+                Damage(
+                    "object",
+                    key,
+                    f"crc32c mismatch: recorded {manifest.object_crcs[obj]}, read {crc}",
+                )
+            )
+        for leaf in leaf_index.get(obj, ([], [], []))[0]:
+            report.leaves += 1
+            leaf_crc = _combine(leaf_pieces.pop(leaf, []))
+            if leaf_crc != manifest.leaf_crc[leaf]:
+                report.damage.append(
+                    Damage(
+                        "leaf",
+                        manifest.paths[leaf],
+                        f"crc32c mismatch in {key}: recorded {manifest.leaf_crc[leaf]}, "
+                        f"read {leaf_crc}",
+                    )
+                )
+
+    # Objects run concurrently; the chunk pool bounds how many reads are in flight.
+    await gather_all(check_object(i) for i in range(len(manifest.object_keys)))
+    report.leaves += sum(
+        1
+        for leaf, obj in enumerate(manifest.leaf_object)
+        if obj < 0 or not manifest.leaf_length[leaf]
+    )
+    report.damage.sort(key=lambda d: (d.kind != "object", d.name))
+    return report
+
+
+async def verify_step(store: Store, step: int, *, progress: Progress | None = None) -> VerifyReport:
+    """Verify committed ``step``: its manifest, then every byte of its data.
+
+    A manifest that fails validation is reported as damage (nothing else can be checked).
+
+    Raises:
+        NotFoundError: the step is not committed.
+    """
+    try:
+        manifest = await read_manifest(store, step)
+    except CorruptCheckpointError as exc:
+        return VerifyReport(step, damage=[Damage("manifest", manifest_key(step), str(exc))])
+    return await verify_manifest(store, manifest, progress=progress)
+
+
+# ----------------------------------------------------------------- copy
+
+
+@dataclass(frozen=True, slots=True)
+class CopyReport:
+    """What :func:`copy_step` did.
+
+    Attributes:
+        step: the step copied.
+        objects: data objects copied.
+        nbytes: bytes copied.
+        attempt: the attempt id the copy was committed under at the destination.
+        skipped: the destination already held an identical checkpoint; nothing was written.
+    """
+
+    step: int
+    objects: int
+    nbytes: int
+    attempt: str
+    skipped: bool = False
+
+
+def _same_checkpoint(a: Manifest, b: Manifest) -> bool:
+    return (
+        a.paths == b.paths
+        and a.dtypes == b.dtypes
+        and a.shapes == b.shapes
+        and a.leaf_crc == b.leaf_crc
+        and a.leaf_length == b.leaf_length
+        and a.tree == b.tree
+        and a.metadata == b.metadata
+    )
+
+
+async def copy_step(
+    src: Store,
+    dst: Store,
+    step: int,
+    *,
+    progress: Progress | None = None,
+) -> CopyReport:
+    """Copy committed ``step`` from ``src`` to ``dst``, verified, and commit it there.
+
+    Args:
+        src: the source checkpoint root.
+        dst: the destination checkpoint root.
+        step: the step to copy.
+        progress: called with byte counts as data is copied and as it is verified (so the
+            total is twice the step's size).
+
+    Raises:
+        NotFoundError: ``step`` is not committed at ``src``.
+        CorruptCheckpointError: the source manifest or data fails verification, or the copy
+            fails verification at the destination; nothing is committed.
+        CommitConflictError: ``dst`` already holds a different checkpoint at ``step``.
+    """
+    manifest = await read_manifest(src, step)
+    try:
+        existing: Manifest | None = await read_manifest(dst, step)
+    except NotFoundError:
+        existing = None
+    if existing is not None:
+        if _same_checkpoint(existing, manifest):
+            return CopyReport(step, 0, 0, existing.attempt, skipped=True)
+        raise CommitConflictError(
+            f"{dst.url}/{manifest_key(step)}: step {step} already exists at the destination "
+            "and differs from the source; remove it first (ckptstore rm)"
+        )
+
+    started = time.time()
+    attempt = new_attempt_id(started)
+    prefix = attempt_prefix(step, attempt)
+    copied = dataclasses.replace(
+        manifest,
+        attempt=attempt,
+        object_keys=[f"{attempt}/{key.split('/', 1)[1]}" for key in manifest.object_keys],
+    )
+    try:
+        await _copy_objects(src, dst, manifest, copied, progress)
+        await _check_copy(dst, copied, progress)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await asyncio.shield(dst.delete_prefix(prefix))
+        raise
+    elapsed = time.time() - started
+    grace = dst.settings.gc_grace_seconds
+    if elapsed > grace / 2:
+        raise CkptStoreError(
+            f"{dst.url}/{prefix}: the copy took {elapsed:.0f} s, over half of the destination's "
+            f"garbage-collection grace period ({grace} s), so a concurrent gc may have removed "
+            "data; not committing. Raise gc_grace_seconds for the destination."
+        )
+    await _put_manifest(dst, step, copied.encode(), attempt)
+    return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
+
+
+async def _check_copy(dst: Store, copied: Manifest, progress: Progress | None) -> None:
+    check = await verify_manifest(dst, copied, progress=progress)
+    if not check.ok:
+        first = check.damage[0]
+        raise CorruptCheckpointError(
+            f"{dst.url}: the copy of step {copied.step} fails verification at the destination "
+            f"({first.name}: {first.problem}); nothing was committed"
+        )
+
+
+async def _copy_objects(
+    src: Store, dst: Store, manifest: Manifest, copied: Manifest, progress: Progress | None
+) -> None:
+    threshold = dst.settings.multipart_threshold
+    small_slots = asyncio.Semaphore(max(1, dst.settings.max_concurrency))
+
+    async def copy_one(index: int) -> None:
+        key, target = manifest.object_key(index), copied.object_key(index)
+        crc = await copy_object(
+            src, dst, key, manifest.object_lengths[index], dst_key=target, progress=progress
+        )
+        if crc != manifest.object_crcs[index]:
+            raise CorruptCheckpointError(
+                f"{src.url}/{key}: the source object fails its crc32c (recorded "
+                f"{manifest.object_crcs[index]}, read {crc}); run 'ckptstore verify' on the "
+                f"source; step {manifest.step} was not committed at the destination"
+            )
+
+    async def copy_small(index: int) -> None:
+        async with small_slots:
+            await copy_one(index)
+
+    large = [i for i, n in enumerate(manifest.object_lengths) if n >= threshold]
+    small = [i for i, n in enumerate(manifest.object_lengths) if n < threshold]
+    # Small objects go many at a time; each large one already streams its parts in
+    # parallel, so they go one after another to keep memory at one pool of part buffers.
+    await gather_all(copy_small(i) for i in small)
+    for index in large:
+        await copy_one(index)

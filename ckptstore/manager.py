@@ -1,0 +1,424 @@
+"""CheckpointManager: when to save, the async save handle, retention, and restore.
+
+::
+
+    with CheckpointManager("s3://bucket/run1", max_to_keep=3, save_interval_steps=100) as mgr:
+        for step in range(start, steps):
+            train_step()
+            mgr.save(step, {"model": model.state_dict(), "optim": opt.state_dict()})
+        mgr.wait_until_finished()
+    state = mgr.restore()                    # latest step, tensors as they were saved
+
+A save blocks only while the state is copied into pooled host buffers
+(:mod:`ckptstore.stage`); the write, the put-if-absent commit and then retention run on the
+background loop (:mod:`ckptstore.async_save`). Retention runs only after the new step's
+manifest is durable, and never deletes the newest committed step, so a crash at any moment
+costs at most the save that was in progress: the previous good checkpoint stays. Retention
+reconsiders every committed step each time, so steps a crash left beyond ``max_to_keep`` are
+removed by the next successful save.
+
+Retention, as in Orbax: the newest ``max_to_keep`` steps are kept (with ``best_fn``, the
+``max_to_keep`` best by their metrics, steps without metrics counting as worst); besides them
+every step divisible by ``keep_period`` is kept forever, and of the others a step is kept if at
+least ``keep_time_interval`` seconds separate it from the last step kept that way.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping
+from types import TracebackType
+from typing import Any, Literal, Self
+
+import numpy as np
+
+from ckptstore import background
+from ckptstore.async_save import AsyncSaver, SaveHandle
+from ckptstore.errors import NotFoundError
+from ckptstore.layout.commit import (
+    committed_steps,
+    delete_step,
+    read_manifest,
+    write_checkpoint,
+)
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.restore import read_leaves
+from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
+from ckptstore.stage import StagedState, Stager, map_leaves
+from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
+from ckptstore.store.base import Store
+from ckptstore.store.registry import open_store
+
+__all__ = ["CheckpointManager"]
+
+#: Key of the manager's own entry in a manifest's metadata.
+_META_KEY = "ckptstore.manager"
+
+
+class _Staged:
+    """A staged array and its attributes, handed to the format layer's ``flatten``."""
+
+    __slots__ = ("array", "attrs")
+
+    def __init__(self, array: np.ndarray[Any, Any], attrs: dict[str, Any]) -> None:
+        self.array = array
+        self.attrs = attrs
+
+
+def _convert(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], dict[str, Any]] | None:
+    return (leaf.array, leaf.attrs) if isinstance(leaf, _Staged) else None
+
+
+class CheckpointManager:
+    """Saves a training state every few steps, keeps the ones worth keeping, restores any.
+
+    Args:
+        url: the run's checkpoint root (any URL ``open_store`` takes), or an open Store (left
+            open by :meth:`close`).
+        max_to_keep: steps kept by recency (or by ``best_fn``); ``None`` keeps every step.
+        keep_period: also keep forever every step divisible by this.
+        keep_time_interval: also keep a step if this long (seconds or a ``timedelta``) has
+            passed since the last step kept this way.
+        save_interval_steps: :meth:`save` saves only steps divisible by this (or ``force``).
+        best_fn: maps a step's ``metrics`` to a number; retention then keeps the best steps.
+        best_mode: ``"min"`` or ``"max"``: which values of ``best_fn`` are best.
+        async_save: ``save`` returns after staging; ``False`` waits for the commit.
+        max_in_flight: async saves writing at once; the next save waits for one to finish.
+        stager: the stager (and so the buffer pool) to use; one per manager by default.
+        **store_options: passed to ``open_store`` with ``url``.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        *,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        keep_time_interval: float | datetime.timedelta | None = None,
+        save_interval_steps: int = 1,
+        best_fn: Callable[[Any], float] | None = None,
+        best_mode: Literal["min", "max"] = "max",
+        async_save: bool = True,
+        max_in_flight: int = 1,
+        stager: Stager | None = None,
+        **store_options: Any,
+    ) -> None:
+        if max_to_keep is not None and max_to_keep < 1:
+            raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
+        if keep_period is not None and keep_period < 1:
+            raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        if save_interval_steps < 1:
+            raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+        if best_mode not in ("min", "max"):
+            raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if isinstance(keep_time_interval, datetime.timedelta):
+            keep_time_interval = keep_time_interval.total_seconds()
+        self.max_to_keep = max_to_keep
+        self.keep_period = keep_period
+        self.keep_time_interval = keep_time_interval
+        self.save_interval_steps = save_interval_steps
+        self.best_fn = best_fn
+        self.best_mode = best_mode
+        self.async_save = async_save
+        if isinstance(url, Store):
+            if store_options:
+                raise TypeError("store options apply to a URL, not to an open Store")
+            self._store, self._owns_store = url, False
+        else:
+            self._store, self._owns_store = open_store(url, **store_options), True
+        self._stager = stager if stager is not None else Stager()
+        self._saver = AsyncSaver(max_in_flight)
+        self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
+        self._closed = False
+        self._clock: Callable[[], float] = time.time
+        self.last_handle: SaveHandle | None = None
+
+    @property
+    def store(self) -> Store:
+        """The store the checkpoints live in."""
+        return self._store
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether :meth:`save` would save ``step`` without ``force``."""
+        return step % self.save_interval_steps == 0
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Any = None,
+        force: bool = False,
+        metrics: Any = None,
+    ) -> bool:
+        """Save ``state`` as ``step`` if the interval says so (or ``force``).
+
+        Blocks while the previous save is still writing (see ``max_in_flight``) and while the
+        arrays are copied into host buffers; the write, commit and retention follow in the
+        background (with ``async_save=False`` this waits for them). Once it returns, changing
+        or freeing the state cannot change what is written.
+
+        Args:
+            step: the step number (an int >= 0; each step is saved once).
+            state: nested dicts/lists/tuples of torch tensors, JAX or numpy arrays and plain
+                JSON values.
+            metadata: JSON stored with the step (see :meth:`metadata`).
+            force: save even if ``step`` is off the interval.
+            metrics: JSON metrics for ``best_fn``.
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            Exception: the error of an earlier background save, not yet reported (nothing of
+                this step is saved then).
+            UnsupportedLeafError, TypeError: a leaf that cannot be stored.
+        """
+        self._check_open()
+        if not (force or self.should_save(step)):
+            self._saver.raise_errors()
+            return False
+        manager_meta = {"time": self._clock(), "metrics": metrics}
+        document = {_META_KEY: manager_meta, "user": metadata}
+        try:
+            json.dumps(document)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
+        flats: list[FlatState] = []
+
+        def stage() -> StagedState:
+            staged = self._stager.stage(state)
+            try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
+                tree = map_leaves(
+                    lambda path, leaf: (
+                        _Staged(leaf, staged.attrs[path]) if path in staged.attrs else leaf
+                    ),
+                    staged.tree,
+                )
+                flats.append(flatten(tree, convert=_convert))
+            except BaseException:
+                staged.release()
+                raise
+            return staged
+
+        async def write(staged: StagedState) -> None:
+            await write_checkpoint(self._store, flats[0], step=step, metadata=document)
+            self._info[step] = (manager_meta["time"], metrics)
+            await self._retain()
+
+        self.last_handle = self._saver.submit(step, stage, write)
+        if not self.async_save:
+            self.wait_until_finished()
+        return True
+
+    def wait_until_finished(self) -> None:
+        """Block until every save has committed; raise the first background error."""
+        self._saver.wait_until_finished()
+
+    # ------------------------------------------------------------------ retention
+
+    async def _step_info(self, steps: Iterable[int]) -> dict[int, tuple[float, Any]]:
+        for step in steps:
+            if step not in self._info:
+                try:
+                    manifest = await read_manifest(self._store, step)
+                except NotFoundError:
+                    continue
+                doc = manifest.metadata
+                own = doc.get(_META_KEY) if isinstance(doc, dict) else None
+                if isinstance(own, dict):
+                    when = float(own.get("time", manifest.created))
+                    self._info[step] = (when, own.get("metrics"))
+                else:
+                    self._info[step] = (manifest.created, None)
+        return self._info
+
+    def _kept(self, steps: list[int], info: Mapping[int, tuple[float, Any]]) -> set[int]:
+        """Which of ``steps`` (ascending, all committed) retention keeps."""
+        if self.max_to_keep is None or not steps:
+            return set(steps)
+        if self.best_fn is not None:
+            sign = 1.0 if self.best_mode == "max" else -1.0
+
+            def score(step: int) -> float:
+                metrics = info.get(step, (0.0, None))[1]
+                if metrics is None:
+                    return -math.inf
+                return sign * float(self.best_fn(metrics))  # type: ignore[misc]
+
+            ranked = sorted(steps, key=lambda s: (score(s), s), reverse=True)
+            kept = set(ranked[: self.max_to_keep])
+        else:
+            kept = set(steps[-self.max_to_keep :])
+        kept.add(steps[-1])  # the newest committed step is never deleted
+        if self.keep_period is not None:
+            kept.update(s for s in steps if s % self.keep_period == 0)
+        if self.keep_time_interval is not None:
+            last: float | None = None
+            for step in steps:
+                when = info.get(step, (0.0, None))[0]
+                if last is None or when - last >= self.keep_time_interval:
+                    kept.add(step)
+                    last = when
+        return kept
+
+    async def _retain(self) -> None:
+        if self.max_to_keep is None:
+            return
+        steps = await committed_steps(self._store)
+        info = await self._step_info(steps)
+        for step in steps:
+            if step not in self._kept(steps, info):
+                await delete_step(self._store, step)
+                self._info.pop(step, None)
+
+    # ------------------------------------------------------------------ reading
+
+    def all_steps(self) -> list[int]:
+        """Committed steps, ascending."""
+        self._check_open()
+        return background.run(committed_steps(self._store))
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or ``None``."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def metadata(self, step: int) -> Any:
+        """The ``metadata`` given when ``step`` was saved."""
+        self._check_open()
+        manifest = background.run(read_manifest(self._store, step))
+        doc = manifest.metadata
+        return doc.get("user") if isinstance(doc, dict) and _META_KEY in doc else doc
+
+    def metrics(self, step: int) -> Any:
+        """The ``metrics`` given when ``step`` was saved."""
+        self._check_open()
+        return background.run(self._step_info([step])).get(step, (0.0, None))[1]
+
+    def restore(self, step: int | None = None, target: Any = None, keys: Any = None) -> Any:
+        """Read a committed step back, verifying every byte.
+
+        Args:
+            step: the step; ``None`` takes the newest committed one (after waiting for saves
+                in flight).
+            target: what to rebuild the arrays as: ``None`` as saved (torch tensors on their
+                device with ``requires_grad``, JAX or numpy arrays); ``"torch"``, ``"jax"`` or
+                ``"numpy"`` for every array; or a state of the same structure whose leaves give
+                each array's type, dtype and placement (device, sharding).
+            keys: leaf paths or prefixes (``"model"``, ``"optim/state/0/exp_avg"``) to read;
+                only their bytes are fetched.
+
+        Raises:
+            NotFoundError: no committed step (or no such step, or a key matching nothing).
+            CorruptCheckpointError: anything read fails verification.
+        """
+        self._check_open()
+        if step is None:
+            self.wait_until_finished()
+            step = self.latest_step()
+            if step is None:
+                raise NotFoundError(f"{self._store.url}: no committed checkpoint to restore")
+        elif self.last_handle is not None and self.last_handle.step == step:
+            self.wait_until_finished()
+        manifest, arrays, accept = background.run(self._read(step, keys))
+        fixed = kind_named(target) if isinstance(target, str) else None
+        likes = _target_leaves(target) if target is not None and fixed is None else {}
+        rebuilt: dict[int, Any] = {}
+        for index, array in arrays.items():
+            path = manifest.paths[index]
+            attrs = manifest.attrs[index] or {}
+            like = likes.get(path)
+            try:
+                rebuilt[index] = rebuild_leaf(array, attrs, fixed, like)
+            except ValueError as exc:
+                raise ValueError(f"step {step}, leaf {path!r}: {exc}") from None
+        return unflatten(manifest.tree, rebuilt, selected=accept)
+
+    async def _read(
+        self, step: int, keys: Any
+    ) -> tuple[Manifest, dict[int, np.ndarray[Any, Any]], Callable[[str], bool] | None]:
+        manifest = await read_manifest(self._store, step)
+        accept = None
+        wanted = list(range(len(manifest.paths)))
+        if keys is not None:
+            patterns = [keys] if isinstance(keys, str) else list(keys)
+            accept = select_paths(patterns)
+            wanted = [i for i, p in enumerate(manifest.paths) if accept(p)]
+            if not wanted and not any(accept(p) for p in manifest.all_paths()):
+                raise NotFoundError(
+                    f"{self._store.url}: step {step} has no leaf matching {patterns} "
+                    f"(paths look like {manifest.paths[:3]})"
+                )
+        arrays = await read_leaves(self._store, manifest, wanted)
+        return manifest, arrays, accept
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step (its manifest first, so it is never half visible)."""
+        self._check_open()
+        self.wait_until_finished()
+        background.run(delete_step(self._store, step))
+        self._info.pop(step, None)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for saves in flight, free the staging buffers, close the store.
+
+        Raises the first unreported background error, after closing.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._saver.wait_until_finished()
+        finally:
+            self._stager.close()
+            if self._owns_store:
+                background.run(self._store.close())
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # do not hide the caller's exception behind a background one
+            self.close()
+        except Exception as background_error:
+            exc.add_note(f"and a background save failed: {background_error!r}")
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self._store.url!r})"
+
+
+def _target_leaves(target: Any) -> dict[str, Any]:
+    """Leaves of a restore target that ask for an array type, by checkpoint path."""
+    found: dict[str, Any] = {}
+
+    def convert(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], None] | None:
+        if target_kind(leaf) is None:
+            return None
+        found[path] = leaf
+        return np.empty(0, np.uint8), None
+
+    flat = flatten(target, convert=convert)
+    for path, array in zip(flat.paths, flat.arrays, strict=True):
+        if path not in found:
+            found[path] = array
+    return found

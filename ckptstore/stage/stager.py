@@ -1,0 +1,399 @@
+"""Copying the arrays of a state into host buffers that ckptstore owns.
+
+This is the only part of an async save that blocks the training loop, so it is built to run at
+memcpy speed: every array leaf gets a slot in one pooled arena (:mod:`ckptstore.stage.pool`), so
+steady-state saves take no page faults; large leaves are split into chunks and copied by a few
+threads (the copies release the GIL); leaves on an accelerator start their device-to-host
+transfers before any is waited for. When :meth:`Stager.stage` returns, mutating or freeing the
+source arrays can no longer change what is written (for CUDA sources: once
+:meth:`StagedState.wait_ready` returns, which the writer calls before it reads a byte; the copies
+are ordered on the source's stream, so the training loop's later kernels on that stream cannot
+overtake them).
+
+Each framework is an :class:`ArrayKind` in its own module (``numpy``, ``torch``, ``jax``),
+imported only when that framework is already imported by the caller, so staging a numpy state
+never imports torch or JAX.
+"""
+
+from __future__ import annotations
+
+import sys
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from numpy.typing import NDArray
+
+from ckptstore.stage.pool import BufferPool, HostBuffer, align_up
+from ckptstore.stage.tree import Path, iter_leaves, map_leaves
+
+__all__ = ["LEAF_ALIGNMENT", "ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager"]
+
+#: Alignment of each leaf inside an arena: a cache line, and enough for every dtype.
+LEAF_ALIGNMENT = 64
+
+#: One copy of a staging plan: ``(bytes it moves, the copy)``.
+CopyTask = tuple[int, Callable[[], None]]
+
+
+@dataclass(frozen=True, slots=True)
+class LeafSpec:
+    """What the stager needs to know of one array leaf before copying it.
+
+    Attributes:
+        dtype: the numpy dtype of its host copy (``ml_dtypes`` types for bfloat16, float8...).
+        shape: its shape.
+        attrs: JSON-able facts restore needs (framework, device, requires_grad...).
+        pinned: its host copy should be page-locked (the source is on a CUDA device).
+    """
+
+    dtype: np.dtype[Any]
+    shape: tuple[int, ...]
+    attrs: dict[str, Any]
+    pinned: bool = False
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+
+class ArrayKind(ABC):
+    """How one framework's arrays are staged to host memory and rebuilt on restore."""
+
+    #: The name recorded as the ``framework`` attribute of each leaf and accepted as a target.
+    name: ClassVar[str]
+
+    @abstractmethod
+    def owns(self, leaf: Any) -> bool:
+        """Whether ``leaf`` is an array of this framework."""
+
+    def start(self, leaves: list[Any]) -> None:
+        """Begin asynchronous device-to-host transfers of ``leaves`` before any is copied."""
+        return None
+
+    @abstractmethod
+    def spec(self, leaf: Any) -> LeafSpec:
+        """Dtype, shape and attributes of ``leaf``; raises ``TypeError`` if it cannot be staged."""
+
+    @abstractmethod
+    def copies(self, leaf: Any, dst: NDArray[Any], chunk_bytes: int) -> list[CopyTask]:
+        """Tasks that together copy ``leaf`` into ``dst`` (same dtype and shape as its spec).
+
+        Tasks may run concurrently on several threads; each must release the GIL while it
+        copies. Large contiguous leaves are split into tasks of about ``chunk_bytes``.
+        """
+
+    def fence(self, leaves: list[Any]) -> Callable[[], None] | None:
+        """Called after every copy was issued; returns what waits for asynchronous ones."""
+        return None
+
+    def host_view(self, leaf: Any) -> NDArray[Any] | None:
+        """``leaf`` itself as a host array, without a copy, if it lives in host memory."""
+        return None
+
+    @abstractmethod
+    def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
+        """An array of this framework holding ``array``'s values.
+
+        Args:
+            array: the restored values (owned by the caller; may be used without a copy).
+            attrs: the attributes recorded when the leaf was saved (may come from another
+                framework, when a state is restored into a different type).
+            like: a leaf of this framework from the restore target whose placement (device,
+                sharding) and dtype the result takes, or ``None`` to follow ``attrs``.
+        """
+
+
+def array_kinds() -> list[ArrayKind]:
+    """The array kinds of the frameworks the program has imported (numpy always)."""
+    from ckptstore.stage.numpy import NumpyKind
+
+    kinds: list[ArrayKind] = [NumpyKind()]
+    if "torch" in sys.modules:
+        from ckptstore.stage.torch import TorchKind
+
+        kinds.append(TorchKind())
+    if "jax" in sys.modules:
+        from ckptstore.stage.jax import JaxKind
+
+        kinds.append(JaxKind())
+    return kinds
+
+
+def kind_named(name: str) -> ArrayKind:
+    """The array kind of framework ``name`` (``"numpy"``, ``"torch"``, ``"jax"``), importing it."""
+    if name == "numpy":
+        from ckptstore.stage.numpy import NumpyKind
+
+        return NumpyKind()
+    if name == "torch":
+        from ckptstore.stage.torch import TorchKind
+
+        return TorchKind()
+    if name == "jax":
+        from ckptstore.stage.jax import JaxKind
+
+        return JaxKind()
+    raise ValueError(f"unknown array framework {name!r}; use 'numpy', 'torch' or 'jax'")
+
+
+@dataclass
+class StagedState:
+    """A state whose arrays are host copies the writer owns.
+
+    Attributes:
+        tree: the state's structure with every array leaf replaced by a C-contiguous numpy
+            array (a view into :attr:`buffer`, or the source itself for a save that opted out
+            of copying); other leaves are unchanged.
+        attrs: for each array leaf, by path, the JSON-able attributes restore needs.
+        nbytes: bytes of array data staged.
+        buffer: the pooled arena the arrays live in; released by :meth:`release`.
+    """
+
+    tree: Any
+    attrs: dict[Path, dict[str, Any]]
+    nbytes: int
+    buffer: HostBuffer | None = None
+    fences: list[Callable[[], None]] = field(default_factory=list)
+
+    def wait_ready(self) -> None:
+        """Block until asynchronous device-to-host copies have landed (CUDA sources)."""
+        fences, self.fences = self.fences, []
+        for fence in fences:
+            fence()
+
+    def release(self) -> None:
+        """Give the host buffer back to its pool once the bytes are durable (idempotent)."""
+        self.wait_ready()
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+class Stager:
+    """Copies the arrays of a state into pooled host buffers.
+
+    Args:
+        pool: where arenas come from and go back to; one per stager by default.
+        threads: threads that copy in parallel (the calling thread is one of them); copying
+            is bound by memory bandwidth, so more than two rarely helps.
+        chunk_bytes: large contiguous leaves are copied in pieces of about this many bytes,
+            so the threads share the work evenly.
+    """
+
+    def __init__(
+        self,
+        pool: BufferPool | None = None,
+        *,
+        threads: int = 2,
+        chunk_bytes: int = 16 << 20,
+    ) -> None:
+        if threads < 1 or chunk_bytes < 1:
+            raise ValueError("threads and chunk_bytes must be >= 1")
+        self.pool = pool if pool is not None else BufferPool()
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+        self._executor: ThreadPoolExecutor | None = None
+
+    def stage(self, state: Any, *, copy: bool = True) -> StagedState:
+        """Copy every array leaf of ``state`` into one pooled host arena.
+
+        Args:
+            state: nested dicts, lists and tuples of numpy, torch or JAX arrays and plain values.
+            copy: ``False`` lets leaves already in host memory (numpy arrays, CPU torch tensors)
+                through without a copy; only for a save that finishes before the caller
+                touches the state again.
+
+        Raises:
+            TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...).
+        """
+        kinds = array_kinds()
+        found: list[tuple[Path, Any, ArrayKind]] = []
+        for path, leaf in iter_leaves(state):
+            for kind in kinds:
+                if kind.owns(leaf):
+                    found.append((path, leaf, kind))
+                    break
+        for kind in kinds:
+            mine = [leaf for _, leaf, k in found if k is kind]
+            if mine:
+                kind.start(mine)
+
+        specs: list[LeafSpec] = []
+        for path, leaf, kind in found:
+            try:
+                specs.append(kind.spec(leaf))
+            except TypeError as exc:
+                raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
+
+        views: dict[Path, NDArray[Any]] = {}
+        to_copy: list[int] = []
+        for i, (path, leaf, kind) in enumerate(found):
+            view = None if copy else kind.host_view(leaf)
+            if view is None:
+                to_copy.append(i)
+            else:
+                views[path] = view
+        offsets, total = [], 0
+        for i in to_copy:
+            offsets.append(total)
+            total = align_up(total + specs[i].nbytes, LEAF_ALIGNMENT)
+
+        buffer = None
+        fences: list[Callable[[], None]] = []
+        if to_copy:
+            buffer = self.pool.acquire(total, pinned=any(specs[i].pinned for i in to_copy))
+            try:
+                tasks: list[CopyTask] = []
+                for i, offset in zip(to_copy, offsets, strict=True):
+                    path, leaf, kind = found[i]
+                    spec = specs[i]
+                    dst = buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
+                    tasks += kind.copies(leaf, dst, self.chunk_bytes)
+                    views[path] = dst
+                self._run(tasks)
+                for kind in kinds:
+                    mine = [found[i][1] for i in to_copy if found[i][2] is kind]
+                    fence = kind.fence(mine) if mine else None
+                    if fence is not None:
+                        fences.append(fence)
+            except BaseException:
+                buffer.release()
+                raise
+
+        tree = map_leaves(lambda path, leaf: views.get(path, leaf), state)
+        attrs = {path: spec.attrs for (path, _, _), spec in zip(found, specs, strict=True)}
+        nbytes = sum(spec.nbytes for spec in specs)
+        return StagedState(tree=tree, attrs=attrs, nbytes=nbytes, buffer=buffer, fences=fences)
+
+    def _run(self, tasks: list[CopyTask]) -> None:
+        """Run the copies, spread by size over ``threads`` threads (this one included)."""
+        total = sum(n for n, _ in tasks)
+        if self.threads == 1 or len(tasks) < 2 or total < 2 * self.chunk_bytes:
+            for _, task in tasks:
+                task()
+            return
+        groups: list[list[Callable[[], None]]] = [[] for _ in range(self.threads)]
+        loads = [0] * self.threads
+        for n, task in sorted(tasks, key=lambda t: -t[0]):
+            least = loads.index(min(loads))
+            groups[least].append(task)
+            loads[least] += n
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="ckpt-stage")
+        futures: list[Future[None]] = [self._executor.submit(_run_all, g) for g in groups[1:]]
+        error: BaseException | None = None
+        try:
+            _run_all(groups[0])
+        except BaseException as exc:
+            error = exc
+        for future in futures:
+            try:
+                future.result()
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        """Stop the copy threads and free the idle buffers."""
+        if self._executor is not None:
+            self._executor.shutdown()
+            self._executor = None
+        self.pool.clear()
+
+
+def _run_all(tasks: list[Callable[[], None]]) -> None:
+    for task in tasks:
+        task()
+
+
+def _show(path: Path) -> str:
+    return "/".join(str(p) for p in path) or "<root>"
+
+
+def contiguous_chunks(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
+    """Element ranges ``[start, stop)`` of about ``chunk_bytes`` each covering a flat array."""
+    count = nbytes // itemsize if itemsize else 0
+    step = max(1, chunk_bytes // max(itemsize, 1))
+    return [(start, min(start + step, count)) for start in range(0, count, step)] or [(0, 0)]
+
+
+def target_kind(like: Any) -> ArrayKind | None:
+    """The array kind a restore-target leaf asks for, or ``None`` for a non-array leaf."""
+    if isinstance(like, np.ndarray | np.generic):
+        return kind_named("numpy")
+    if "torch" in sys.modules and isinstance(like, sys.modules["torch"].Tensor):
+        return kind_named("torch")
+    if "jax" in sys.modules:
+        from ckptstore.stage.jax import is_jax_target
+
+        if is_jax_target(like):
+            return kind_named("jax")
+    return None
+
+
+def _lookup(target: Any, path: Path) -> Any | None:
+    node = target
+    for key in path:
+        try:
+            node = node[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return node
+
+
+def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = None) -> Any:
+    """Turn the host arrays of a restored state back into the arrays a caller wants.
+
+    Args:
+        tree: the state as the format layer read it; array leaves are numpy arrays.
+        attrs: per array leaf, by path, the attributes recorded when it was staged.
+        target: ``None`` rebuilds each leaf as it was saved (framework, device,
+            ``requires_grad``); ``"numpy"``, ``"torch"`` or ``"jax"`` makes every array leaf
+            one of those; a state (nested like ``tree``) gives per leaf the type, dtype and
+            placement wanted: a torch tensor (its device, dtype, ``requires_grad``), a JAX
+            array or ``jax.ShapeDtypeStruct`` (its sharding, dtype), a numpy array (its dtype).
+            Leaves the target does not name, or names with a non-array, are rebuilt as saved.
+
+    Raises:
+        ValueError: a target leaf's shape differs from the saved one.
+    """
+    fixed = kind_named(target) if isinstance(target, str) else None
+
+    def rebuild(path: Path, leaf: Any) -> Any:
+        if not isinstance(leaf, np.ndarray):
+            return leaf
+        like = _lookup(target, path) if target is not None and fixed is None else None
+        try:
+            return rebuild_leaf(leaf, attrs.get(path, {}), fixed, like)
+        except ValueError as exc:
+            raise ValueError(f"{_show(path)}: {exc}") from None
+
+    return map_leaves(rebuild, tree)
+
+
+def rebuild_leaf(
+    array: NDArray[Any], attrs: dict[str, Any], kind: ArrayKind | None, like: Any | None
+) -> Any:
+    """One restored host array as the array a caller wants.
+
+    ``kind`` (a framework asked for every leaf) wins; else ``like``, a target leaf, gives the
+    type, dtype and placement; else the leaf is rebuilt as ``attrs`` say it was saved.
+
+    Raises:
+        ValueError: ``like``'s shape differs from ``array``'s.
+    """
+    if kind is not None:
+        return kind.rebuild(array, attrs, None)
+    like_kind = target_kind(like) if like is not None else None
+    if like_kind is None:
+        return kind_named(str(attrs.get("framework", "numpy"))).rebuild(array, attrs, None)
+    like_shape = getattr(like, "shape", None)
+    shape = array.shape if like_shape is None else tuple(like_shape)
+    if shape != array.shape:
+        raise ValueError(f"the restore target has shape {shape}, the checkpoint {array.shape}")
+    return like_kind.rebuild(array, attrs, like)

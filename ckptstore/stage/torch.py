@@ -1,0 +1,208 @@
+"""Staging torch tensors to host buffers, and rebuilding them on restore.
+
+Tensors are detached and copied byte for byte: the host copy is a numpy view with the matching
+numpy dtype (``ml_dtypes`` supplies bfloat16, float8 and complex32, which numpy lacks), so
+bfloat16, float8, bool and complex values round-trip bit-exact. Non-contiguous and strided
+tensors are made contiguous by the copy itself, never by an extra temporary.
+
+CPU tensors are copied in chunks by the stager's threads (``Tensor.copy_`` releases the GIL).
+CUDA tensors are copied into pinned memory with ``non_blocking=True`` on the current stream, and
+one event per device is recorded after the last copy; the writer waits on the events before it
+reads the bytes, and training kernels queued later on the same stream run after the copies, so
+they cannot change what is written.
+
+Each leaf records its torch dtype, device and ``requires_grad`` (and whether it was an
+``nn.Parameter``) so a restore without a target puts it back as it was; a device this machine
+does not have (a CUDA checkpoint restored on a CPU host) falls back to the CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import torch
+from numpy.typing import NDArray
+
+from ckptstore.stage.stager import ArrayKind, CopyTask, LeafSpec, contiguous_chunks
+
+__all__ = ["TorchKind", "numpy_dtype", "tensor_from_numpy", "torch_dtype"]
+
+
+@functools.cache
+def _dtype_table() -> dict[torch.dtype, np.dtype[Any]]:
+    table: dict[torch.dtype, Any] = {
+        torch.bool: np.bool_,
+        torch.uint8: np.uint8,
+        torch.int8: np.int8,
+        torch.int16: np.int16,
+        torch.int32: np.int32,
+        torch.int64: np.int64,
+        torch.uint16: np.uint16,
+        torch.uint32: np.uint32,
+        torch.uint64: np.uint64,
+        torch.float16: np.float16,
+        torch.float32: np.float32,
+        torch.float64: np.float64,
+        torch.complex64: np.complex64,
+        torch.complex128: np.complex128,
+        torch.bfloat16: ml_dtypes.bfloat16,
+        torch.complex32: ml_dtypes.complex32,
+        torch.float8_e4m3fn: ml_dtypes.float8_e4m3fn,
+        torch.float8_e5m2: ml_dtypes.float8_e5m2,
+        torch.float8_e4m3fnuz: ml_dtypes.float8_e4m3fnuz,
+        torch.float8_e5m2fnuz: ml_dtypes.float8_e5m2fnuz,
+        torch.float8_e8m0fnu: ml_dtypes.float8_e8m0fnu,
+    }
+    return {k: np.dtype(v) for k, v in table.items()}
+
+
+@functools.cache
+def _inverse_table() -> dict[np.dtype[Any], torch.dtype]:
+    return {v: k for k, v in _dtype_table().items()}
+
+
+def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
+    """The numpy dtype with the same bytes as torch ``dtype``; ``TypeError`` if none."""
+    try:
+        return _dtype_table()[dtype]
+    except KeyError:
+        raise TypeError(f"torch dtype {dtype} has no byte-exact numpy equivalent") from None
+
+
+def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
+    """The torch dtype with the same bytes as numpy ``dtype``; ``TypeError`` if none."""
+    try:
+        return _inverse_table()[np.dtype(dtype)]
+    except KeyError:
+        raise TypeError(f"numpy dtype {dtype} has no torch equivalent") from None
+
+
+def _bytes_as_tensor(array: NDArray[Any], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor sharing ``array``'s memory (C-contiguous, writable), reinterpreted as ``dtype``."""
+    flat = torch.from_numpy(array.reshape(-1).view(np.uint8))
+    return flat.view(dtype).view(array.shape)
+
+
+def tensor_from_numpy(array: NDArray[Any]) -> torch.Tensor:
+    """A CPU tensor over ``array``'s memory when possible (copied if read-only or strided)."""
+    if not array.flags.c_contiguous or not array.flags.writeable:
+        array = np.array(array, order="C", copy=True)
+    return _bytes_as_tensor(array, torch_dtype(array.dtype))
+
+
+def _device_available(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        index = device.index or 0
+        return bool(torch.cuda.is_available()) and index < torch.cuda.device_count()
+    backend = getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    return bool(is_available()) if callable(is_available) else False
+
+
+class TorchKind(ArrayKind):
+    """``torch.Tensor`` and ``torch.nn.Parameter`` leaves (dense, strided layout)."""
+
+    name = "torch"
+
+    def owns(self, leaf: Any) -> bool:
+        return isinstance(leaf, torch.Tensor)
+
+    def spec(self, leaf: Any) -> LeafSpec:
+        tensor: torch.Tensor = leaf
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
+            raise TypeError(
+                f"tensor subclass {type(tensor).__name__} is not staged natively (for DTensor "
+                "and sharded states use ckptstore's torch.distributed.checkpoint integration)"
+            )
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{tensor.layout} tensors are not supported; convert to dense first")
+        if tensor.is_quantized:
+            raise TypeError("quantized tensors are not supported; dequantize first")
+        if tensor.device.type == "meta":
+            raise TypeError("meta tensors hold no data")
+        attrs: dict[str, Any] = {
+            "framework": self.name,
+            "dtype": str(tensor.dtype).removeprefix("torch."),
+            "device": str(tensor.device),
+            "requires_grad": bool(tensor.requires_grad),
+        }
+        if isinstance(tensor, torch.nn.Parameter):
+            attrs["parameter"] = True
+        return LeafSpec(
+            numpy_dtype(tensor.dtype), tuple(tensor.shape), attrs, pinned=tensor.is_cuda
+        )
+
+    def copies(self, leaf: Any, dst: NDArray[Any], chunk_bytes: int) -> list[CopyTask]:
+        src = leaf.detach()
+        out = _bytes_as_tensor(dst, src.dtype)
+        nbytes = dst.nbytes
+        if src.is_cuda:
+            return [(nbytes, functools.partial(_copy, out, src, non_blocking=True))]
+        if src.device.type != "cpu":
+            return [(nbytes, functools.partial(_copy, out, src.to("cpu")))]
+        if not src.is_contiguous() or src.dim() == 0:
+            return [(nbytes, functools.partial(_copy, out, src))]
+        flat_src, flat_out = src.view(-1), out.view(-1)
+        tasks: list[CopyTask] = []
+        for start, stop in contiguous_chunks(nbytes, src.element_size(), chunk_bytes):
+            a, b = flat_src[start:stop], flat_out[start:stop]
+            tasks.append(((stop - start) * src.element_size(), functools.partial(_copy, b, a)))
+        return tasks
+
+    def fence(self, leaves: list[Any]) -> Callable[[], None] | None:
+        devices = {t.device for t in leaves if t.is_cuda}
+        if not devices:
+            return None
+        events = []
+        for device in devices:
+            with torch.cuda.device(device):
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record()
+                events.append(event)
+
+        def wait() -> None:
+            for event in events:
+                event.synchronize()
+
+        return wait
+
+    def host_view(self, leaf: Any) -> NDArray[Any] | None:
+        tensor: torch.Tensor = leaf.detach()
+        if tensor.device.type != "cpu":
+            return None
+        tensor = tensor.contiguous()
+        array: NDArray[Any] = tensor.view(-1).view(torch.uint8).numpy()
+        return array.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
+
+    def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
+        tensor = tensor_from_numpy(array)
+        if like is not None:
+            target: torch.Tensor = like
+            if tensor.dtype != target.dtype:
+                tensor = tensor.to(target.dtype)
+            device, requires_grad = target.device, target.requires_grad
+            parameter = isinstance(target, torch.nn.Parameter)
+        else:
+            saved = attrs.get("framework") == "torch"
+            device = torch.device(attrs.get("device", "cpu") if saved else "cpu")
+            if not _device_available(device):
+                device = torch.device("cpu")
+            requires_grad = bool(attrs.get("requires_grad", False))
+            parameter = bool(attrs.get("parameter", False))
+        if device.type != "cpu":
+            tensor = tensor.to(device)
+        if parameter:
+            return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+        if requires_grad:
+            tensor.requires_grad_(True)
+        return tensor
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
+    dst.copy_(src, non_blocking=non_blocking)

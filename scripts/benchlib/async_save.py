@@ -1,0 +1,382 @@
+"""async: what an asynchronous save costs a training loop, against memcpy, DCP and Orbax.
+
+A torch CPU training loop (``torch.set_num_threads(1)``: one core computes, the other is left
+to checkpointing, as a GPU job leaves its host CPUs mostly free) runs ``(saves + 1) x every``
+steps of a small MLP and saves a large state every ``every`` steps to local disk. Each system
+runs the very same loop in a fresh child process, one run of each system per round, rounds
+alternating the systems; figures are medians over the rounds of:
+
+* **lost per save**: the loop's time beyond its own median step, ``sum(step times) - steps x
+  median(step time)``, less the same figure of the loop without saves run in the same round,
+  divided by the saves. It includes the blocking call, any wait for the previous save, and the
+  slowdown the background write causes on the training steps (memory bandwidth, GIL, CPU).
+  Measured within each run so that the load of a shared machine, which drifts between runs,
+  cancels; the plain difference of loop wall times is printed beside it.
+* **blocking call**: median time the training thread spent inside the save call.
+* **peak extra memory**: the child's peak RSS minus its RSS once the state and model exist,
+  over a warm-up save and the timed saves, as a multiple of the state size.
+
+Systems: ``none`` (no saves), ``memcpy`` (the floor: one single-threaded ``copy_`` of every
+tensor into buffers allocated and touched before timing, nothing written), ``ckptstore``
+(``CheckpointManager.save``, async, one save in flight, ``max_to_keep=2``, local disk with
+fsync), ``dcp`` (``torch.distributed.checkpoint.async_save`` with its default stager and
+``FileSystemWriter``, waiting on the previous save's future before the next, as its tutorial
+does), ``orbax`` (``AsyncCheckpointer(PyTreeCheckpointHandler)`` over the tensors as numpy
+views, if orbax-checkpoint is installed).
+
+Workloads: ``1GiB``: 16 float32 tensors of 64 MiB; ``transformer``: a 4-layer, d=768
+transformer (35M parameters) with Adam's two moments, about 400 MiB in 66 tensors of 3 KiB to
+24 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from benchlib import Context, Result, Suite
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent.parent
+SYSTEMS = ["none", "memcpy", "ckptstore", "dcp", "orbax"]
+
+
+# ------------------------------------------------------------------ child process
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _state(workload: str, quick: bool) -> dict[str, Any]:
+    import torch
+
+    if workload == "1GiB":
+        n = 4 if quick else 16
+        return {f"t{i:02d}": torch.full((16 << 20,), float(i)) for i in range(n)}
+    d, layers, vocab = (256, 2, 4096) if quick else (768, 4, 8192)
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        shapes |= {
+            p + "ln1.weight": (d,),
+            p + "ln1.bias": (d,),
+            p + "attn.qkv.weight": (3 * d, d),
+            p + "attn.qkv.bias": (3 * d,),
+            p + "attn.out.weight": (d, d),
+            p + "attn.out.bias": (d,),
+            p + "ln2.weight": (d,),
+            p + "ln2.bias": (d,),
+            p + "mlp.up.weight": (4 * d, d),
+            p + "mlp.up.bias": (4 * d,),
+            p + "mlp.down.weight": (d, 4 * d),
+            p + "mlp.down.bias": (d,),
+        }
+    shapes["ln_f.weight"] = (d,)
+    model = {k: torch.full(s, 0.5) for k, s in shapes.items()}
+    optim = {
+        "state": {
+            i: {
+                "step": torch.tensor(10.0),
+                "exp_avg": torch.full(s, 0.1),
+                "exp_avg_sq": torch.full(s, 0.01),
+            }
+            for i, s in enumerate(shapes.values())
+        },
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(shapes)))}],
+    }
+    return {"model": model, "optim": optim}
+
+
+def _tensors(tree: Any) -> list[Any]:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in _tensors(v)]
+    return []
+
+
+def _numpy_tree(tree: Any) -> Any:
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return tree.numpy()
+    if isinstance(tree, dict):
+        return {str(k): _numpy_tree(v) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_numpy_tree(v) for v in tree]
+    return tree
+
+
+class _Saver:
+    """One system's save call and final wait."""
+
+    def __init__(self, system: str, state: dict[str, Any], workdir: Path) -> None:
+        self.system, self.state, self.workdir = system, state, workdir
+        self.pending: Any = None
+        if system == "memcpy":
+            import torch
+
+            self.pairs = [(torch.empty_like(t), t) for t in _tensors(state)]
+        elif system == "ckptstore":
+            from ckptstore.manager import CheckpointManager
+
+            self.mgr = CheckpointManager(workdir / "ckpt", max_to_keep=2)
+        elif system == "orbax":
+            import orbax.checkpoint as ocp
+
+            self.ocp = ocp
+            self.ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler())
+            self.np_state = _numpy_tree(state)
+
+    def save(self, step: int) -> None:
+        if self.system == "memcpy":
+            for dst, src in self.pairs:
+                dst.copy_(src)
+        elif self.system == "ckptstore":
+            self.mgr.save(step, self.state, force=True)
+        elif self.system == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            if self.pending is not None:
+                self.pending.result()
+            old = self.workdir / f"dcp-{step - 2}"
+            self.pending = dcp.async_save(
+                self.state, checkpoint_id=str(self.workdir / f"dcp-{step}"), no_dist=True
+            )
+            shutil.rmtree(old, ignore_errors=True)
+        elif self.system == "orbax":
+            self.ckptr.wait_until_finished()
+            shutil.rmtree(self.workdir / f"orbax-{step - 2}", ignore_errors=True)
+            self.ckptr.save(
+                self.workdir / f"orbax-{step}", args=self.ocp.args.PyTreeSave(self.np_state)
+            )
+
+    def wait(self) -> None:
+        if self.system == "ckptstore":
+            self.mgr.wait_until_finished()
+        elif self.system == "dcp" and self.pending is not None:
+            self.pending.result()
+        elif self.system == "orbax":
+            self.ckptr.wait_until_finished()
+
+    def close(self) -> None:
+        if self.system == "ckptstore":
+            self.mgr.close()
+        elif self.system == "orbax":
+            self.ckptr.close()
+
+
+def child(
+    system: str, workload: str, workdir: Path, every: int, saves: int, quick: bool
+) -> dict[str, Any]:
+    import warnings
+
+    import torch
+
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    state = _state(workload, quick)
+    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    width = 256 if quick else 768
+    model = torch.nn.Sequential(
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+    )
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    x = torch.randn(128, width)
+
+    def train_step() -> None:
+        loss = model(x).square().mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    for _ in range(3):
+        train_step()
+    baseline_rss = _rss()
+    saver = _Saver(system, state, workdir) if system != "none" else None
+    if saver is not None:  # warm-up save: buffers, imports, first-touch page faults
+        saver.save(0)
+        saver.wait()
+    blocked: list[float] = []
+    steps: list[float] = []
+    cpu0 = time.process_time()
+    t0 = time.perf_counter()
+    for step in range(1, (saves + 1) * every + 1):
+        s0 = time.perf_counter()
+        train_step()
+        if saver is not None and step % every == 0 and step <= saves * every:
+            b0 = time.perf_counter()
+            saver.save(step)
+            blocked.append(time.perf_counter() - b0)
+        steps.append(time.perf_counter() - s0)
+    loop = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if saver is not None:
+        saver.wait()
+        saver.close()
+    tail = time.perf_counter() - t1
+    cpu = time.process_time() - cpu0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {
+        "loop": loop,
+        "excess": sum(steps) - len(steps) * statistics.median(steps),
+        "tail": tail,
+        "blocked": blocked,
+        "cpu": cpu,
+        "peak_extra": max(0, peak - baseline_rss),
+        "state_bytes": state_bytes,
+    }
+
+
+# ------------------------------------------------------------------ parent
+
+
+def _available(system: str) -> bool:
+    if system == "orbax":
+        try:
+            import orbax.checkpoint  # noqa: F401
+        except ImportError:
+            return False
+    return True
+
+
+def _run_child(
+    system: str, workload: str, workdir: Path, every: int, saves: int, quick: bool
+) -> dict[str, Any]:
+    scratch = workdir / f"{system}-{workload}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE.parent.parent}"}
+    args = [
+        sys.executable,
+        str(HERE),
+        system,
+        workload,
+        str(scratch),
+        str(every),
+        str(saves),
+        str(int(quick)),
+    ]
+    out = subprocess.run(args, env=env, capture_output=True, text=True, timeout=1800)
+    shutil.rmtree(scratch, ignore_errors=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{system}/{workload} child failed:\n{out.stdout}\n{out.stderr}")
+    return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def run(ctx: Context) -> list[Result]:
+    every, saves = (4, 2) if ctx.quick else (60, 3)
+    systems = [s for s in SYSTEMS if _available(s)]
+    rows: list[Result] = []
+    lines = []
+    for workload in ("1GiB", "transformer"):
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for _ in range(ctx.repeat):
+            for system in systems:
+                runs[system].append(
+                    _run_child(system, workload, ctx.workdir, every, saves, ctx.quick)
+                )
+                print(f"  {workload} {system}: {runs[system][-1]}", flush=True)
+        nbytes = runs["none"][0]["state_bytes"]
+        lost: dict[str, list[float]] = {}
+        for system in systems:
+            if system == "none":
+                continue
+            lost[system] = [
+                (r["excess"] - base["excess"]) / saves
+                for r, base in zip(runs[system], runs["none"], strict=True)
+            ]
+            wall = [
+                (r["loop"] - base["loop"]) / saves
+                for r, base in zip(runs[system], runs["none"], strict=True)
+            ]
+            blocked = [statistics.median(r["blocked"]) for r in runs[system]]
+            cpu = statistics.median(
+                r["cpu"] - b["cpu"] for r, b in zip(runs[system], runs["none"], strict=True)
+            )
+            peak = [r["peak_extra"] / nbytes for r in runs[system]]
+            rows.append(
+                Result(
+                    "async",
+                    workload,
+                    "local",
+                    system,
+                    "lost per save",
+                    nbytes,
+                    statistics.median(lost[system]),
+                    lost[system],
+                    cpu / saves,
+                )
+            )
+            rows.append(
+                Result(
+                    "async",
+                    workload,
+                    "local",
+                    system,
+                    "blocking call",
+                    nbytes,
+                    statistics.median(blocked),
+                    blocked,
+                    0.0,
+                    notes=f"peak extra {statistics.median(peak):.2f}x state",
+                )
+            )
+            lines.append(
+                f"- {workload} {system}: lost {statistics.median(lost[system]) * 1e3:.0f} ms/save, "
+                f"blocking {statistics.median(blocked) * 1e3:.0f} ms, peak extra memory "
+                f"{statistics.median(peak):.2f}x the state, tail wait "
+                f"{statistics.median(r['tail'] for r in runs[system]) * 1e3:.0f} ms, "
+                f"loop wall-time difference {statistics.median(wall) * 1e3:.0f} ms/save"
+            )
+        memcpy = statistics.median(lost["memcpy"])
+        memcpy_block = statistics.median(statistics.median(r["blocked"]) for r in runs["memcpy"])
+        ours = statistics.median(lost["ckptstore"])
+        ours_block = statistics.median(statistics.median(r["blocked"]) for r in runs["ckptstore"])
+        ratio = [
+            f"ckptstore lost/memcpy {ours / memcpy:.2f}x (goal <= 1.0)",
+            f"blocking/memcpy {ours_block / memcpy_block:.2f}x (goal <= 1.25)",
+        ]
+        for peer in ("dcp", "orbax"):
+            if peer in lost:
+                theirs = statistics.median(lost[peer])
+                ratio.append(f"ckptstore lost/{peer} lost {ours / theirs:.2f}x (goal <= 0.5)")
+        lines.append(f"- **{workload}**: " + "; ".join(ratio))
+    ctx.options["summary"] = (
+        f"Loop: {(saves + 1) * every} steps, a save every {every} steps ({saves} timed saves after "
+        "one untimed warm-up save); median over rounds.\n\n" + "\n".join(lines)
+    )
+    return rows
+
+
+SUITE = Suite(
+    name="async",
+    title="Async save: time a training loop loses per save",
+    run=run,
+    description=__doc__.split("\n\n", 1)[1].strip(),
+)
+
+
+if __name__ == "__main__":
+    system, workload, workdir, every, saves, quick = sys.argv[1:7]
+    result = child(system, workload, Path(workdir), int(every), int(saves), quick == "1")
+    print(json.dumps(result))

@@ -1,0 +1,421 @@
+"""format: whole checkpoints saved and loaded with ckptstore against torch.save, DCP and raw I/O.
+
+Three workloads: 1 GiB as 16 arrays of 64 MiB; 20,000 arrays of 4 KiB (80 MiB); and a
+transformer-like state (10 layers of width 512, embeddings, biases and norms, plus an
+Adam-like optimizer state with two moment copies and a 0-d ``step`` per parameter, about
+400 MiB in some 580 arrays). Each is saved to and loaded from two targets:
+
+* local directory: ckptstore (``ckptstore.save``/``load``, durable: every file and directory
+  fsynced before the manifest), ``torch.save`` of the same tensors (zero-copy
+  ``torch.from_numpy`` views) followed by an fsync of the file, DCP's ``FileSystemWriter``
+  with its defaults (``torch.distributed.checkpoint.save(..., no_dist=True)``, one process,
+  ``sync_files=True``), and the ceiling: the same bytes as one pre-serialized buffer written
+  with ``write`` and ``fsync``d. Loads read cold: every file of every system is dropped
+  from the page cache (fsync, then ``POSIX_FADV_DONTNEED``) before each run; DCP loads into a
+  preallocated state (its only mode), the ceiling reads the blob into a preallocated buffer.
+* memory: ckptstore on ``memory://`` against ``torch.save`` into a ``BytesIO`` and a memcpy of
+  the bytes into a reused buffer (the ceiling).
+
+Systems run interleaved after one untimed warm-up each; each figure is the median of the
+runs. "objects" counts the files (objects) one save wrote, the manifest included.
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import itertools
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ckptstore
+from benchlib import Context, Result, Suite, Timing, interleave
+
+CKPT = "ckptstore"
+TORCH = "torch.save (+fsync)"
+TORCH_MEM = "torch.save (BytesIO)"
+DCP = "DCP FileSystemWriter"
+CEILING = "write+fsync ceiling"
+MEMCPY = "memcpy ceiling"
+
+
+# ---------------------------------------------------------------------------- workloads
+
+
+def _big(quick: bool) -> dict[str, Any]:
+    count, size = (4, 16 << 20) if quick else (16, 64 << 20)
+    rng = np.random.default_rng(0)
+    return {f"w{i:02d}": rng.standard_normal(size // 4, dtype=np.float32) for i in range(count)}
+
+
+def _small(quick: bool) -> dict[str, Any]:
+    count = 2000 if quick else 20_000
+    rng = np.random.default_rng(1)
+    block = rng.standard_normal((count, 1024), dtype=np.float32)
+    return {f"t{i:05d}": block[i].copy() for i in range(count)}
+
+
+def _transformer(quick: bool) -> dict[str, Any]:
+    layers, width, vocab = (2, 256, 2048) if quick else (10, 512, 8192)
+    rng = np.random.default_rng(2)
+
+    def mat(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    model: dict[str, np.ndarray] = {"embed.weight": mat(vocab, width)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        model |= {
+            p + "attn.qkv.weight": mat(3 * width, width),
+            p + "attn.qkv.bias": mat(3 * width),
+            p + "attn.out.weight": mat(width, width),
+            p + "attn.out.bias": mat(width),
+            p + "mlp.fc1.weight": mat(4 * width, width),
+            p + "mlp.fc1.bias": mat(4 * width),
+            p + "mlp.fc2.weight": mat(width, 4 * width),
+            p + "mlp.fc2.bias": mat(width),
+            p + "norm1.weight": mat(width),
+            p + "norm1.bias": mat(width),
+            p + "norm2.weight": mat(width),
+            p + "norm2.bias": mat(width),
+        }
+    model |= {"norm.weight": mat(width), "norm.bias": mat(width), "head.weight": mat(vocab, width)}
+    state = {
+        str(i): {
+            "step": np.array(1000.0, np.float32),
+            "exp_avg": mat(*p.shape),
+            "exp_avg_sq": np.abs(mat(*p.shape)),
+        }
+        for i, p in enumerate(model.values())
+    }
+    groups = [{"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "params": list(range(len(model)))}]
+    return {"model": model, "optim": {"state": state, "param_groups": groups}, "epoch": 3}
+
+
+WORKLOADS: dict[str, Callable[[bool], dict[str, Any]]] = {
+    "1 GiB as 16 x 64 MiB": _big,
+    "20,000 x 4 KiB": _small,
+    "transformer + Adam (~400 MiB)": _transformer,
+}
+
+
+def _arrays(state: Any) -> list[np.ndarray]:
+    if isinstance(state, np.ndarray):
+        return [state]
+    if isinstance(state, dict):
+        return [a for v in state.values() for a in _arrays(v)]
+    if isinstance(state, list | tuple):
+        return [a for v in state for a in _arrays(v)]
+    return []
+
+
+def _to_torch(state: Any) -> Any:
+    import torch
+
+    if isinstance(state, np.ndarray):
+        return torch.from_numpy(state)
+    if isinstance(state, dict):
+        return {k: _to_torch(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_to_torch(v) for v in state]
+    return state
+
+
+def _empty_like(state: Any) -> Any:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: _empty_like(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_empty_like(v) for v in state]
+    return state
+
+
+# ---------------------------------------------------------------------------- raw I/O
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_fsync(path: Path, blob: np.ndarray) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(blob)
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done : done + (64 << 20)])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    _fsync_path(path.parent)
+
+
+def _read_file(path: Path, out: np.ndarray) -> None:
+    with open(path, "rb", buffering=0) as f:
+        view = memoryview(out)
+        done = 0
+        while done < len(view):
+            n = f.readinto(view[done:])
+            if not n:
+                raise OSError(f"{path} is short")
+            done += n
+
+
+def _files(directory: Path) -> list[Path]:
+    return [Path(d) / n for d, _s, names in os.walk(directory) for n in names]
+
+
+def _evict(directory: Path) -> None:
+    for path in _files(directory):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------------------- the suite
+
+
+def _timed(
+    cases: dict[str, Callable[[], Any]], repeat: int, setup: Callable[[str], Any]
+) -> dict[str, Timing]:
+    for name, case in cases.items():  # untimed warm-up
+        setup(name)
+        case()
+    return interleave(cases, repeat, setup=setup)
+
+
+def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray) -> dict[str, Any]:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    base = ctx.workdir / "local"
+    dirs = {CKPT: base / "ckpt", TORCH: base / "torch", DCP: base / "dcp", CEILING: base / "raw"}
+    tstate = _to_torch(state)
+
+    def clear(name: str) -> None:
+        shutil.rmtree(dirs[name], ignore_errors=True)
+        dirs[name].mkdir(parents=True)
+        os.sync()  # earlier runs' writeback stays out of the timed run
+
+    def torch_save() -> None:
+        torch.save(tstate, dirs[TORCH] / "state.pt")
+        _fsync_path(dirs[TORCH] / "state.pt")
+        _fsync_path(dirs[TORCH])
+
+    def dcp_save() -> None:
+        dcp.save(tstate, storage_writer=dcp.FileSystemWriter(dirs[DCP]), no_dist=True)
+
+    saves = _timed(
+        {
+            CKPT: lambda: ckptstore.save(dirs[CKPT], state, step=1),
+            TORCH: torch_save,
+            DCP: dcp_save,
+            CEILING: lambda: _write_fsync(dirs[CEILING] / "blob", blob),
+        },
+        ctx.repeat,
+        clear,
+    )
+    objects = {name: len(_files(d)) for name, d in dirs.items()}
+
+    target = _empty_like(tstate)
+
+    def evict(name: str) -> None:
+        _evict(dirs[name])
+        gc.collect()
+
+    def ckpt_load() -> None:
+        ckptstore.load(dirs[CKPT])
+
+    def torch_load() -> None:
+        torch.load(dirs[TORCH] / "state.pt", weights_only=True)
+
+    def dcp_load() -> None:
+        dcp.load(target, storage_reader=dcp.FileSystemReader(dirs[DCP]), no_dist=True)
+
+    loads = _timed(
+        {
+            CKPT: ckpt_load,
+            TORCH: torch_load,
+            DCP: dcp_load,
+            CEILING: lambda: _read_file(dirs[CEILING] / "blob", blob),  # same bytes back
+        },
+        ctx.repeat,
+        evict,
+    )
+    _check_same(ckptstore.load(dirs[CKPT]), state)
+    for name in dirs:
+        shutil.rmtree(dirs[name], ignore_errors=True)
+    return {"save": saves, "load": loads, "objects": objects}
+
+
+def _memory(ctx: Context, state: dict[str, Any], blob: np.ndarray, tag: str) -> dict[str, Any]:
+    import torch
+
+    url = f"memory://bench-format-{tag}"
+    tstate = _to_torch(state)
+    out = np.empty_like(blob)
+    buffers: dict[str, io.BytesIO] = {}
+    steps = itertools.count(1)
+
+    def clear(name: str) -> None:
+        if name in (CKPT, ""):
+            for step in ckptstore.list_steps(url):
+                ckptstore.delete_step(url, step)
+        if name in (TORCH_MEM, ""):
+            buffers.clear()
+        gc.collect()
+
+    def torch_save() -> None:
+        buffers["torch"] = io.BytesIO()
+        torch.save(tstate, buffers["torch"])
+
+    saves = _timed(
+        {
+            CKPT: lambda: ckptstore.save(url, state, step=next(steps)),
+            TORCH_MEM: torch_save,
+            MEMCPY: lambda: np.copyto(out, blob),
+        },
+        ctx.repeat,
+        clear,
+    )
+    info = ckptstore.read_manifest(url)
+    objects = {CKPT: len(info.object_keys) + 1, TORCH_MEM: 1, MEMCPY: 1}
+    torch_save()
+
+    def torch_load() -> None:
+        buffers["torch"].seek(0)
+        torch.load(buffers["torch"], weights_only=True)
+
+    loads = _timed(
+        {
+            CKPT: lambda: ckptstore.load(url),
+            TORCH_MEM: torch_load,
+            MEMCPY: lambda: np.copyto(out, blob),
+        },
+        ctx.repeat,
+        lambda name: gc.collect(),
+    )
+    _check_same(ckptstore.load(url), state)
+    clear("")
+    return {"save": saves, "load": loads, "objects": objects}
+
+
+def _check_same(actual: Any, expected: Any) -> None:
+    a, e = _arrays(actual), _arrays(expected)
+    if len(a) != len(e) or any(x.tobytes() != y.tobytes() for x, y in zip(a, e, strict=True)):
+        raise AssertionError("ckptstore loaded something other than what it saved")
+
+
+def run(ctx: Context) -> list[Result]:
+    warnings.simplefilter("ignore")  # DCP warns about no_dist and single-process use
+    rows: list[Result] = []
+    summary: list[str] = []
+    for workload, make in WORKLOADS.items():
+        state = make(ctx.quick)
+        arrays = _arrays(state)
+        nbytes = sum(a.nbytes for a in arrays)
+        blob = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        print(f"-- {workload}: {len(arrays)} arrays, {nbytes / (1 << 20):.0f} MiB", flush=True)
+        for target, measured in (
+            ("local dir", _local(ctx, state, blob)),
+            ("memory", _memory(ctx, state, blob, str(len(rows)))),
+        ):
+            for op in ("save", "load"):
+                for system, t in measured[op].items():
+                    rows.append(
+                        Result(
+                            "format",
+                            workload,
+                            target,
+                            system,
+                            op,
+                            nbytes,
+                            t.median,
+                            t.runs,
+                            t.cpu_median,
+                            objects=measured["objects"].get(system) if op == "save" else None,
+                        )
+                    )
+            summary.append(_summarise(workload, target, nbytes, measured))
+        del state, arrays, blob
+        gc.collect()
+    ctx.options["summary"] = "\n".join(summary) + "\n\n" + _acceptance(rows)
+    return rows
+
+
+def _summarise(workload: str, target: str, nbytes: int, m: dict[str, Any]) -> str:
+    saves, loads = m["save"], m["load"]
+    ours_s, ours_l = saves[CKPT].median, loads[CKPT].median
+    parts = []
+    for system in saves:
+        if system == CKPT:
+            continue
+        parts.append(
+            f"{system}: save {saves[system].median / ours_s:.2f}x, "
+            f"load {loads[system].median / ours_l:.2f}x"
+        )
+    return (
+        f"- **{workload}, {target}**: ckptstore save {ours_s:.3f} s, load {ours_l:.3f} s, "
+        f"{m['objects'][CKPT]} objects. Time of each other system / ckptstore's "
+        f"(above 1: ckptstore is faster): " + "; ".join(parts) + "."
+    )
+
+
+def _acceptance(rows: list[Result]) -> str:
+    def find(workload: str, target: str, system: str, op: str) -> Result:
+        return next(
+            r
+            for r in rows
+            if r.workload == workload and r.target == target and r.system == system and r.op == op
+        )
+
+    lines = ["Acceptance checks (issue 3), from the medians above:"]
+    small = [r for r in rows if r.workload.startswith("20,000") and r.op == "save"]
+    if small:
+        r = next(r for r in small if r.system == CKPT and r.target == "local dir")
+        bound = math.ceil(r.nbytes / (8 << 20)) + 2
+        ok = r.objects is not None and r.objects <= bound
+        lines.append(
+            f"- 20,000 x 4 KiB wrote {r.objects} objects (bound ceil(bytes / 8 MiB) + 2 = "
+            f"{bound}): {'PASS' if ok else 'FAIL'}"
+        )
+    big = "1 GiB as 16 x 64 MiB"
+    if any(r.workload == big for r in rows):
+        ours = find(big, "local dir", CKPT, "save")
+        ceiling = find(big, "local dir", CEILING, "save")
+        dcp = find(big, "local dir", DCP, "save")
+        share = ceiling.seconds / ours.seconds
+        lines.append(
+            f"- local 1 GiB save at {share:.0%} of the write+fsync ceiling's throughput "
+            f"(target >= 85%): {'PASS' if share >= 0.85 else 'FAIL'}"
+        )
+        lines.append(
+            f"- local 1 GiB save {dcp.seconds / ours.seconds:.2f}x faster than DCP "
+            f"FileSystemWriter: {'PASS' if dcp.seconds > ours.seconds else 'FAIL'}"
+        )
+    return "\n".join(lines)
+
+
+SUITE = Suite(
+    name="format",
+    title="Checkpoint format: save and load vs torch.save, DCP and raw I/O",
+    run=run,
+    description=__doc__.split("\n\n", 1)[1].strip(),
+)

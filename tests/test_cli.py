@@ -1,0 +1,717 @@
+"""The ``ckptstore`` command, run in-process through ``main([...])`` and as a subprocess.
+
+Every command runs against a local directory (and S3 on moto where marked); bad input checks
+the exit status and that the message is one line with no traceback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import json
+import os
+import pty
+import struct
+import subprocess
+import sys
+import sysconfig
+import termios
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import cli
+from ckptstore.store import registry
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ["ls", "show", "verify", "cp", "gc", "rm", "bench"]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def assert_one_line_error(err: str, *fragments: str) -> None:
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert "error:" in lines[0]
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+# ----------------------------------------------------------------- framework
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "--help")
+    assert status == 0
+    for command in COMMANDS:
+        assert command in out
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_help_shows_examples(
+    capsys: pytest.CaptureFixture[str], command: str
+) -> None:
+    status, out, _ = run(capsys, command, "--help")
+    assert status == 0
+    assert "examples:" in out
+    assert f"ckptstore {command} " in out.split("examples:", 1)[1]
+
+
+def test_bad_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "bench")  # URL missing
+    assert status == cli.EXIT_USAGE
+    assert "required" in err
+    status, _, err = run(capsys, "bench", "memory://x", "--size", "lots")
+    assert status == cli.EXIT_USAGE
+    assert "cannot parse size" in err
+
+
+def test_unknown_scheme_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = run(capsys, "bench", "nosuchscheme://bucket/x")
+    assert status == cli.EXIT_ERROR
+    assert out == ""
+    assert_one_line_error(err, "nosuchscheme://", "no backend")
+
+
+def test_unknown_store_option_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status, _, err = run(capsys, "bench", str(tmp_path), "-o", "colour=blue")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "colour")
+
+
+def test_missing_optional_dependency_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "cli_needs_dep.py").write_text("import ckptstore_dependency_not_installed\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(
+        registry._BACKENDS,
+        "needsdep",
+        registry.BackendSpec("cli_needs_dep:Store", "pip install 'ckptstore[needsdep]'"),
+    )
+    status, _, err = run(capsys, "bench", "needsdep://bucket/x")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "ckptstore_dependency_not_installed", "pip install")
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    async def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug in ckptstore")
+
+    monkeypatch.setattr("ckptstore.bench.bench_store", broken)
+    with pytest.raises(RuntimeError, match="a bug in ckptstore"):
+        cli.main(["bench", str(tmp_path), "--size", "1MiB", "--part-sizes", "1MiB"])
+
+
+def test_setup_errors_of_client_libraries_are_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    botocore_exceptions = pytest.importorskip("botocore.exceptions")
+
+    async def no_credentials(*args: object, **kwargs: object) -> None:
+        raise botocore_exceptions.NoCredentialsError()
+
+    monkeypatch.setattr("ckptstore.bench.bench_store", no_credentials)
+    status, _, err = run(capsys, "bench", str(tmp_path), "--size", "1MiB", "--part-sizes", "1MiB")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "no AWS credentials")
+
+
+# ----------------------------------------------------------------- checkpoints
+
+
+def make_state(seed: int) -> dict[str, Any]:
+    rng = np.random.default_rng(seed)
+    return {
+        "model": {
+            "w": rng.standard_normal((256, 300)).astype(np.float32),  # its own object
+            "b": rng.standard_normal(300).astype(np.float16),  # packed
+        },
+        "opt": [np.arange(10, dtype=np.int64), {"lr": 0.1}],
+        "empty": np.zeros((0, 3)),
+        "step": seed,
+    }
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    """A checkpoint root with steps 5 and 10 (step 10 carries metadata)."""
+    root = tmp_path / "run"
+    ckptstore.save(root, make_state(5), step=5)
+    ckptstore.save(root, make_state(10), step=10, metadata={"loss": 0.25})
+    return root
+
+
+def data_files(root: Path, step: int) -> list[Path]:
+    return sorted(p for p in (root / str(step)).glob("attempt-*/*") if p.is_file())
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def assert_states_equal(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_states_equal(a[key], b[key])
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_states_equal(x, y)
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype
+        assert a.shape == b.shape
+        assert a.tobytes() == b.tobytes()
+    else:
+        assert a == b
+
+
+def test_ls_lists_steps_with_sizes(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "ls", str(run_dir), "--json")
+    assert status == 0
+    listing = json.loads(out)
+    assert [row["step"] for row in listing["steps"]] == [5, 10]
+    manifest = ckptstore.read_manifest(run_dir, 10)
+    row = listing["steps"][1]
+    assert row["nbytes"] == manifest.nbytes >= 256 * 300 * 4 + 300 * 2 + 80  # packs are aligned
+    assert row["objects"] == len(manifest.object_keys)
+    assert row["leaves"] == 4
+    assert row["created"] == manifest.created
+    status, out, _ = run(capsys, "ls", str(run_dir))
+    assert status == 0
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "size", "objects", "leaves", "committed", "(UTC)"]
+    assert lines[1].split()[0] == "5"
+    assert lines[2].split()[0] == "10"
+
+
+def test_ls_of_an_empty_root(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, out, _ = run(capsys, "ls", str(tmp_path))
+    assert status == 0
+    assert "no committed checkpoints" in out
+
+
+def test_ls_of_a_missing_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, out, err = run(capsys, "ls", str(tmp_path / "nope"))
+    assert status == cli.EXIT_ERROR
+    assert out == ""
+    assert_one_line_error(err, "no such directory")
+
+
+def test_ls_marks_an_invalid_manifest(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    (run_dir / "5" / "manifest.json").write_bytes(b'{"format":"ckptstore","version":1')
+    status, out, _ = run(capsys, "ls", str(run_dir))
+    assert status == 0
+    assert "INVALID" in out.splitlines()[1]
+    assert "step 5:" in out
+    assert "invalid manifest" in out
+
+
+def test_show_lists_leaves_values_and_metadata(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    status, out, _ = run(capsys, "show", str(run_dir), "latest", "--json")
+    assert status == 0
+    shown = json.loads(out)
+    assert shown["step"] == 10
+    assert shown["metadata"] == {"loss": 0.25}
+    leaves = {leaf["path"]: leaf for leaf in shown["leaves"]}
+    assert leaves["model/w"]["shape"] == [256, 300]
+    assert leaves["model/w"]["nbytes"] == 256 * 300 * 4
+    assert leaves["model/b"]["nbytes"] == 600
+    assert leaves["empty"]["shape"] == [0, 3]
+    assert leaves["empty"]["nbytes"] == 0
+    assert {v["path"]: v["value"] for v in shown["values"]} == {"opt/1/lr": 0.1, "step": 10}
+    assert sum(o["nbytes"] for o in shown["objects"]) == shown["nbytes"]
+    status, out, _ = run(capsys, "show", str(run_dir), "5")
+    assert status == 0
+    assert "step 5" in out.splitlines()[0]
+    assert any(line.split()[:3] == ["model/w", "<f4", "256x300"] for line in out.splitlines())
+
+
+def test_show_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, _, err = run(capsys, "show", str(run_dir), "7")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 7 is not committed")
+
+
+def test_verify_intact(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "verify", str(run_dir), "--all", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["ok"] is True
+    assert [s["step"] for s in report["steps"]] == [5, 10]
+    manifest = ckptstore.read_manifest(run_dir, 5)
+    assert report["steps"][0]["nbytes"] == manifest.nbytes
+    assert report["steps"][0]["objects"] == len(manifest.object_keys)
+    status, out, _ = run(capsys, "verify", str(run_dir))  # the latest step only
+    assert status == 0
+    assert out.splitlines()[0].startswith("step 10: ok")
+
+
+@pytest.mark.parametrize("which", [0, -1])
+def test_verify_detects_a_flipped_byte(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, which: int
+) -> None:
+    victim = data_files(run_dir, 10)[which]
+    flip_byte(victim, victim.stat().st_size // 2)
+    status, out, _ = run(capsys, "verify", str(run_dir), "--all")
+    assert status == cli.EXIT_DAMAGED
+    assert "step 5: ok" in out
+    assert "step 10: DAMAGED" in out
+    assert f"object 10/{victim.parent.name}/{victim.name}: crc32c mismatch" in out
+    status, out, _ = run(capsys, "verify", str(run_dir), "10", "--json")
+    assert status == cli.EXIT_DAMAGED
+    report = json.loads(out)
+    assert report["ok"] is False
+    kinds = {d["kind"] for d in report["steps"][0]["damage"]}
+    assert kinds == {"object", "leaf"}  # the object and the leaf inside it both fail
+
+
+def test_verify_reads_in_chunks_across_leaf_boundaries(run_dir: Path) -> None:
+    """Small chunks cut leaves in pieces; the pieces' checksums still add up."""
+    from ckptstore.maintenance import verify_manifest
+
+    async def check(chunk: int) -> tuple[bool, int]:
+        async with ckptstore.open_store(run_dir) as store:
+            manifest = await ckptstore.aread_manifest(store, 10)
+            report = await verify_manifest(store, manifest, chunk_size=chunk)
+            return report.ok, report.nbytes
+
+    for chunk in (4093, 64 << 10, 1 << 20):  # 4093: never aligned with a leaf
+        assert asyncio.run(check(chunk)) == (True, ckptstore.read_manifest(run_dir, 10).nbytes)
+    flip_byte(data_files(run_dir, 10)[-1], 3)
+    assert asyncio.run(check(4093))[0] is False
+
+
+def test_verify_reports_a_missing_object(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    victim = data_files(run_dir, 5)[0]
+    victim.unlink()
+    status, out, _ = run(capsys, "verify", str(run_dir), "5")
+    assert status == cli.EXIT_DAMAGED
+    assert f"{victim.name}: missing" in out
+
+
+def test_verify_reports_a_corrupt_manifest(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    flip_byte(run_dir / "10" / "manifest.json", 200)
+    status, out, _ = run(capsys, "verify", str(run_dir), "10")
+    assert status == cli.EXIT_DAMAGED
+    assert "manifest 10/manifest.json" in out
+    assert "invalid manifest" in out
+
+
+def test_verify_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, _, err = run(capsys, "verify", str(run_dir), "11")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 11 is not committed")
+
+
+def test_cp_local_to_local_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "copy"
+    status, out, err = run(capsys, "cp", str(run_dir), str(dst), "--json")
+    assert status == 0, err
+    assert [s["step"] for s in json.loads(out)["steps"]] == [5, 10]
+    assert ckptstore.list_steps(dst) == [5, 10]
+    for step in (5, 10):
+        assert_states_equal(ckptstore.load(run_dir, step), ckptstore.load(dst, step))
+        src_manifest = ckptstore.read_manifest(run_dir, step)
+        dst_manifest = ckptstore.read_manifest(dst, step)
+        assert dst_manifest.attempt != src_manifest.attempt  # a fresh attempt at the copy
+        assert dst_manifest.object_crcs == src_manifest.object_crcs
+        assert dst_manifest.metadata == src_manifest.metadata
+    assert [p.read_bytes() for p in data_files(run_dir, 10)] == [
+        p.read_bytes() for p in data_files(dst, 10)
+    ]
+    # Copying again is a no-op: the destination already holds the same checkpoints.
+    status, out, _ = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == 0
+    assert "skipped" in out
+    assert len(list((dst / "10").glob("attempt-*"))) == 1
+
+
+def test_cp_refuses_a_different_step_at_the_destination(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    dst = tmp_path / "other"
+    ckptstore.save(dst, make_state(99), step=10)
+    status, _, err = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "already exists at the destination")
+    assert ckptstore.load(dst, 10)["step"] == 99
+
+
+def test_cp_never_commits_a_corrupt_source(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    flip_byte(data_files(run_dir, 10)[0], 100)
+    dst = tmp_path / "copy"
+    status, _, err = run(capsys, "cp", str(run_dir), str(dst), "--step", "10")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "fails its crc32c")
+    assert ckptstore.list_steps(dst) == []
+    assert [files for _, _, files in os.walk(dst) if files] == []  # partial copy removed
+
+
+def test_cp_of_a_missing_step(
+    capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
+) -> None:
+    status, _, err = run(capsys, "cp", str(run_dir), str(tmp_path / "copy"), "--step", "3")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 3 is not committed")
+
+
+def test_gc_removes_only_abandoned_attempts(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    abandoned = run_dir / "15" / "attempt-000000000001-0123456789abcdef"
+    abandoned.mkdir(parents=True)
+    (abandoned / "pack-000000").write_bytes(b"half a save")
+    status, out, _ = run(capsys, "gc", str(run_dir), "--json")
+    assert status == 0
+    assert json.loads(out)["removed"] == []  # within the default grace period (mtime is now)
+    assert abandoned.exists()
+    status, out, _ = run(capsys, "gc", str(run_dir), "--grace", "0", "--json")
+    assert status == 0
+    report = json.loads(out)
+    assert report["removed"] == ["15/attempt-000000000001-0123456789abcdef/"]
+    assert report["removed_objects"] == 1
+    assert not abandoned.exists()
+    assert ckptstore.list_steps(run_dir) == [5, 10]
+    status, _, _ = run(capsys, "verify", str(run_dir), "--all")
+    assert status == 0  # committed data untouched
+    status, _, err = run(capsys, "gc", str(run_dir), "--grace", "-1")
+    assert status == cli.EXIT_USAGE
+    assert "must be a finite number >= 0" in err
+
+
+def test_rm_deletes_steps(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "rm", str(run_dir), "5")
+    assert status == 0
+    assert out.strip() == "removed step 5"
+    assert ckptstore.list_steps(run_dir) == [10]
+    assert not (run_dir / "5").exists() or data_files(run_dir, 5) == []
+    status, _, err = run(capsys, "rm", str(run_dir), "5")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "no step 5")
+    status, _, err = run(capsys, "rm", str(run_dir), "latest")
+    assert status == cli.EXIT_USAGE
+
+
+# ----------------------------------------------------------------- bench
+
+BENCH_SMALL = [
+    "--size",
+    "4MiB",
+    "--part-sizes",
+    "512KiB,1MiB,2MiB",
+    "--concurrency",
+    "2,4",
+    "--small-count",
+    "40",
+]
+
+
+def test_bench_local_reports_trials_and_suggestion(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status, out, err = run(capsys, "bench", str(tmp_path), *BENCH_SMALL, "--json")
+    assert status == 0, err
+    report = json.loads(out)
+    # stage 1: three part sizes at one concurrency; stage 2: the other concurrency.
+    assert len(report["large"]) == 3 + 1
+    assert {t["part_size"] for t in report["large"][:3]} == {512 << 10, 1 << 20, 2 << 20}
+    stage1 = report["large"][0]["concurrency"]
+    assert all(t["concurrency"] == stage1 for t in report["large"][:3])
+    assert report["large"][3]["concurrency"] != stage1
+    best = min(report["large"], key=lambda t: t["write_seconds"] + t["read_seconds"])
+    assert report["best"] == best
+    assert report["suggested_settings"] == {
+        "part_size": best["part_size"],
+        "max_concurrency": best["concurrency"],
+    }
+    for trial in report["large"]:
+        assert trial["nbytes"] == 4 << 20
+        assert trial["write_mib_s"] == pytest.approx(4 / trial["write_seconds"])
+    assert [t["concurrency"] for t in report["small"]] == [2, 4]
+    assert all(t["count"] == 40 and t["puts_per_s"] > 0 for t in report["small"])
+    assert list(tmp_path.iterdir()) == []  # scratch objects removed
+
+
+def test_bench_text_names_the_suggestion(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "bench", "memory://cli-bench", *BENCH_SMALL)
+    assert status == 0
+    assert "<- best" in out
+    assert "suggested: part_size=" in out
+    assert "CKPTSTORE_PART_SIZE=" in out
+
+
+def test_bench_refuses_part_sizes_that_do_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = run(capsys, "bench", "memory://x", "--size", "1MiB", "--part-sizes", "4MiB")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "part size")
+
+
+# ----------------------------------------------------------------- entry points
+
+
+def _entry_point_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+def test_python_dash_m_runs_the_command(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "bench", "nosuchscheme://x"],
+        capture_output=True,
+        text=True,
+        env=_entry_point_env(),
+        timeout=120,
+    )
+    assert result.returncode == cli.EXIT_ERROR
+    assert_one_line_error(result.stderr, "nosuchscheme")
+
+
+def test_console_script_runs_the_command(tmp_path: Path) -> None:
+    script = Path(sysconfig.get_path("scripts")) / "ckptstore"
+    if not script.exists():
+        pytest.fail("the ckptstore entry point is not installed; pip install -e '.[test]'")
+    result = subprocess.run(
+        [str(script), "bench", str(tmp_path), *BENCH_SMALL, "--json"],
+        capture_output=True,
+        text=True,
+        env=_entry_point_env(),
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["url"] == tmp_path.as_uri()
+    assert result.stderr == ""  # no progress bar: stderr is not a terminal
+
+
+def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 100 columns
+    chunks: list[bytes] = []
+
+    def drain() -> None:
+        while True:
+            try:
+                data = os.read(master, 4096)
+            except OSError:  # EIO: the child closed its end
+                return
+            if not data:
+                return
+            chunks.append(data)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "ckptstore", "bench", str(tmp_path), *BENCH_SMALL],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=_entry_point_env(),
+            timeout=300,
+        )
+    finally:
+        os.close(slave)
+    reader.join(timeout=30)
+    os.close(master)
+    drawn = b"".join(chunks).decode(errors="replace")
+    assert result.returncode == 0, drawn
+    assert "bench" in drawn
+    assert "trial" in drawn  # tqdm's unit, so the bar itself was drawn
+    assert b"suggested" in result.stdout  # the report still goes to stdout
+
+
+# ----------------------------------------------------------------- S3 (moto)
+# ``moto_s3`` is the fixture of tests/servers/moto.py (a MotoS3: endpoint, bucket, region).
+
+
+def s3_options(moto: Any) -> list[str]:
+    return ["-o", f"endpoint_url={moto.endpoint}", "-o", f"region={moto.region}"]
+
+
+@pytest.mark.s3
+def test_every_command_on_s3_and_cp_round_trip_is_bit_exact(
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, run_dir: Path, tmp_path: Path
+) -> None:
+    url = f"s3://{moto_s3.bucket}/run"
+    opts = s3_options(moto_s3)
+    dst_opts = [o.replace("-o", "--dst-option") for o in opts]
+
+    status, out, err = run(capsys, "cp", str(run_dir), url, *dst_opts, "--json")
+    assert status == 0, err
+    assert [s["step"] for s in json.loads(out)["steps"]] == [5, 10]
+
+    status, out, _ = run(capsys, "ls", url, *opts, "--json")
+    assert status == 0
+    assert [row["step"] for row in json.loads(out)["steps"]] == [5, 10]
+    status, out, _ = run(capsys, "show", url, "10", *opts, "--json")
+    assert status == 0
+    assert json.loads(out)["metadata"] == {"loss": 0.25}
+    status, out, _ = run(capsys, "verify", url, "--all", *opts)
+    assert status == 0, out
+    assert "all 2 steps intact" in out
+
+    back = tmp_path / "back"
+    status, _, err = run(capsys, "cp", url, str(back), *opts)
+    assert status == 0, err
+    for step in (5, 10):
+        assert_states_equal(ckptstore.load(run_dir, step), ckptstore.load(back, step))
+        assert [p.read_bytes() for p in data_files(run_dir, step)] == [
+            p.read_bytes() for p in data_files(back, step)
+        ]
+
+    status, out, _ = run(capsys, "gc", url, *opts, "--json")
+    assert status == 0
+    assert json.loads(out)["removed"] == []
+    status, out, _ = run(capsys, "rm", url, "5", *opts)
+    assert status == 0
+    status, out, _ = run(capsys, "ls", url, *opts, "--json")
+    assert [row["step"] for row in json.loads(out)["steps"]] == [10]
+
+
+@pytest.mark.s3
+def test_verify_on_s3_detects_a_flipped_byte(
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, run_dir: Path
+) -> None:
+    url = f"s3://{moto_s3.bucket}/run"
+    opts = s3_options(moto_s3)
+    assert (
+        cli.main(
+            [
+                "cp",
+                str(run_dir),
+                url,
+                "--step",
+                "10",
+                "--dst-option",
+                f"endpoint_url={moto_s3.endpoint}",
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    client: Any = moto_s3.client()
+    listed = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix="run/10/attempt-")
+    key = sorted(obj["Key"] for obj in listed["Contents"])[0]
+    body = bytearray(client.get_object(Bucket=moto_s3.bucket, Key=key)["Body"].read())
+    body[len(body) // 3] ^= 0x10
+    client.put_object(Bucket=moto_s3.bucket, Key=key, Body=bytes(body))
+    client.close()
+    status, out, _ = run(capsys, "verify", url, "10", *opts)
+    assert status == cli.EXIT_DAMAGED
+    assert f"object {key.removeprefix('run/')}: crc32c mismatch" in out
+
+
+@pytest.mark.s3
+def test_s3_without_credentials_is_one_line_error(
+    capsys: pytest.CaptureFixture[str],
+    moto_s3: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    for name in (
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AWS_PROFILE",
+        "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+        "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+        "AWS_WEB_IDENTITY_TOKEN_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask 169.254.169.254
+    status, out, err = run(capsys, "ls", f"s3://{moto_s3.bucket}/run", *s3_options(moto_s3))
+    assert status == cli.EXIT_ERROR
+    assert out == ""
+    assert_one_line_error(err, "credentials")
+
+
+@pytest.mark.s3
+def test_s3_missing_bucket_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], moto_s3: Any
+) -> None:
+    status, _, err = run(capsys, "ls", "s3://no-such-bucket/run", *s3_options(moto_s3))
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "no-such-bucket")
+
+
+@pytest.mark.s3
+def test_bench_on_s3(capsys: pytest.CaptureFixture[str], moto_s3: Any) -> None:
+    url = f"s3://{moto_s3.bucket}/scratch"
+    argv = ["--size", "10MiB", "--part-sizes", "1MiB,5MiB", "--concurrency", "2,4"]
+    status, out, err = run(
+        capsys, "bench", url, *s3_options(moto_s3), *argv, "--small-count", "16", "--json"
+    )
+    assert status == 0, err
+    report = json.loads(out)
+    assert [t["part_size"] for t in report["large"]][:1] == [5 << 20]  # 1 MiB < S3's minimum
+    assert report["suggested_settings"]["part_size"] == 5 << 20
+    client: Any = moto_s3.client()
+    assert client.list_objects_v2(Bucket=moto_s3.bucket).get("KeyCount", 0) == 0  # cleaned up
+    client.close()
+
+
+@pytest.mark.s3
+def test_cp_to_s3_streams_large_objects_as_multipart(
+    capsys: pytest.CaptureFixture[str], moto_s3: Any, tmp_path: Path
+) -> None:
+    src = tmp_path / "big"
+    state = {"w": np.random.default_rng(1).standard_normal(12 << 17)}  # 12 MiB of float64
+    ckptstore.save(src, state, step=1)
+    url = f"s3://{moto_s3.bucket}/big"
+    parts = ["part_size=5MiB", "multipart_threshold=5MiB"]
+    status, _, err = run(
+        capsys,
+        "cp",
+        str(src),
+        url,
+        "--dst-option",
+        f"endpoint_url={moto_s3.endpoint}",
+        *(arg for p in parts for arg in ("--dst-option", p)),
+    )
+    assert status == 0, err
+    client: Any = moto_s3.client()
+    listed = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix="big/1/attempt-")
+    (obj,) = listed["Contents"]
+    assert obj["Size"] == 12 << 20
+    assert obj["ETag"].strip('"').endswith("-3")  # three 5 MiB parts: a multipart upload
+    client.close()
+    back = tmp_path / "back"
+    status, _, err = run(capsys, "cp", url, str(back), *s3_options(moto_s3), "-o", parts[0])
+    assert status == 0, err
+    assert ckptstore.load(back, 1)["w"].tobytes() == state["w"].tobytes()
+
+
+def test_json_flag_before_the_command(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
+    status, out, _ = run(capsys, "--json", "ls", str(run_dir))
+    assert status == 0
+    assert [row["step"] for row in json.loads(out)["steps"]] == [5, 10]
+
+
+def test_bad_setting_value_is_one_line_error(
+    capsys: pytest.CaptureFixture[str], run_dir: Path
+) -> None:
+    status, _, err = run(capsys, "verify", str(run_dir), "-o", "part_size=lots")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "cannot parse size")

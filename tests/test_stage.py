@@ -1,0 +1,398 @@
+"""Stagers: numpy, torch and JAX arrays copied bit-exact into pooled host buffers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckptstore.stage import BufferPool, Stager, rebuild_state
+from ckptstore.stage.pool import ALIGNMENT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bits(array: Any) -> bytes:
+    """The raw bytes of an array of any framework, for bit-exact comparison."""
+    if type(array).__module__.startswith("torch"):
+        import torch
+
+        t = array.detach().cpu().contiguous()
+        return bytes(t.view(-1).view(torch.uint8).numpy())
+    return np.ascontiguousarray(np.asarray(array)).tobytes()
+
+
+# -- pool ---------------------------------------------------------------------------------
+
+
+def test_pool_reuses_a_released_arena() -> None:
+    pool = BufferPool()
+    first = pool.acquire(10_000)
+    assert first.capacity >= 10_000
+    assert first.data.ctypes.data % ALIGNMENT == 0
+    address = first.data.ctypes.data
+    first.release()
+    first.release()  # idempotent
+    second = pool.acquire(9_000)
+    assert second.data.ctypes.data == address
+    stats = pool.stats()
+    assert (stats.allocations, stats.reuses, stats.lent_bytes) == (1, 1, second.capacity)
+
+
+def test_pool_does_not_lend_an_arena_much_larger_than_asked() -> None:
+    pool = BufferPool(slack=0.5)
+    big = pool.acquire(1 << 20)
+    big.release()
+    small = pool.acquire(1000)
+    assert small.capacity < 1 << 20
+    # the big arena was dropped rather than kept beside the new one
+    assert pool.stats().allocations == 2
+    assert pool.stats().idle_bytes == 0
+
+
+def test_pool_view_rejects_ranges_outside_the_arena() -> None:
+    buf = BufferPool().acquire(4096)
+    with pytest.raises(ValueError, match="outside"):
+        buf.view(4000, 200)
+
+
+# -- numpy --------------------------------------------------------------------------------
+
+
+def numpy_state() -> dict[str, Any]:
+    rng = np.random.default_rng(0)
+    strided = rng.standard_normal((64, 48)).astype(np.float32)[::2, 1::3]
+    return {
+        "w": rng.standard_normal((256, 128)).astype(np.float32),
+        "strided": strided,
+        "bf16": rng.standard_normal(1000).astype(ml_dtypes.bfloat16),
+        "f8": rng.standard_normal(77).astype(ml_dtypes.float8_e4m3fn),
+        "mask": rng.random(33) > 0.5,
+        "z": (rng.standard_normal(10) + 1j * rng.standard_normal(10)).astype(np.complex64),
+        "scalar": np.float64(3.25),
+        "empty": np.zeros((0, 5), np.int32),
+        "meta": {"lr": 0.1, "name": "run", "tags": ("a", 1), "none": None},
+    }
+
+
+def test_numpy_state_staged_into_one_arena_bit_exact() -> None:
+    state = numpy_state()
+    stager = Stager(chunk_bytes=4096)
+    staged = stager.stage(state)
+    assert staged.buffer is not None
+    lo = staged.buffer.data.ctypes.data
+    hi = lo + staged.buffer.capacity
+    for key in ("w", "strided", "bf16", "f8", "mask", "z", "scalar", "empty"):
+        out = staged.tree[key]
+        assert isinstance(out, np.ndarray)
+        assert out.flags.c_contiguous
+        assert out.dtype == np.asarray(state[key]).dtype
+        assert out.shape == np.asarray(state[key]).shape
+        assert bits(out) == bits(state[key]), key
+        if out.nbytes:
+            assert lo <= out.ctypes.data < hi  # lives in the pooled arena, not the source
+    assert staged.tree["meta"] == state["meta"]
+    assert staged.attrs[("scalar",)] == {"framework": "numpy", "scalar": True}
+    assert staged.nbytes == sum(np.asarray(state[k]).nbytes for k in state if k != "meta")
+
+
+def test_mutating_a_numpy_source_after_staging_does_not_change_the_copy() -> None:
+    state = {"w": np.arange(1 << 16, dtype=np.float32)}
+    staged = Stager().stage(state)
+    before = bits(staged.tree["w"])
+    state["w"] += 1
+    assert bits(staged.tree["w"]) == before
+
+
+def test_copy_false_lets_host_arrays_through_without_a_buffer() -> None:
+    state = {"w": np.arange(100, dtype=np.int64)}
+    staged = Stager().stage(state, copy=False)
+    assert staged.buffer is None
+    assert np.shares_memory(staged.tree["w"], state["w"])
+
+
+def test_steady_state_saves_reuse_the_arena() -> None:
+    state = numpy_state()
+    stager = Stager()
+    for _ in range(4):
+        staged = stager.stage(state)
+        staged.release()
+    stats = stager.pool.stats()
+    assert (stats.allocations, stats.reuses) == (1, 3)
+
+
+def test_parallel_chunked_copy_matches_source() -> None:
+    rng = np.random.default_rng(1)
+    state = {f"t{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(6)}
+    stager = Stager(threads=2, chunk_bytes=64 << 10)
+    staged = stager.stage(state)
+    for key, value in state.items():
+        assert bits(staged.tree[key]) == bits(value)
+    stager.close()
+
+
+def test_object_arrays_are_refused_with_the_path() -> None:
+    with pytest.raises(TypeError, match=r"a/0"):
+        Stager().stage({"a": [np.array([object()])]})
+
+
+def test_rebuild_as_saved_returns_numpy_scalars_and_arrays() -> None:
+    staged = Stager().stage(numpy_state())
+    out = rebuild_state(staged.tree, staged.attrs)
+    assert isinstance(out["scalar"], np.float64)
+    assert out["scalar"] == 3.25
+    assert bits(out["bf16"]) == bits(numpy_state()["bf16"])
+
+
+# -- torch --------------------------------------------------------------------------------
+
+
+@pytest.mark.torch
+def test_torch_dtypes_and_layouts_staged_bit_exact() -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(64, 48, generator=g)
+    state = {
+        "f32": torch.randn(300, 200, generator=g),
+        "bf16": torch.randn(1000, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(17, generator=g).to(torch.float16),
+        "f8": torch.randn(99, generator=g).to(torch.float8_e4m3fn),
+        "f8b": torch.randn(99, generator=g).to(torch.float8_e5m2),
+        "bool": torch.rand(31, generator=g) > 0.5,
+        "c64": torch.randn(12, dtype=torch.complex64, generator=g),
+        "i64": torch.arange(-5, 5),
+        "transposed": base.t(),
+        "strided": base[::3, 1::2],
+        "expanded": torch.randn(1, 8, generator=g).expand(5, 8),
+        "scalar": torch.tensor(7.5),
+        "param": torch.nn.Parameter(torch.randn(4, 4, generator=g)),
+        "grad_leaf": torch.randn(3, generator=g).requires_grad_(),
+    }
+    staged = Stager(chunk_bytes=8192).stage(state)
+    for key, tensor in state.items():
+        out = staged.tree[key]
+        assert isinstance(out, np.ndarray), key
+        assert out.shape == tuple(tensor.shape), key
+        assert bits(out) == bits(tensor), key
+    assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert staged.tree["f8"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
+    assert staged.attrs[("param",)] == {
+        "framework": "torch",
+        "dtype": "float32",
+        "device": "cpu",
+        "requires_grad": True,
+        "parameter": True,
+    }
+    assert staged.attrs[("bf16",)]["requires_grad"] is False
+    assert staged.attrs[("grad_leaf",)]["requires_grad"] is True
+
+    back = rebuild_state(staged.tree, staged.attrs)
+    for key, tensor in state.items():
+        assert isinstance(back[key], torch.Tensor), key
+        assert back[key].dtype == tensor.dtype, key
+        assert bits(back[key]) == bits(tensor), key
+    assert isinstance(back["param"], torch.nn.Parameter)
+    assert back["grad_leaf"].requires_grad
+    assert not back["f32"].requires_grad
+
+
+@pytest.mark.torch
+def test_torch_mutation_after_staging_does_not_change_the_copy() -> None:
+    import torch
+
+    w = torch.randn(1 << 18)
+    staged = Stager(chunk_bytes=1 << 16).stage({"w": w})
+    before = bits(staged.tree["w"])
+    with torch.no_grad():
+        w.mul_(2).add_(1)
+    del w
+    assert bits(staged.tree["w"]) == before
+
+
+@pytest.mark.torch
+def test_torch_unsupported_tensors_are_refused() -> None:
+    import torch
+
+    with pytest.raises(TypeError, match="sparse"):
+        Stager().stage({"s": torch.eye(3).to_sparse()})
+    with pytest.raises(TypeError, match="meta"):
+        Stager().stage({"m": torch.empty(3, device="meta")})
+
+
+@pytest.mark.torch
+def test_torch_restore_into_numpy_and_torch_target() -> None:
+    import torch
+
+    state = {"w": torch.randn(5, 3).to(torch.bfloat16), "b": torch.arange(4)}
+    staged = Stager().stage(state)
+    as_numpy = rebuild_state(staged.tree, staged.attrs, "numpy")
+    assert isinstance(as_numpy["w"], np.ndarray)
+    assert as_numpy["w"].dtype == np.dtype(ml_dtypes.bfloat16)
+    target = {"w": torch.zeros(5, 3, dtype=torch.float32), "b": torch.zeros(4, dtype=torch.int64)}
+    into = rebuild_state(staged.tree, staged.attrs, target)
+    assert into["w"].dtype == torch.float32  # the target's dtype
+    assert torch.equal(into["w"], state["w"].float())
+    with pytest.raises(ValueError, match="shape"):
+        rebuild_state(staged.tree, staged.attrs, {"w": torch.zeros(3, 5)})
+
+
+@pytest.mark.torch
+def test_cuda_staging_uses_pinned_memory_and_an_event() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine; the pinned, non_blocking path needs one")
+    src = torch.randn(1 << 20, device="cuda")
+    staged = Stager().stage({"w": src})
+    assert staged.buffer is not None
+    assert staged.buffer.pinned
+    assert staged.fences
+    staged.wait_ready()
+    assert bits(staged.tree["w"]) == bits(src)
+    assert staged.attrs[("w",)]["device"].startswith("cuda")
+
+
+# -- JAX ----------------------------------------------------------------------------------
+
+
+@pytest.mark.jax
+def test_jax_arrays_staged_bit_exact_and_rebuilt() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    key = jax.random.PRNGKey(0)
+    state = {
+        "w": jax.random.normal(key, (128, 64)),
+        "bf16": jax.random.normal(key, (333,)).astype(jnp.bfloat16),
+        "i": jnp.arange(10, dtype=jnp.int32),
+        "mask": jnp.arange(9) % 2 == 0,
+        "nested": [jnp.ones((2, 2)), {"s": jnp.float32(2.0)}],
+    }
+    staged = Stager().stage(state)
+    assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
+    assert bits(staged.tree["w"]) == bits(state["w"])
+    assert bits(staged.tree["bf16"]) == bits(state["bf16"])
+    assert staged.attrs[("w",)]["framework"] == "jax"
+    back = rebuild_state(staged.tree, staged.attrs)
+    assert isinstance(back["w"], jax.Array)
+    assert bits(back["bf16"]) == bits(state["bf16"])
+    assert bits(back["nested"][1]["s"]) == bits(state["nested"][1]["s"])
+
+
+@pytest.mark.jax
+def test_jax_staging_starts_every_host_copy_before_gathering(monkeypatch: Any) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    from ckptstore.stage import jax as stage_jax
+
+    events: list[str] = []
+    real_copy = stage_jax._copy_shard
+
+    def spy_copy(dst: Any, index: Any, data: Any) -> None:
+        events.append("gather")
+        real_copy(dst, index, data)
+
+    leaves = [jnp.full((100,), i, dtype=jnp.float32) for i in range(4)]
+    impl = type(leaves[0])  # the concrete class behind the jax.Array ABC
+    original = impl.copy_to_host_async
+
+    def spy_start(self: jax.Array) -> None:
+        events.append("start")
+        original(self)
+
+    monkeypatch.setattr(stage_jax, "_copy_shard", spy_copy)
+    monkeypatch.setattr(impl, "copy_to_host_async", spy_start)
+    staged = Stager().stage(leaves)
+    assert events == ["start"] * 4 + ["gather"] * 4
+    assert [float(x[0]) for x in staged.tree] == [0.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.jax
+def test_sharded_jax_arrays_on_one_host_gathered(tmp_path: Path) -> None:
+    """Runs in a subprocess: the CPU device count is fixed when JAX starts."""
+    pytest.importorskip("jax")
+    script = textwrap.dedent(
+        """
+        import jax, jax.numpy as jnp, numpy as np
+        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from ckptstore.stage import Stager, rebuild_state
+        assert len(jax.devices()) == 4, jax.devices()
+        mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("a", "b"))
+        full = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+        cases = {
+            "rows": NamedSharding(mesh, P("a", None)),         # replicated over b
+            "grid": NamedSharding(mesh, P("a", "b")),
+            "replicated": NamedSharding(mesh, P()),
+        }
+        state = {k: jax.device_put(full, s) for k, s in cases.items()}
+        state["bf16"] = jax.device_put(full.astype(jnp.bfloat16), cases["grid"])
+        staged = Stager().stage(state)
+        for k in cases:
+            assert np.array_equal(staged.tree[k], full), k
+        assert staged.tree["bf16"].tobytes() == full.astype(jnp.bfloat16).tobytes()
+        assert staged.attrs[("grid",)]["devices"] == 4
+        target = {
+            k: jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=s) for k, s in cases.items()
+        }
+        back = rebuild_state({k: staged.tree[k] for k in cases}, staged.attrs, target)
+        for k, s in cases.items():
+            assert back[k].sharding == s, k
+            assert np.array_equal(np.asarray(back[k]), full), k
+        print("OK")
+        """
+    )
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.strip().endswith("OK")
+
+
+@pytest.mark.jax
+@pytest.mark.torch
+def test_restore_torch_state_as_jax_and_jax_state_as_torch() -> None:
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    saved_torch = Stager().stage({"w": torch.randn(4, 4).to(torch.bfloat16)})
+    as_jax = rebuild_state(saved_torch.tree, saved_torch.attrs, "jax")
+    assert isinstance(as_jax["w"], jax.Array)
+    assert as_jax["w"].dtype == jnp.bfloat16
+    assert bits(as_jax["w"]) == bits(saved_torch.tree["w"])
+    saved_jax = Stager().stage({"w": jnp.arange(6, dtype=jnp.float32)})
+    as_torch = rebuild_state(saved_jax.tree, saved_jax.attrs, {"w": torch.empty(6)})
+    assert isinstance(as_torch["w"], torch.Tensor)
+    assert as_torch["w"].tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_importing_ckptstore_imports_neither_torch_nor_jax() -> None:
+    code = (
+        "import sys, ckptstore, ckptstore.stage, numpy as np\n"
+        "ckptstore.stage.Stager().stage({'a': np.ones(3)})\n"
+        "print(sorted(m for m in ('torch', 'jax') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"

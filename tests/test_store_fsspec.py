@@ -1,0 +1,138 @@
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from ckptstore import open_store
+from ckptstore.errors import AlreadyExistsError, NotSupportedError
+from ckptstore.store.fsspec import FsspecStore
+from ckptstore.testing import StoreTests
+from tests.servers.fakegcs import FakeGCS
+
+
+class TestFsspecMemory(StoreTests):
+    """fsspec's own memory filesystem through the fallback, committing as a single writer."""
+
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[FsspecStore]:
+        store = open_store(f"fsspec+memory://ckpt-{uuid.uuid4().hex[:8]}/run", single_writer=True)
+        assert isinstance(store, FsspecStore)
+        async with store:
+            yield store
+
+
+class TestFsspecLocalRoute(StoreTests):
+    """``local://`` has no dedicated backend, so the registry sends it to fsspec."""
+
+    racers = 8
+
+    @pytest.fixture
+    async def store(self, tmp_path: Path) -> AsyncIterator[FsspecStore]:
+        store = open_store(f"local://{tmp_path}/root", single_writer="true")
+        assert isinstance(store, FsspecStore)
+        assert not store._async  # a blocking filesystem, driven from the thread pool
+        async with store:
+            yield store
+
+
+@pytest.mark.gcs
+# gcsfs hands aiohttp bodies over 1 MiB as bytes, which aiohttp warns about (not our code path)
+@pytest.mark.filterwarnings("ignore:Sending a large body:ResourceWarning")
+class TestFsspecOverGcsfs(StoreTests):
+    """An async filesystem with a real atomic create (gcsfs's ``ifGenerationMatch=0``),
+    driven natively on the loop, no ``single_writer`` needed."""
+
+    multipart_size = 6 << 20
+
+    @pytest.fixture
+    async def store(self, fake_gcs: FakeGCS, gcs_bucket: str) -> AsyncIterator[FsspecStore]:
+        store = open_store(
+            f"fsspec+gs://{gcs_bucket}/fs-{uuid.uuid4().hex[:8]}",
+            endpoint_url=fake_gcs.endpoint,
+            token="anon",
+        )
+        assert isinstance(store, FsspecStore)
+        assert store._async
+        assert store.capabilities.atomic_create
+        async with store:
+            yield store
+
+
+async def test_create_refused_without_atomic_create() -> None:
+    store = open_store(f"fsspec+memory://refuse-{uuid.uuid4().hex[:8]}")
+    assert isinstance(store, FsspecStore)
+    assert not store.capabilities.atomic_create
+    with pytest.raises(NotSupportedError, match=r"memory:// has no atomic create") as info:
+        await store.put("manifest.json", b"{}", mode="create")
+    assert "single_writer=True" in str(info.value)
+    assert isinstance(info.value, NotImplementedError)
+    with pytest.raises(NotSupportedError, match="memory://"):
+        await store.create_multipart("manifest.json", mode="create")
+    assert not await store.exists("manifest.json")
+    await store.put("data", b"overwrite mode needs no atomicity")
+    assert await store.get("data") == b"overwrite mode needs no atomicity"
+
+
+async def test_fsspec_memory_is_not_ckptstore_memory() -> None:
+    name = f"shared-{uuid.uuid4().hex[:8]}"
+    ours = open_store(f"memory://{name}")
+    theirs = open_store(f"fsspec+memory://{name}")
+    await theirs.put("k", b"in fsspec's memory filesystem")
+    assert fsspec.filesystem("memory").cat_file(f"/{name}/k") == b"in fsspec's memory filesystem"
+    assert not await ours.exists("k")
+
+
+async def test_storage_options_reach_the_filesystem(tmp_path: Path) -> None:
+    # LocalFileSystem(auto_mkdir=...) is a storage option; both spellings get there
+    a = open_store(f"local://{tmp_path}/a", auto_mkdir=True)
+    b = open_store(f"local://{tmp_path}/b", storage_options={"auto_mkdir": True})
+    assert isinstance(a, FsspecStore)
+    assert isinstance(b, FsspecStore)
+    assert a.fs.auto_mkdir is True
+    assert b.fs.auto_mkdir is True
+    c = open_store(f"local://{tmp_path}/c", part_size="1MiB", auto_mkdir=False)
+    assert isinstance(c, FsspecStore)
+    assert c.settings.part_size == 1 << 20  # ckptstore settings are split off first
+    assert c.fs.auto_mkdir is False
+
+
+async def test_single_writer_serializes_creates_in_one_store() -> None:
+    store = open_store(f"fsspec+memory://sw-{uuid.uuid4().hex[:8]}", single_writer=True)
+
+    async def attempt(i: int) -> bool:
+        try:
+            await store.put("m", str(i).encode(), mode="create")
+        except AlreadyExistsError:
+            return False
+        return True
+
+    results = await asyncio.gather(*(attempt(i) for i in range(20)))
+    assert results.count(True) == 1
+
+
+async def test_unknown_protocol_is_refused() -> None:
+    from ckptstore.errors import InvalidURLError
+
+    with pytest.raises(InvalidURLError, match="no backend"):
+        open_store("nosuchproto://x/y")
+
+
+async def test_url_reopens_the_same_store(tmp_path: Path) -> None:
+    name = f"url-{uuid.uuid4().hex[:8]}"
+    cases = {
+        f"fsspec+memory://{name}/run": f"fsspec+memory://{name}/run",
+        # fsspec's local filesystem calls itself file://, which is ckptstore's LocalStore
+        f"local://{tmp_path}/run": f"fsspec+file://{tmp_path}/run",
+    }
+    for url, expected in cases.items():
+        store = open_store(url)
+        assert store.url == expected
+        await store.put("k", url.encode())
+        again = open_store(store.url)
+        assert isinstance(again, FsspecStore)
+        assert await again.get("k") == url.encode()

@@ -1,0 +1,91 @@
+"""Streaming copies between stores, and the crc32c combination they rely on."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import google_crc32c
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ckptstore.errors import AlreadyExistsError, NotFoundError, StoreError
+from ckptstore.store import open_store
+from ckptstore.store.memory import MemoryStore
+from ckptstore.store.transfer import copy_object, crc32c_combine, crc32c_of
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore
+
+
+@given(st.binary(max_size=2000), st.binary(max_size=2000))
+def test_combine_equals_crc_of_concatenation(a: bytes, b: bytes) -> None:
+    combined = crc32c_combine(crc32c_of(a), crc32c_of(b), len(b))
+    assert combined == google_crc32c.value(a + b)
+
+
+def test_combine_of_large_lengths() -> None:
+    a, b = os.urandom(100), bytes(5 << 20)
+    assert crc32c_combine(crc32c_of(a), crc32c_of(b), len(b)) == google_crc32c.value(a + b)
+
+
+def _stores(tmp_path: Path, part: int) -> tuple[MemoryStore, CountingStore]:
+    src = MemoryStore()
+    dst = CountingStore(
+        open_store(str(tmp_path), part_size=part, multipart_threshold=part, max_concurrency=3)
+    )
+    return src, dst
+
+
+async def test_large_object_streams_in_parts(tmp_path: Path) -> None:
+    part = 64 << 10
+    data = os.urandom(10 * part + 123)
+    src, dst = _stores(tmp_path, part)
+    await src.put("a/obj", data)
+    seen: list[int] = []
+    crc = await copy_object(src, dst, "a/obj", len(data), progress=seen.append)
+    assert crc == google_crc32c.value(data)
+    assert await dst.get("a/obj") == data
+    assert dst.requests["put_part"] == 11
+    assert dst.requests["complete_multipart"] == 1
+    assert sum(seen) == len(data)
+
+
+async def test_small_object_is_one_put(tmp_path: Path) -> None:
+    src, dst = _stores(tmp_path, 64 << 10)
+    await src.put("small", b"hello")
+    crc = await copy_object(src, dst, "small", 5, dst_key="renamed/small")
+    assert crc == google_crc32c.value(b"hello")
+    assert await dst.get("renamed/small") == b"hello"
+    assert dst.requests["put"] == 1
+
+
+async def test_create_mode_refuses_an_existing_destination(tmp_path: Path) -> None:
+    src, dst = _stores(tmp_path, 64 << 10)
+    await src.put("k", b"new")
+    await dst.put("k", b"old")
+    with pytest.raises(AlreadyExistsError):
+        await copy_object(src, dst, "k", 3, mode="create")
+    assert await dst.get("k") == b"old"
+
+
+async def test_missing_source_is_not_found(tmp_path: Path) -> None:
+    src, dst = _stores(tmp_path, 64 << 10)
+    with pytest.raises(NotFoundError):
+        await copy_object(src, dst, "nothing", 0)
+    with pytest.raises(NotFoundError):
+        await copy_object(src, dst, "nothing", 1 << 20)
+    assert await dst.list_keys() == []
+
+
+async def test_failed_part_aborts_and_leaves_nothing(tmp_path: Path) -> None:
+    part = 64 << 10
+    data = os.urandom(8 * part)
+    src = FaultStore(
+        MemoryStore(), [Fault(frozenset({"read"}), error=StoreError("injected"), after=5, times=1)]
+    )
+    await src.put("obj", data)
+    dst = open_store(str(tmp_path), part_size=part, multipart_threshold=part)
+    with pytest.raises(StoreError, match="injected"):
+        await copy_object(src, dst, "obj", len(data))
+    assert await dst.list_keys() == []
+    assert [files for _, _, files in os.walk(tmp_path) if files] == []  # no temp file left
