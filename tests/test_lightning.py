@@ -1,0 +1,183 @@
+"""StoreCheckpointIO under a real Lightning Trainer: ModelCheckpoint saves, top-k removal,
+resume, plain and wrapped in AsyncCheckpointIO."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+lightning = pytest.importorskip("lightning")
+from lightning.pytorch import LightningModule, Trainer  # noqa: E402
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
+from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+import ckptstore  # noqa: E402
+from ckptstore import background  # noqa: E402
+from ckptstore.errors import CorruptCheckpointError  # noqa: E402
+from ckptstore.lightning import StoreCheckpointIO  # noqa: E402
+from ckptstore.store.registry import open_store  # noqa: E402
+
+pytestmark = [
+    pytest.mark.torch,
+    pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),  # lightning vs torch 2.13
+    # the resumed run checkpoints into the directory it resumes from, on purpose
+    pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty"),
+]
+
+
+class TinyModel(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 4)
+        self.norm = torch.nn.BatchNorm1d(4)  # buffers, including an int64 counter
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.norm(self.layer(x)), y)
+        self.log("progress", float(self.global_step), on_step=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=0.01)  # moments in optimizer state
+
+
+def loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 4, generator=g))
+    return DataLoader(data, batch_size=8)
+
+
+class RecordStart(Callback):
+    """Captures the weights and step the trainer starts from."""
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.step = trainer.global_step
+        self.weights = {k: v.clone() for k, v in pl_module.state_dict().items()}
+
+
+def trainer(io: Any, max_steps: int, callbacks: list[Any]) -> Trainer:
+    return Trainer(
+        accelerator="cpu",
+        max_steps=max_steps,
+        plugins=[io],
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+
+
+def committed(url: str, options: dict[str, Any]) -> list[str]:
+    async def keys() -> list[str]:
+        async with open_store(url, **options) as store:
+            return await store.list_keys()
+
+    return sorted(k.split("/")[0] for k in background.run(keys()) if k.endswith("/manifest.json"))
+
+
+def top2(base: str) -> ModelCheckpoint:
+    return ModelCheckpoint(
+        dirpath=base,
+        every_n_train_steps=1,
+        monitor="progress",
+        mode="max",
+        save_top_k=2,
+        filename="{step}",
+    )
+
+
+def train_and_resume(base: str, io: Any, options: dict[str, Any] | None = None) -> None:
+    """Train 4 steps checkpointing every step, keep the top 2, resume from the best to 6.
+
+    Under AsyncCheckpointIO, Lightning may ask to remove a checkpoint whose save is still
+    queued; that save then lands after the removal (as with Lightning's own file IO), so only
+    the synchronous plugin is held to exactly two survivors.
+    """
+    options = options or {}
+    exact = not isinstance(io, AsyncCheckpointIO)
+    checkpoint = top2(base)
+    first = trainer(io, 4, [checkpoint])
+    first.fit(TinyModel(), loader())
+    # top-k kept the last two; the two older ones were removed through the plugin
+    kept = committed(base, options)
+    assert (
+        kept == ["step=3.ckpt", "step=4.ckpt"]
+        if exact
+        else {"step=3.ckpt", "step=4.ckpt"} <= set(kept)
+    )
+    best = checkpoint.best_model_path
+    assert best.endswith("step=4.ckpt")
+
+    saved = StoreCheckpointIO(**options).load_checkpoint(best)
+    assert saved["global_step"] == 4
+    assert set(saved["optimizer_states"][0]["state"][0]) >= {"exp_avg", "exp_avg_sq"}
+
+    start = RecordStart()
+    second = trainer(io, 6, [start, top2(base)])
+    second.fit(TinyModel(), loader(), ckpt_path=best)
+    assert start.step == 4
+    for name, tensor in saved["state_dict"].items():
+        assert torch.equal(start.weights[name], tensor), name
+    assert second.global_step == 6
+    assert {"step=5.ckpt", "step=6.ckpt"} <= set(committed(base, options))
+
+
+def test_train_checkpoint_and_resume_on_local_path(tmp_path: Path) -> None:
+    train_and_resume(str(tmp_path / "run"), StoreCheckpointIO())
+
+
+def test_train_checkpoint_and_resume_under_async_checkpoint_io(tmp_path: Path) -> None:
+    train_and_resume(str(tmp_path / "run"), AsyncCheckpointIO(StoreCheckpointIO()))
+
+
+@pytest.mark.s3
+def test_train_checkpoint_and_resume_on_s3(moto_s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    # Lightning asks fsspec (s3fs) whether checkpoint paths exist; point it at moto too.
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": moto_s3.endpoint})
+    options = moto_s3.options()
+    base = f"s3://{moto_s3.bucket}/lightning-run"
+    train_and_resume(base, AsyncCheckpointIO(StoreCheckpointIO(**options)), options)
+
+
+def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
+    io = StoreCheckpointIO(pack_threshold=1024)
+    state = {
+        "big": torch.randn(1000),  # over the threshold: its own object
+        "nested": [{"bf16": torch.arange(5, dtype=torch.bfloat16)}, (torch.tensor(7), "x")],
+        "empty": torch.empty(0, 3),
+        "epoch": 3,
+    }
+    path = str(tmp_path / "ck")
+    io.save_checkpoint(state, path)
+    loaded = io.load_checkpoint(path)
+    assert torch.equal(loaded["big"], state["big"])
+    assert torch.equal(loaded["nested"][0]["bf16"], state["nested"][0]["bf16"])
+    assert loaded["nested"][1][0].item() == 7
+    assert loaded["nested"][1][1] == "x"
+    assert loaded["empty"].shape == (0, 3)
+    assert loaded["epoch"] == 3
+
+    manifest = ckptstore.read_manifest(path, 0)  # an ordinary ckptstore checkpoint
+    assert manifest.metadata == {"format": "ckptstore.lightning/1"}
+    big = manifest.paths.index("tensors/0")
+    data = tmp_path / "ck" / manifest.object_key(manifest.leaf_object[big])
+    raw = bytearray(data.read_bytes())
+    raw[manifest.leaf_offset[big] + 5] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match="crc32c"):
+        io.load_checkpoint(path)
+
+    io.save_checkpoint({"epoch": 4}, path)  # a path is saved over, as Lightning expects
+    assert io.load_checkpoint(path) == {"epoch": 4}
+
+    io.remove_checkpoint(path)
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(path)
+    io.remove_checkpoint(path)  # nothing there: not an error
+    assert background.run(open_store(path).list_keys()) == []
