@@ -12,8 +12,9 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
 * every tensor of the checkpoint dict is one leaf (``tensors/<i>``); the rest of the dict (its
   structure, counters, hyper-parameters), with each tensor replaced by a
   ``{"__ckptstore_tensor__": i}`` marker, is one more leaf (``structure``), a small
-  ``torch.save`` blob loaded back with ``torch.load`` honouring Lightning's ``weights_only``
-  (restricted unpickling by default);
+  ``torch.save`` blob loaded back with ``torch.load(weights_only=True)`` always: ckptstore
+  never runs the full unpickler on stored bytes, so Lightning's ``weights_only=False`` is not
+  honoured here (objects outside torch's allow-list fail to load instead of executing);
 * ``remove_checkpoint`` deletes the manifest first, so a half-removed checkpoint is invisible
   rather than corrupt.
 
@@ -92,6 +93,8 @@ class StoreCheckpointIO(CheckpointIO):
 
         Tensors are created on the CPU; a ``map_location`` that is a device (or its name)
         moves them there, and is passed to ``torch.load`` for the rest of the dict.
+        ``weights_only`` is accepted for Lightning's interface but the rest of the dict is
+        always loaded with torch's restricted unpickler (see the module docstring).
 
         Raises:
             FileNotFoundError: no committed checkpoint at ``path``.
@@ -196,7 +199,7 @@ def _load(store: Store, step: int, weights_only: bool | None, map_location: Any)
         tensor = _as_tensor(arrays[leaf], f"{source} {manifest.paths[leaf]}")
         tensors.append(tensor.to(device) if device is not None else tensor)
     structure = torch.load(
-        io.BytesIO(arrays[n].tobytes()), map_location=map_location, weights_only=weights_only
+        io.BytesIO(arrays[n].tobytes()), map_location=map_location, weights_only=True
     )
     return _restore_tensors(structure, tensors)
 
