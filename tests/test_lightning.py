@@ -181,3 +181,54 @@ def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
         io.load_checkpoint(path)
     io.remove_checkpoint(path)  # nothing there: not an error
     assert background.run(open_store(path).list_keys()) == []
+
+
+def test_remove_waits_for_a_save_of_the_same_path_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under AsyncCheckpointIO Lightning removes paths whose save is still running; the removal
+    must wait and then remove the finished checkpoint, never delete a save's objects under it."""
+    import threading
+
+    from ckptstore.integrations import lightning as plugin
+
+    started, proceed = threading.Event(), threading.Event()
+    real_save = plugin._save
+
+    def paused_save(*args: Any) -> None:
+        started.set()
+        assert proceed.wait(30)
+        real_save(*args)
+
+    monkeypatch.setattr(plugin, "_save", paused_save)
+    io = StoreCheckpointIO()
+    path = str(tmp_path / "step=1.ckpt")
+    errors: list[BaseException] = []
+
+    def run(fn: Any, *args: Any) -> threading.Thread:
+        def body() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # reported below
+                errors.append(exc)
+
+        thread = threading.Thread(target=body)
+        thread.start()
+        return thread
+
+    saver = run(io.save_checkpoint, {"w": torch.ones(3)}, path)
+    assert started.wait(30)
+    remover = run(io.remove_checkpoint, path)
+    remover.join(0.3)
+    assert remover.is_alive(), "remove did not wait for the save in flight"
+    other = str(tmp_path / "step=2.ckpt")
+    io.remove_checkpoint(other)  # another path is not held up
+    proceed.set()
+    saver.join(30)
+    remover.join(30)
+    assert errors == []
+    assert committed(str(tmp_path), {}) == []  # saved, then removed after it committed
+
+    clone = __import__("pickle").loads(__import__("pickle").dumps(io))
+    clone.save_checkpoint({"w": torch.ones(3)}, path)  # picklable, locks rebuilt
+    assert committed(str(tmp_path), {}) == ["step=1.ckpt"]

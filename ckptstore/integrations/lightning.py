@@ -18,7 +18,13 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
 * ``remove_checkpoint`` deletes the manifest first, so a half-removed checkpoint is invisible
   rather than corrupt.
 
-Wrapped in Lightning's ``AsyncCheckpointIO``, saves run in its background thread.
+Wrapped in Lightning's ``AsyncCheckpointIO``, saves run in its background thread while
+Lightning calls ``remove_checkpoint`` from the training thread, sometimes for a path whose save
+is still running (top-k retention). The plugin serialises operations on one path: a removal
+waits for that path's save to finish and then removes it, so it never deletes the objects of a
+save in flight (which would fail that save, or worse, let it commit a manifest over deleted
+data). A removal that comes before the queued save has started finds nothing and returns; that
+save then lands, as it would with Lightning's own file IO.
 
 Lightning itself still asks fsspec whether paths exist (``ModelCheckpoint``, ``ckpt_path``):
 for an ``s3://`` directory, s3fs must be able to reach the same bucket (for a custom endpoint,
@@ -30,6 +36,8 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -63,6 +71,27 @@ class StoreCheckpointIO(CheckpointIO):
     def __init__(self, **options: Any) -> None:
         super().__init__()
         self.options = options
+        self._guard = threading.Lock()
+        self._busy: dict[str, threading.Lock] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        del state["_guard"], state["_busy"]
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._guard = threading.Lock()
+        self._busy = {}
+
+    @contextlib.contextmanager
+    def _exclusive(self, path: str | os.PathLike[str]) -> Iterator[None]:
+        """Hold ``path`` against other saves and removals of it from this plugin."""
+        name = os.fspath(path)
+        with self._guard:
+            lock = self._busy.setdefault(name, threading.Lock())
+        with lock:
+            yield
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Any = None
@@ -77,9 +106,10 @@ class StoreCheckpointIO(CheckpointIO):
             raise TypeError("StoreCheckpointIO takes store options in its constructor")
         target = CheckpointTarget(path, None, dict(self.options))
         try:
-            if background.run(target.store.exists(manifest_key(target.step))):
-                background.run(delete_step(target.store, target.step))
-            _save(target.store, target.step, checkpoint)
+            with self._exclusive(path):
+                if background.run(target.store.exists(manifest_key(target.step))):
+                    background.run(delete_step(target.store, target.step))
+                _save(target.store, target.step, checkpoint)
         finally:
             target.handle.close()
 
@@ -112,12 +142,13 @@ class StoreCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Remove the checkpoint at ``path``: its manifest first, then its objects.
 
-        Nothing at ``path`` is not an error: under ``AsyncCheckpointIO`` Lightning may ask to
-        remove a checkpoint whose save is still queued (its own file IO ignores that too).
+        A save of ``path`` still running (under ``AsyncCheckpointIO``) is waited for first.
+        Nothing at ``path`` is not an error: Lightning may ask to remove a checkpoint whose
+        save is still queued (its own file IO ignores that too).
         """
         target = CheckpointTarget(path, None, dict(self.options))
         try:
-            with contextlib.suppress(NotFoundError):
+            with self._exclusive(path), contextlib.suppress(NotFoundError):
                 background.run(delete_step(target.store, target.step))
         finally:
             target.handle.close()

@@ -392,6 +392,11 @@ async def delete_step(store: Store, step: int) -> None:
     """Delete a step: its manifest first (so it is invisible from then on), then the objects
     of its attempts. Keys under the step that ckptstore did not write are left alone.
 
+    Do not delete a step while a save of that same step is running: its objects would be
+    deleted under it and the save would fail, or commit a manifest naming deleted objects
+    (which a load then reports as missing, never as wrong data). Callers that can race, like
+    the Lightning plugin, serialise the two.
+
     Raises:
         NotFoundError: there is nothing of ``step`` to delete.
     """
