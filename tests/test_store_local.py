@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from ckptstore import Settings
+from ckptstore.errors import InvalidRangeError
 from ckptstore.store import local
 from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.local import LocalStore, temp_files
@@ -174,3 +175,55 @@ async def test_direct_io_off_never_opens_o_direct(
     async with LocalStore(tmp_path, settings=Settings(direct_io=False)) as store:
         await store.put("obj", np.zeros(4 << 20, np.uint8))
     assert calls == []
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned-buffer"])
+@pytest.mark.parametrize(
+    ("start", "length"),
+    [(0, 3 << 20), (5, (2 << 20) + 4093), (4096 * 3 + 1, (9 << 20) + 17)],
+    ids=["aligned", "unaligned-start-and-end", "over-one-bounce-buffer"],
+)
+async def test_direct_reads_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aligned: bool, start: int, length: int
+) -> None:
+    calls: list[int] = []
+    real = local._read_direct
+
+    def spy(fd: int, out: memoryview, offset: int) -> int:
+        assert offset % local._ALIGN == 0
+        assert len(out) % local._ALIGN == 0
+        calls.append(len(out))
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(local, "_read_direct", spy)
+    data = np.random.default_rng(length).integers(0, 256, 12 << 20, dtype=np.uint8)
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", data)
+        out = _page_aligned(length + 1)
+        view = out[:length] if aligned else out[1:]
+        await store.read_into("obj", start, view)
+        assert view.tobytes() == data[start : start + length].tobytes()
+        with pytest.raises(InvalidRangeError):  # past the end: short direct read noticed
+            await store.read_into("obj", (12 << 20) - (1 << 20), _page_aligned(2 << 20))
+    head = -start % local._ALIGN
+    assert calls[0] == (length - head) // local._ALIGN * local._ALIGN
+
+
+async def test_reads_fall_back_when_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", data)
+        real_open = os.open
+
+        def refusing(path: str, flags: int, *args: int) -> int:
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(local.os, "open", refusing)
+        out = np.empty_like(data)
+        await store.read_into("obj", 0, out)
+        assert out.tobytes() == data.tobytes()
+        assert store._direct_ok is False
