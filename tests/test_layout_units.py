@@ -178,3 +178,19 @@ def test_large_leaves_load_into_page_aligned_arrays(tmp_path: Path) -> None:
     assert out["big"].ctypes.data % 4096 == 0
     np.testing.assert_array_equal(out["big"], state["big"])
     np.testing.assert_array_equal(out["small"], state["small"])
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096 * 3 + 7])
+def test_crc32c_matches_the_reference_across_chunks(
+    size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import google_crc32c
+
+    from ckptstore.layout import checksum
+
+    monkeypatch.setattr(checksum, "CHUNK", 4096)  # several chunks stitched together
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    expected = google_crc32c.value(data.tobytes())
+    assert checksum.crc32c(data) == expected
+    assert checksum.crc32c(data.tobytes()) == expected
+    assert checksum.crc32c(data.view(np.int8)) == expected
