@@ -110,3 +110,15 @@ def test_tests_named_by_the_commit_page_exist() -> None:
         m for path in sources for m in re.findall(r"def (test_[a-z0-9_]+)\(", path.read_text())
     }
     assert names - defined == set(), "docs/commit.md names tests that do not exist"
+
+
+def test_every_manager_option_is_documented() -> None:
+    from ckptstore.manager import CheckpointManager
+
+    page = (ROOT / "docs" / "async.md").read_text()
+    _, _, body = page.partition("## All options")
+    section_body = body.split("\n## ")[0]
+    starred = set(re.findall(r"\|\s*`\*\*([a-z_]+)`", section_body))
+    documented = table_options(section_body) | starred
+    params = set(inspect.signature(CheckpointManager.__init__).parameters) - {"self"}
+    assert params - documented == set(), "CheckpointManager options missing from docs/async.md"
