@@ -3,10 +3,13 @@
     python scripts/bench.py                      # every suite
     python scripts/bench.py store-local -r 5     # one suite, 5 runs each
     python scripts/bench.py --list
+    python scripts/bench.py --charts-only --out DIR   # redraw charts from DIR/results.json
 
 Writes ``<out>/results.json`` and rewrites each measured suite's section of
-``docs/benchmarks.md``. Figures are medians of ``--repeat`` interleaved runs; ratios compare
-systems measured in the same run, never across runs.
+``docs/benchmarks.md`` (table, text and a PNG chart under ``docs/img/``) and the page's header
+(the command, the machine, the version of every library measured). Figures are medians of
+``--repeat`` interleaved runs; ratios compare systems measured in the same run, never across
+runs.
 """
 
 from __future__ import annotations
@@ -25,16 +28,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchlib import Context, Result, Suite
+from benchlib import Context, Result, Suite, report
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
-HEADER = """# Benchmarks
-
-Produced by `python scripts/bench.py` (each section names the exact command that produced it).
-Every figure is the median of repeated runs; ratios compare systems measured side by side in the
-same run on the same machine. CPU is the benchmark process's user+system seconds (all threads).
-"""
+IMG = ROOT / "docs" / "img"
 
 
 def discover() -> dict[str, Suite]:
@@ -75,13 +73,95 @@ def table(rows: list[Result]) -> str:
     return "\n".join(lines)
 
 
+def chart_path(suite_name: str) -> Path:
+    return IMG / f"bench-{suite_name}.png"
+
+
+def chart_line(suite: Suite) -> str:
+    """The markdown that embeds a suite's chart, or says when it will appear."""
+    if chart_path(suite.name).exists():
+        return f"![{suite.title}: GiB/s per system](img/{chart_path(suite.name).name})"
+    return (
+        f"*The chart of this section appears on the next run of `python scripts/bench.py "
+        f"{suite.name}` (drawn with matplotlib: `pip install 'ckptstore[bench]'`).*"
+    )
+
+
+def draw_chart(suite: Suite, rows: list[dict[str, object]]) -> bool:
+    """Draw ``rows`` into the suite's PNG; False (and a message) if matplotlib is missing."""
+    try:
+        report.chart(rows, chart_path(suite.name), title=suite.title)
+    except ModuleNotFoundError as exc:
+        print(f"no chart for {suite.name}: {exc}; pip install 'ckptstore[bench]'", flush=True)
+        return False
+    return True
+
+
+def embed_chart(suite: Suite) -> None:
+    """Put the suite's chart line into its existing section of docs/benchmarks.md."""
+    if not DOC.exists():
+        return
+    text = DOC.read_text()
+    start, end = f"<!-- suite:{suite.name} -->", f"<!-- /suite:{suite.name} -->"
+    if start not in text or end not in text:
+        return
+    before, rest = text.split(start, 1)
+    body, after = rest.split(end, 1)
+    kept = [
+        line
+        for line in body.split("\n")
+        if not line.startswith(f"![{suite.title}")
+        and not line.startswith("*The chart of this section appears")
+    ]
+    body = "\n".join(kept).rstrip("\n") + "\n\n" + chart_line(suite) + "\n"
+    DOC.write_text(before + start + body + end + after)
+
+
+def write_header() -> None:
+    block = report.header_block(report.library_versions(), report.machine_facts())
+    text = DOC.read_text() if DOC.exists() else ""
+    DOC.parent.mkdir(exist_ok=True)
+    DOC.write_text(report.replace_header(text, block))
+
+
+def merge_results(path: Path, suites_run: list[str], rows: list[dict[str, object]]) -> None:
+    """Write ``rows`` to results.json, keeping the rows of suites not run this time."""
+    kept: list[dict[str, object]] = []
+    if path.exists():
+        kept = [r for r in json.loads(path.read_text()) if r.get("suite") not in suites_run]
+    path.write_text(json.dumps(kept + rows, indent=2))
+
+
+def charts_only(suites: dict[str, Suite], results: Path, chosen: list[str]) -> int:
+    if not results.exists():
+        print(f"{results} does not exist: run the suites first", file=sys.stderr)
+        return 2
+    rows = json.loads(results.read_text())
+    drawn = 0
+    for name in chosen:
+        mine = [r for r in rows if r.get("suite") == name]
+        if not mine:
+            embed_chart(suites[name])  # the line saying the chart comes with the next run
+            continue
+        if not draw_chart(suites[name], mine):
+            return 1
+        embed_chart(suites[name])
+        print(f"{chart_path(name)}: {len(mine)} rows", flush=True)
+        drawn += 1
+    if not drawn:
+        print(f"{results} holds no rows of {chosen}", file=sys.stderr)
+        return 2
+    write_header()
+    return 0
+
+
 def write_section(suite: Suite, rows: list[Result], command: str, extra: str) -> None:
-    text = DOC.read_text() if DOC.exists() else HEADER
+    text = DOC.read_text() if DOC.exists() else ""
     start, end = f"<!-- suite:{suite.name} -->", f"<!-- /suite:{suite.name} -->"
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     body = (
         f"{start}\n## {suite.title}\n\n`{command}` on {when}; {machine()}.\n\n"
-        f"{suite.description}\n\n{table(rows)}\n\n{extra}\n{end}"
+        f"{suite.description}\n\n{table(rows)}\n\n{extra}\n\n{chart_line(suite)}\n{end}"
     )
     if start in text and end in text:
         before, rest = text.split(start, 1)
@@ -102,6 +182,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
     parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument("--list", action="store_true")
+    parser.add_argument(
+        "--charts-only",
+        action="store_true",
+        help="redraw the charts from <out>/results.json and embed them; measure nothing",
+    )
     args = parser.parse_args(argv)
     if args.list:
         for name, suite in sorted(suites.items()):
@@ -111,7 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown suites {sorted(unknown)}; --list shows them")
     chosen = args.suites or sorted(suites)
+    if args.charts_only:
+        return charts_only(suites, args.out / "results.json", chosen)
     args.out.mkdir(parents=True, exist_ok=True)
+    write_doc = not args.no_doc and not args.quick
     command = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
     all_rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="ckptstore-bench-") as scratch:
@@ -126,10 +214,15 @@ def main(argv: list[str] | None = None) -> int:
             extra = str(ctx.options.get("summary", ""))
             if extra:
                 print(extra, flush=True)
-            if not args.no_doc and not args.quick:
+            dicts = [r.as_dict() for r in rows]
+            if write_doc:
+                if rows:
+                    draw_chart(suite, dicts)
                 write_section(suite, rows, command.strip(), extra)
-            all_rows += [r.as_dict() for r in rows]
-    (args.out / "results.json").write_text(json.dumps(all_rows, indent=2))
+            all_rows += dicts
+    merge_results(args.out / "results.json", chosen, all_rows)
+    if write_doc:
+        write_header()
     return 0
 
 

@@ -1,0 +1,118 @@
+"""The benchmark report's generated parts: chart, header, --charts-only, section embedding."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import bench  # noqa: E402
+from benchlib import Result, Suite, report  # noqa: E402
+
+
+def rows() -> list[dict[str, object]]:
+    def row(system: str, op: str, seconds: float) -> dict[str, object]:
+        return Result(
+            suite="demo",
+            workload="1 GiB",
+            target="local",
+            system=system,
+            op=op,
+            nbytes=1 << 30,
+            seconds=seconds,
+            runs=[seconds],
+            cpu_seconds=0.1,
+        ).as_dict()
+
+    return [row("ckptstore", "save", 0.5), row("peer", "save", 1.0), row("ckptstore", "load", 0.25)]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG file"
+    width, height = struct.unpack(">II", data[16:24])
+    return width, height
+
+
+def test_chart_is_drawn_from_result_rows(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="charts need matplotlib (the bench extra)")
+    out = report.chart(rows(), tmp_path / "bench-demo.png", title="demo")
+    width, height = png_size(out)
+    assert width > 100
+    assert height > 100
+
+
+def test_chart_refuses_no_rows(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason="charts need matplotlib (the bench extra)")
+    with pytest.raises(ValueError, match="no rows"):
+        report.chart([], tmp_path / "empty.png")
+
+
+def test_header_names_the_command_machine_and_versions() -> None:
+    versions = report.library_versions()
+    for name in ("ckptstore", "numpy", "torch", "jax", "orbax-checkpoint", "s3fs"):
+        assert name in versions
+    for name in ("aiobotocore", "gcsfs", "s3torchconnector"):
+        assert name in versions
+    assert "seaweedfs (weed version)" in versions
+    assert "fake-gcs-server" in versions
+    import numpy
+
+    assert versions["numpy"] == numpy.__version__  # read at run time, not written down
+    block = report.header_block(versions, report.machine_facts())
+    assert block.startswith(report.HEADER_START)
+    assert block.endswith(report.HEADER_END)
+    assert "python scripts/bench.py\n" in block
+    assert f"| numpy | {numpy.__version__} |" in block
+    assert "cores" in block
+    assert "kernel" in block
+
+
+def test_replace_header_keeps_sections() -> None:
+    old = "# Benchmarks\n\nold prose\n\n<!-- suite:a -->\nA\n<!-- /suite:a -->\n"
+    once = report.replace_header(old, f"{report.HEADER_START}\nnew\n{report.HEADER_END}")
+    assert "old prose" not in once
+    assert "<!-- suite:a -->\nA\n<!-- /suite:a -->" in once
+    twice = report.replace_header(once, f"{report.HEADER_START}\nnewer\n{report.HEADER_END}")
+    assert "newer" in twice
+    assert "\nnew\n" not in twice
+    assert twice.count("suite:a -->") == 2
+
+
+def test_charts_only_draws_and_embeds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib", reason="charts need matplotlib (the bench extra)")
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text("<!-- suite:demo -->\n## Demo\n\ntable\n<!-- /suite:demo -->\n")
+    monkeypatch.setattr(bench, "DOC", doc)
+    monkeypatch.setattr(bench, "IMG", tmp_path / "docs" / "img")
+    suite = Suite(name="demo", title="Demo", run=lambda ctx: [])
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(rows()))
+
+    assert bench.charts_only({"demo": suite}, results, ["demo"]) == 0
+    png = tmp_path / "docs" / "img" / "bench-demo.png"
+    assert png_size(png)[0] > 100
+    text = doc.read_text()
+    assert "![Demo: GiB/s per system](img/bench-demo.png)" in text
+    assert text.index("img/bench-demo.png") < text.index("<!-- /suite:demo -->")
+    bench.charts_only({"demo": suite}, results, ["demo"])  # again: embedded once, not twice
+    assert doc.read_text().count("img/bench-demo.png") == 1
+
+
+def test_charts_only_without_results_fails(tmp_path: Path) -> None:
+    suite = Suite(name="demo", title="Demo", run=lambda ctx: [])
+    assert bench.charts_only({"demo": suite}, tmp_path / "missing.json", ["demo"]) == 2
+
+
+def test_merge_results_keeps_other_suites(tmp_path: Path) -> None:
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps([{"suite": "a", "x": 1}, {"suite": "b", "x": 2}]))
+    bench.merge_results(path, ["b"], [{"suite": "b", "x": 3}])
+    assert json.loads(path.read_text()) == [{"suite": "a", "x": 1}, {"suite": "b", "x": 3}]
