@@ -116,3 +116,25 @@ def test_merge_results_keeps_other_suites(tmp_path: Path) -> None:
     path.write_text(json.dumps([{"suite": "a", "x": 1}, {"suite": "b", "x": 2}]))
     bench.merge_results(path, ["b"], [{"suite": "b", "x": 3}])
     assert json.loads(path.read_text()) == [{"suite": "a", "x": 1}, {"suite": "b", "x": 3}]
+
+
+def test_a_measured_section_embeds_its_chart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("matplotlib", reason="charts need matplotlib (the bench extra)")
+    doc = tmp_path / "docs" / "benchmarks.md"
+    monkeypatch.setattr(bench, "DOC", doc)
+    monkeypatch.setattr(bench, "IMG", tmp_path / "docs" / "img")
+    suite = Suite(name="demo", title="Demo", run=lambda ctx: [])
+    results = [
+        Result(**{k: v for k, v in r.items() if k in Result.__annotations__}) for r in rows()
+    ]
+
+    bench.write_section(suite, results, "python scripts/bench.py demo", "")
+    assert "appears on the next run of `python scripts/bench.py demo`" in doc.read_text()
+    assert bench.draw_chart(suite, rows())
+    bench.write_section(suite, results, "python scripts/bench.py demo", "")
+    text = doc.read_text()
+    assert "![Demo: GiB/s per system](img/bench-demo.png)" in text
+    assert "appears on the next run" not in text
+    assert "| 1 GiB | local | peer | save | 1.000 | 1.00 |" in text
