@@ -122,3 +122,13 @@ def test_every_manager_option_is_documented() -> None:
     documented = table_options(section_body) | starred
     params = set(inspect.signature(CheckpointManager.__init__).parameters) - {"self"}
     assert params - documented == set(), "CheckpointManager options missing from docs/async.md"
+
+
+def test_every_page_is_in_the_nav_and_linked_from_the_index() -> None:
+    nav = (ROOT / "mkdocs.yml").read_text()
+    index = (ROOT / "docs" / "index.md").read_text()
+    pages = sorted(p.name for p in (ROOT / "docs").glob("*.md") if p.name != "index.md")
+    assert len(pages) >= 12
+    for page in pages:
+        assert f": {page}" in nav, f"{page} missing from mkdocs.yml nav"
+        assert f"({page})" in index, f"{page} not linked from docs/index.md"
