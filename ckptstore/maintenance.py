@@ -46,7 +46,7 @@ from ckptstore.errors import (
     InvalidRangeError,
     NotFoundError,
 )
-from ckptstore.layout.commit import _put_manifest, gather_all, read_manifest
+from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
@@ -411,7 +411,7 @@ async def copy_step(
             f"garbage-collection grace period ({grace} s), so a concurrent gc may have removed "
             "data; not committing. Raise gc_grace_seconds for the destination."
         )
-    await _put_manifest(dst, step, copied.encode(), attempt)
+    await commit_manifest(dst, copied)
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
 
 
