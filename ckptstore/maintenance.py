@@ -51,7 +51,8 @@ from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine, crc32c_of
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine
 
 __all__ = [
     "CopyReport",
@@ -228,9 +229,9 @@ async def verify_manifest(
         i = bisect.bisect_right(ends, start)
         while i < len(leaves) and offsets[i] < end:
             lo, hi = max(offsets[i], start), min(ends[i], end)
-            pieces.append((leaves[i], crc32c_of(view[lo - start : hi - start])))
+            pieces.append((leaves[i], crc32c(view[lo - start : hi - start])))
             i += 1
-        return crc32c_of(view), pieces
+        return crc32c(view), pieces
 
     async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
         buf = await pool.acquire()

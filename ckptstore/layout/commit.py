@@ -40,7 +40,6 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
-from ckptstore.layout.checksum import acrc32c, as_uint8, crc32c
 from ckptstore.layout.dtypes import dtype_name
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
@@ -56,6 +55,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan, pack_buffers
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import acrc32c, as_uint8, crc32c
 
 __all__ = [
     "CommitInfo",
