@@ -49,6 +49,11 @@ class Settings:
         coalesce_gap: ranged reads of one object closer than this many bytes are merged.
         coalesce_limit: a merged ranged read is never larger than this many bytes.
         durable: fsync written files and their directories before a put returns (local, nfs).
+        direct_io: local directories write the page-aligned body of large writes with
+            ``O_DIRECT``, past the page cache: no copy into kernel memory, no page-cache
+            allocation competing with training for CPU and memory, and checkpoints do not
+            evict the data loader's cached files. Writes fall back to the page cache where the
+            filesystem refuses ``O_DIRECT`` (tmpfs, some FUSE mounts).
         pack_threshold: leaves (arrays) smaller than this many bytes are packed together into
             pack objects; larger ones are written as objects of their own.
         pack_size: target size in bytes of one pack object; a pack is closed before a leaf
@@ -70,6 +75,7 @@ class Settings:
     coalesce_gap: int = 1 << 20
     coalesce_limit: int = 64 << 20
     durable: bool = True
+    direct_io: bool = True
     pack_threshold: int = 1 << 20
     pack_size: int = 8 << 20
     leaf_alignment: int = 64

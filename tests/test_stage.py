@@ -396,3 +396,21 @@ def test_importing_ckptstore_imports_neither_torch_nor_jax() -> None:
         check=True,
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> None:
+    from ckptstore.stage.stager import LEAF_ALIGNMENT, PAGE_ALIGN_MIN
+
+    state = {
+        "tiny": np.arange(3, dtype=np.int8),
+        "big": np.ones(PAGE_ALIGN_MIN + 1, np.uint8),
+        "odd": np.arange(5, dtype=np.int16),
+        "big2": np.zeros((300, 301), np.float32),
+    }
+    staged = Stager().stage(state)
+    for key in ("big", "big2"):
+        assert staged.tree[key].ctypes.data % ALIGNMENT == 0, key
+        assert bits(staged.tree[key]) == bits(state[key])
+    for key in ("tiny", "odd"):
+        assert staged.tree[key].ctypes.data % LEAF_ALIGNMENT == 0, key
+        assert bits(staged.tree[key]) == bits(state[key])

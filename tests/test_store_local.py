@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import os
 import tracemalloc
 from collections.abc import AsyncIterator
@@ -9,6 +10,8 @@ import numpy as np
 import pytest
 
 from ckptstore import Settings
+from ckptstore.errors import InvalidRangeError
+from ckptstore.store import local
 from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.local import LocalStore, temp_files
 from ckptstore.testing import StoreTests
@@ -58,3 +61,174 @@ async def test_temp_files_are_never_listed_and_are_found_for_cleanup(tmp_path: P
         assert await store.list_keys() == ["a/obj"]
         await upload.abort()
         assert list(temp_files(tmp_path)) == []
+
+
+class TestLocalStoreBuffered(StoreTests):
+    """The conformance suite with direct I/O off: every write through the page cache."""
+
+    @pytest.fixture
+    async def store(self, tmp_path: Path) -> AsyncIterator[LocalStore]:
+        async with LocalStore(tmp_path / "root", settings=Settings(direct_io=False)) as store:
+            yield store
+
+
+def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """Record (file offset, length, buffer page-aligned) of every O_DIRECT span written."""
+    calls: list[tuple[int, int, bool]] = []
+    real = local._write_direct
+
+    def spy(fd: int, data: memoryview, offset: int) -> None:
+        calls.append((offset, len(data), local._address(data) % local._ALIGN == 0))
+        real(fd, data, offset)
+
+    monkeypatch.setattr(local, "_write_direct", spy)
+    return calls
+
+
+def _page_aligned(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + local._ALIGN, np.uint8)
+    start = -raw.ctypes.data % local._ALIGN
+    return raw[start : start + nbytes]
+
+
+@pytest.mark.parametrize(
+    "size",
+    [local.DIRECT_MIN + 4099, 3 << 20, (9 << 20) + 5],
+    ids=["unaligned-tail", "aligned", "over-one-bounce-buffer"],
+)
+@pytest.mark.parametrize("aligned", [True, False], ids=["page-aligned", "unaligned-buffer"])
+async def test_direct_writes_are_exact_and_bypass_the_cache_for_the_aligned_body(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, size: int, aligned: bool
+) -> None:
+    calls = _spy_direct(monkeypatch)
+    data = np.random.default_rng(size).integers(0, 256, size + 1, dtype=np.uint8)
+    buf = _page_aligned(size) if aligned else data[1:]  # numpy's own alignment is 64 at best
+    buf[:] = data[1:]
+    assert (buf.ctypes.data % local._ALIGN == 0) is aligned
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", buf)
+        assert await store.get("obj") == buf.tobytes()
+    body = size // local._ALIGN * local._ALIGN
+    assert calls == [(0, body, aligned)]
+
+
+async def test_direct_multipart_with_unaligned_parts_is_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy_direct(monkeypatch)
+    part = (1 << 20) + 1000  # parts start off page boundaries: heads and tails go cached
+    settings = Settings(part_size=part, multipart_threshold=2 * part, max_inflight_bytes=8 * part)
+    data = np.random.default_rng(1).integers(0, 256, 5 * part + 77, dtype=np.uint8)
+    async with LocalStore(tmp_path, settings=settings) as store:
+        await store.put("obj", data)
+        assert await store.get("obj") == data.tobytes()
+    assert len(calls) >= 4
+    for offset, length, _ in calls:
+        assert offset % local._ALIGN == 0
+        assert length % local._ALIGN == 0
+    assert sum(length for _, length, _ in calls) > 4 * (1 << 20)
+
+
+async def test_a_filesystem_that_refuses_o_direct_gets_plain_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy_direct(monkeypatch)
+    real_open = os.open
+
+    def refusing(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", refusing)
+    data = np.arange(1 << 20, dtype=np.uint32)
+    async with LocalStore(tmp_path) as store:
+        await store.put("a", data)
+        await store.put("b", data)
+        assert await store.get("a") == await store.get("b") == data.tobytes()
+        assert store._direct_ok is False
+    assert calls == []
+
+
+async def test_a_refused_direct_write_is_redone_through_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused: list[int] = []
+
+    def refuse(fd: int, data: memoryview, offset: int) -> None:
+        refused.append(len(data))
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(local, "_write_direct", refuse)
+    data = np.random.default_rng(2).integers(0, 256, (2 << 20) + 3, dtype=np.uint8)
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", data)
+        assert await store.get("obj") == data.tobytes()
+    assert refused == [2 << 20]
+    assert not list(temp_files(tmp_path))
+
+
+async def test_direct_io_off_never_opens_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = _spy_direct(monkeypatch)
+    async with LocalStore(tmp_path, settings=Settings(direct_io=False)) as store:
+        await store.put("obj", np.zeros(4 << 20, np.uint8))
+    assert calls == []
+
+
+@pytest.mark.parametrize("matching", [True, False], ids=["buffer-matches-file", "mismatched"])
+@pytest.mark.parametrize(
+    ("start", "length"),
+    [(0, 3 << 20), (5, (2 << 20) + 4093), (4096 * 3 + 1, (9 << 20) + 17)],
+    ids=["aligned", "unaligned-start-and-end", "large"],
+)
+async def test_direct_reads_are_exact(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, matching: bool, start: int, length: int
+) -> None:
+    """O_DIRECT reads the body of a range when the buffer sits on a page where the file does
+    (as restore's fresh arrays do); any other buffer is read through the page cache."""
+    calls: list[int] = []
+    real = local._read_direct
+
+    def spy(fd: int, out: memoryview, offset: int) -> int:
+        assert offset % local._ALIGN == 0
+        assert len(out) % local._ALIGN == 0
+        assert local._address(out) % local._ALIGN == 0
+        calls.append(len(out))
+        return real(fd, out, offset)
+
+    monkeypatch.setattr(local, "_read_direct", spy)
+    data = np.random.default_rng(length).integers(0, 256, 12 << 20, dtype=np.uint8)
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", data)
+        out = _page_aligned(length + local._ALIGN + 1)
+        shift = start % local._ALIGN + (0 if matching else 1)
+        view = out[shift : shift + length]
+        await store.read_into("obj", start, view)
+        assert view.tobytes() == data[start : start + length].tobytes()
+        head = -start % local._ALIGN
+        assert calls == ([(length - head) // local._ALIGN * local._ALIGN] if matching else [])
+        with pytest.raises(InvalidRangeError):  # past the end: a short direct read is noticed
+            await store.read_into("obj", (12 << 20) - (1 << 20), _page_aligned(2 << 20))
+    assert len(calls) == (2 if matching else 1)
+
+
+async def test_reads_fall_back_when_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
+    async with LocalStore(tmp_path) as store:
+        await store.put("obj", data)
+        real_open = os.open
+
+        def refusing(path: str, flags: int, *args: int) -> int:
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(local.os, "open", refusing)
+        out = _page_aligned(len(data))
+        await store.read_into("obj", 0, out)
+        assert out.tobytes() == data.tobytes()
+        assert store._direct_ok is False

@@ -27,13 +27,16 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
-from ckptstore.stage.pool import BufferPool, HostBuffer, align_up
+from ckptstore.stage.pool import ALIGNMENT, BufferPool, HostBuffer, align_up
 from ckptstore.stage.tree import Path, iter_leaves, map_leaves
 
 __all__ = ["LEAF_ALIGNMENT", "ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager"]
 
 #: Alignment of each leaf inside an arena: a cache line, and enough for every dtype.
 LEAF_ALIGNMENT = 64
+#: Leaves of at least this many bytes start on a page boundary of the arena (ALIGNMENT), so
+#: a local store writes them with O_DIRECT straight from the arena, without a bounce copy.
+PAGE_ALIGN_MIN = 64 << 10
 
 #: One copy of a staging plan: ``(bytes it moves, the copy)``.
 CopyTask = tuple[int, Callable[[], None]]
@@ -239,8 +242,11 @@ class Stager:
                 views[path] = view
         offsets, total = [], 0
         for i in to_copy:
-            offsets.append(total)
-            total = align_up(total + specs[i].nbytes, LEAF_ALIGNMENT)
+            nbytes = specs[i].nbytes
+            start = align_up(total, ALIGNMENT if nbytes >= PAGE_ALIGN_MIN else LEAF_ALIGNMENT)
+            offsets.append(start)
+            total = start + nbytes
+        total = align_up(total, LEAF_ALIGNMENT)
 
         buffer = None
         fences: list[Callable[[], None]] = []

@@ -50,6 +50,9 @@ class NFSStore(LocalStore):
 
     schemes = ("nfs",)
     _hidden_prefixes = (TEMP_PREFIX, ".nfs", ".fuse_hidden")
+    # O_DIRECT on a network filesystem changes the client's caching and write ordering, and
+    # FUSE mounts often refuse it: writes here keep the page cache and fsync before commit.
+    _direct_io = False
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> NFSStore:

@@ -94,12 +94,14 @@ def run(ctx: Context) -> list[Result]:
         }
         steps = {"next": 1}
         saved: list[int] = []
+        ckpt_objects: dict[int, int] = {}  # leaves saved -> data objects the save wrote
 
         def ckpt_save(state: dict[str, np.ndarray]):
             def go() -> None:
                 step = steps["next"]
                 steps["next"] += 1
-                loop.run_until_complete(asave(ckpt, state, step=step))
+                info = loop.run_until_complete(asave(ckpt, state, step=step))
+                ckpt_objects[len(state)] = info.objects
                 saved.append(step)
 
             return go
@@ -251,6 +253,8 @@ def run(ctx: Context) -> list[Result]:
         (small_name, small_total, small_count, "read", small_read_t),
     ):
         for system, t in timings.items():
+            count = big_count if objects == big_count else small_count
+            written = ckpt_objects.get(count) if system == CKPT else objects
             rows.append(
                 Result(
                     "gcs",
@@ -262,7 +266,7 @@ def run(ctx: Context) -> list[Result]:
                     t.median,
                     t.runs,
                     t.cpu_median,
-                    objects=objects,
+                    objects=written,
                 )
             )
 
