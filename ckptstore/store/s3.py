@@ -83,6 +83,7 @@ from ckptstore.store.base import (
     validate_key,
     validate_prefix,
 )
+from ckptstore.store.checksum import acrc32c
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["S3Store", "StaleUpload"]
@@ -94,20 +95,7 @@ _MIN_PART = 5 << 20  # S3: every part but the last
 _MAX_PART = 5 << 30
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects limit
-_THREAD_CRC_BYTES = 1 << 20  # checksum larger bodies in a thread
 _READ_CHUNK = 1 << 20
-
-try:  # crc32c hashes any buffer (a memoryview too) and releases the GIL
-    import crc32c as _crc32c_mod
-
-    def _crc32c(data: memoryview) -> int:
-        return int(_crc32c_mod.crc32c(data))
-
-except ImportError:  # google-crc32c is a core dependency but takes only bytes: one copy
-    import google_crc32c as _google_crc32c
-
-    def _crc32c(data: memoryview) -> int:
-        return int(_google_crc32c.value(bytes(data)))
 
 
 def _b64_crc(value: int) -> str:
@@ -728,9 +716,7 @@ class S3Store(Store):
     # ------------------------------------------------------------------ writes
 
     async def _checksum(self, data: memoryview) -> str:
-        if len(data) >= _THREAD_CRC_BYTES:
-            return _b64_crc(await asyncio.to_thread(_crc32c, data))
-        return _b64_crc(_crc32c(data))
+        return _b64_crc(await acrc32c(data))
 
     async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
         # docstring inherited
