@@ -46,12 +46,13 @@ from ckptstore.errors import (
     InvalidRangeError,
     NotFoundError,
 )
-from ckptstore.layout.commit import _put_manifest, gather_all, read_manifest
+from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine, crc32c_of
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine
 
 __all__ = [
     "CopyReport",
@@ -228,9 +229,9 @@ async def verify_manifest(
         i = bisect.bisect_right(ends, start)
         while i < len(leaves) and offsets[i] < end:
             lo, hi = max(offsets[i], start), min(ends[i], end)
-            pieces.append((leaves[i], crc32c_of(view[lo - start : hi - start])))
+            pieces.append((leaves[i], crc32c(view[lo - start : hi - start])))
             i += 1
-        return crc32c_of(view), pieces
+        return crc32c(view), pieces
 
     async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
         buf = await pool.acquire()
@@ -411,7 +412,7 @@ async def copy_step(
             f"garbage-collection grace period ({grace} s), so a concurrent gc may have removed "
             "data; not committing. Raise gc_grace_seconds for the destination."
         )
-    await _put_manifest(dst, step, copied.encode(), attempt)
+    await commit_manifest(dst, copied)
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
 
 

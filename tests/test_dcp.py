@@ -28,8 +28,7 @@ from ckptstore.errors import (  # noqa: E402
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.integrations.dcp import commit  # noqa: E402
-from ckptstore.layout.commit import read_manifest  # noqa: E402
+from ckptstore.layout.commit import commit_manifest, read_manifest  # noqa: E402
 from ckptstore.layout.keys import new_attempt_id  # noqa: E402
 from ckptstore.store.registry import open_store  # noqa: E402
 from ckptstore.store.wrappers import CountingStore  # noqa: E402
@@ -161,10 +160,10 @@ def test_commit_is_idempotent_for_its_attempt_and_conflicts_for_another(tmp_path
     dcp.save({"w": torch.ones(2)}, storage_writer=ckptstore.dcp.Writer(url))
     store = open_store(url)
     manifest = background.run(read_manifest(store, 0))
-    background.run(commit(store, 0, manifest))  # a retry after a lost response succeeds
+    background.run(commit_manifest(store, manifest))  # a retry after a lost response succeeds
     other = dataclasses.replace(manifest, attempt=new_attempt_id())
-    with pytest.raises(CommitConflictError, match="committed this checkpoint first"):
-        background.run(commit(store, 0, other))
+    with pytest.raises(CommitConflictError, match=r"committed by attempt \S+ first"):
+        background.run(commit_manifest(store, other))
 
 
 class BrokenPlanner(DefaultSavePlanner):

@@ -186,7 +186,7 @@ def test_crc32c_matches_the_reference_across_chunks(
 ) -> None:
     import google_crc32c
 
-    from ckptstore.layout import checksum
+    from ckptstore.store import checksum
 
     monkeypatch.setattr(checksum, "CHUNK", 4096)  # several chunks stitched together
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)

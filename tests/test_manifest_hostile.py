@@ -14,10 +14,10 @@ import pytest
 
 from ckptstore.api import aload, asave
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.layout.checksum import crc32c
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.store.base import PutMode, Store
+from ckptstore.store.checksum import crc32c
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import CountingStore, StoreWrapper
 

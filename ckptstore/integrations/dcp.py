@@ -53,7 +53,6 @@ from torch.futures import Future
 from ckptstore import background
 from ckptstore.errors import (
     AlreadyExistsError,
-    CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -73,14 +72,13 @@ from ckptstore.integrations.tensor_objects import (
     served,
     tensor_bytes,
 )
-from ckptstore.layout.commit import read_manifest
+from ckptstore.layout.commit import commit_manifest, read_manifest
 from ckptstore.layout.keys import (
     attempt_prefix,
     manifest_key,
     new_attempt_id,
     step_prefix,
 )
-from ckptstore.layout.manifest import Manifest
 from ckptstore.store.base import Store
 
 __all__ = ["Reader", "Writer"]
@@ -256,7 +254,7 @@ class Writer(StorageWriter):
             step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
         )
         try:
-            background.run(commit(self._target.store, step, manifest))
+            background.run(commit_manifest(self._target.store, manifest))
         finally:
             self._target.handle.release()
         metadata.storage_data = locations
@@ -301,26 +299,6 @@ def _result(placed: Placed[WriteItem]) -> WriteResult:
         *_typeinfo(item),
     )
     return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
-
-
-async def commit(store: Store, step: int, manifest: Manifest) -> None:
-    """Write ``manifest`` with one put-if-absent, as the layout's commit protocol says.
-
-    A manifest already in place that carries this attempt's id means an earlier try of this
-    put succeeded and only its response was lost: success. Any other raises
-    :class:`~ckptstore.errors.CommitConflictError`; this attempt stays invisible.
-    """
-    key = manifest_key(step)
-    try:
-        await store.put(key, manifest.encode(), mode="create")
-    except AlreadyExistsError:
-        existing = await read_manifest(store, step)
-        if existing.attempt == manifest.attempt:
-            return
-        raise CommitConflictError(
-            f"{store.url}/{key}: another save (attempt {existing.attempt}) committed this "
-            f"checkpoint first; this attempt ({manifest.attempt}) stays invisible"
-        ) from None
 
 
 # =========================================================================== reader

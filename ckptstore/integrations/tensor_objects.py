@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-import google_crc32c
 import ml_dtypes
 import numpy as np
 import torch
@@ -28,6 +27,7 @@ from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.keys import check_step, parse_step
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import crc32c
 from ckptstore.store.registry import open_store, registered_schemes
 
 __all__ = [
@@ -49,12 +49,6 @@ __all__ = [
 ALIGN = 64
 
 T = TypeVar("T")
-
-
-def crc32c(data: memoryview | bytes | np.ndarray[Any, Any]) -> int:
-    """crc32c of a bytes-like object, without copying it."""
-    # google_crc32c takes read-only buffers or numpy arrays; a uint8 array view is free.
-    return int(google_crc32c.extend(0, np.frombuffer(data, dtype=np.uint8)))
 
 
 def tensor_bytes(tensor: torch.Tensor) -> tuple[torch.Tensor, memoryview]:

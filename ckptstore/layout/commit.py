@@ -40,7 +40,6 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
-from ckptstore.layout.checksum import acrc32c, as_uint8, crc32c
 from ckptstore.layout.dtypes import dtype_name
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
@@ -56,9 +55,11 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan, pack_buffers
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import acrc32c, as_uint8, crc32c
 
 __all__ = [
     "CommitInfo",
+    "commit_manifest",
     "committed_steps",
     "delete_step",
     "latest_step",
@@ -226,7 +227,7 @@ async def write_checkpoint(
             "fewer, larger arrays"
         )
     try:
-        await _put_manifest(store, step, data, attempt)
+        await commit_manifest(store, manifest, encoded=data)
     except CommitConflictError:
         # Another attempt's manifest is in place, so this attempt's objects can never become
         # visible: remove them now rather than leave them to garbage collection.
@@ -298,7 +299,31 @@ async def _write_objects(
     )
 
 
-async def _put_manifest(store: Store, step: int, data: bytes, attempt: str) -> None:
+async def commit_manifest(
+    store: Store, manifest: Manifest, *, encoded: bytes | None = None
+) -> None:
+    """Commit ``manifest`` for its attempt: the last step of the commit protocol.
+
+    Call it only once every object the manifest names is durable (invariant 2). The manifest
+    is written to ``<step>/manifest.json`` with one put-if-absent. A put that fails with a
+    store error is tried again (up to :data:`MANIFEST_PUT_TRIES` times), since it may have
+    landed with only its response lost. When the manifest already exists it is read back: if
+    it carries ``manifest.attempt``, an earlier try of this put won and the commit succeeded;
+    otherwise another attempt committed the step first.
+
+    Args:
+        store: the checkpoint root.
+        manifest: the manifest to commit; its ``step`` and ``attempt`` decide where it goes
+            and whether an existing manifest is this attempt's own.
+        encoded: ``manifest.encode()``, if the caller already has it (saves encoding twice).
+
+    Raises:
+        CommitConflictError: another attempt's manifest (or an invalid one) holds the step;
+            this attempt stays invisible and its objects may be deleted.
+        StoreError: every try of the put failed.
+    """
+    step, attempt = manifest.step, manifest.attempt
+    data = manifest.encode() if encoded is None else encoded
     key = manifest_key(step)
     for trial in range(MANIFEST_PUT_TRIES):
         try:

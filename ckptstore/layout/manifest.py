@@ -37,11 +37,11 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CorruptCheckpointError, InvalidKeyError
-from ckptstore.layout.checksum import crc32c
 from ckptstore.layout.dtypes import dtype_from_name
 from ckptstore.layout.keys import ATTEMPT_RE, MAX_STEP
 from ckptstore.layout.tree import tree_paths
 from ckptstore.store.base import validate_key
+from ckptstore.store.checksum import crc32c
 
 __all__ = ["FORMAT_VERSION", "MAX_LEAF_BYTES", "Manifest"]
 

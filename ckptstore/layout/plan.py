@@ -165,7 +165,7 @@ class PackPlan:
 
         One copy per leaf; a non-contiguous leaf is gathered by that same copy.
         """
-        import crc32c  # releases the GIL on leaves over 32 KiB (see layout.checksum)
+        import crc32c  # releases the GIL on leaves over 32 KiB (see store.checksum)
 
         obj = self.objects[index]
         buf: np.ndarray[Any, np.dtype[np.uint8]] = out

@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CorruptCheckpointError, InvalidRangeError, NotFoundError
-from ckptstore.layout.checksum import acrc32c, as_uint8, crc32c
 from ckptstore.layout.commit import gather_all
 from ckptstore.layout.manifest import Manifest
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import acrc32c, as_uint8, crc32c
 
 __all__ = ["read_leaves"]
 

@@ -46,8 +46,6 @@ from urllib.parse import quote
 
 import aiohttp
 import gcsfs.core
-import google_crc32c
-import numpy as np
 import yarl
 
 from ckptstore.config import Settings
@@ -68,6 +66,7 @@ from ckptstore.store.base import (
     Store,
     validate_prefix,
 )
+from ckptstore.store.checksum import crc32c, crc32c_b64
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["GCSStore"]
@@ -88,16 +87,6 @@ _BOUNDARY = "==ckptstore-part=="
 
 class _Transient(Exception):
     """A failure worth retrying: a retryable status, a dropped connection, a broken body."""
-
-
-def _crc32c(crc: int, data: memoryview | bytes) -> int:
-    """Extend ``crc`` over ``data`` without copying it (google-crc32c's C extension refuses
-    memoryviews, but takes a numpy view of the same memory)."""
-    return int(google_crc32c.extend(crc, np.frombuffer(data, dtype=np.uint8)))
-
-
-def _crc32c_b64(data: memoryview | bytes) -> str:
-    return _b64(_crc32c(0, data))
 
 
 def _b64(crc: int) -> str:
@@ -354,7 +343,7 @@ class GCSStore(Store):
     ) -> dict[str, Any]:
         """One multipart upload (metadata + bytes in one request); returns the object JSON
         after checking the stored size and crc32c against what was sent."""
-        crc = _crc32c_b64(data)
+        crc = crc32c_b64(data)
         params = {"uploadType": "multipart"}
         if create:
             # If a first attempt commits but its response is lost, the retry gets 412 and
@@ -426,7 +415,7 @@ class GCSStore(Store):
             if expected is not None and int(expected) != len(data):
                 raise _Transient(f"body of {len(data)} bytes, Content-Length {expected}")
             crc = _hash_header(response, "crc32c")
-            if crc is not None and _is_identity(response) and _crc32c_b64(data) != crc:
+            if crc is not None and _is_identity(response) and crc32c_b64(data) != crc:
                 raise _Transient("body does not match the object's crc32c")
             return data
 
@@ -461,7 +450,7 @@ class GCSStore(Store):
                 take = min(len(view), size - pos)
                 out[pos : pos + take] = view[:take]
                 if whole:
-                    crc = _crc32c(crc, view[:take])
+                    crc = crc32c(view[:take], crc)
                 pos += take
             if pos < size:
                 if total is not None and total < end:

@@ -83,6 +83,7 @@ from ckptstore.store.base import (
     validate_key,
     validate_prefix,
 )
+from ckptstore.store.checksum import acrc32c
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["S3Store", "StaleUpload"]
@@ -94,20 +95,7 @@ _MIN_PART = 5 << 20  # S3: every part but the last
 _MAX_PART = 5 << 30
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects limit
-_THREAD_CRC_BYTES = 1 << 20  # checksum larger bodies in a thread
 _READ_CHUNK = 1 << 20
-
-try:  # crc32c hashes any buffer (a memoryview too) and releases the GIL
-    import crc32c as _crc32c_mod
-
-    def _crc32c(data: memoryview) -> int:
-        return int(_crc32c_mod.crc32c(data))
-
-except ImportError:  # google-crc32c is a core dependency but takes only bytes: one copy
-    import google_crc32c as _google_crc32c
-
-    def _crc32c(data: memoryview) -> int:
-        return int(_google_crc32c.value(bytes(data)))
 
 
 def _b64_crc(value: int) -> str:
@@ -201,6 +189,13 @@ def _error_code(exc: BaseException) -> tuple[str, int]:
     code = str(response.get("Error", {}).get("Code", ""))
     status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
     return code, status
+
+
+def _precondition_failed(exc: bx.ClientError) -> bool:
+    """Whether a conditional request lost: 412 / PreconditionFailed (``If-None-Match: *``
+    met an existing object)."""
+    code, status = _error_code(exc)
+    return status == 412 or code == "PreconditionFailed"
 
 
 def _retry_attempts(exc: BaseException) -> int:
@@ -572,6 +567,57 @@ class S3Store(Store):
                     continue
                 raise
 
+    async def _request(
+        self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
+    ) -> _T:
+        """:meth:`_call`, with every failure translated into ckptstore's error tree (for
+        callers that need not look at the raw botocore error first)."""
+        try:
+            return await self._call(op, key, fn, **params)
+        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
+            self._raise(exc, op, key)
+
+    async def _abort_upload_id(self, key: str, upload_id: str) -> bool:
+        """AbortMultipartUpload of ``upload_id`` at ``key``; False if S3 no longer knows the
+        upload (already completed or aborted)."""
+        client = await self._get_client()
+        try:
+            await self._call(
+                "abort_multipart",
+                key,
+                client.abort_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._root + key,
+                UploadId=upload_id,
+            )
+        except bx.ClientError as exc:
+            if _error_code(exc)[0] == "NoSuchUpload":
+                return False
+            self._raise(exc, "abort_multipart", key)
+        except (bx.BotoCoreError, OSError) as exc:
+            self._raise(exc, "abort_multipart", key)
+        return True
+
+    async def _list_v2_pages(
+        self, prefix: str, delimiter: str | None = None
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The ListObjectsV2 pages under ``prefix`` (grouped by ``delimiter`` if given)."""
+        client = await self._get_client()
+        params: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Prefix": self._root + prefix,
+            "MaxKeys": self.list_page_size,
+        }
+        if delimiter is not None:
+            params["Delimiter"] = delimiter
+        while True:
+            page = await self._request("list", prefix, client.list_objects_v2, **params)
+            yield page
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+            params["ContinuationToken"] = token
+
     # ------------------------------------------------------------------ put-if-absent
 
     async def _require_conditional(self, kind: str) -> bool:
@@ -622,8 +668,7 @@ class S3Store(Store):
                     else:
                         await self._probe_multipart(client, full)
                 except bx.ClientError as exc:
-                    code, status = _error_code(exc)
-                    if status == 412 or code == "PreconditionFailed":
+                    if _precondition_failed(exc):
                         if attempt == 1:
                             return True
                         continue  # the key is ours alone: a lost reply, the write landed
@@ -671,9 +716,7 @@ class S3Store(Store):
     # ------------------------------------------------------------------ writes
 
     async def _checksum(self, data: memoryview) -> str:
-        if len(data) >= _THREAD_CRC_BYTES:
-            return _b64_crc(await asyncio.to_thread(_crc32c, data))
-        return _b64_crc(_crc32c(data))
+        return _b64_crc(await acrc32c(data))
 
     async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
         # docstring inherited
@@ -693,8 +736,7 @@ class S3Store(Store):
             async with self._bytes().hold(len(data)):
                 await self._call("put", key, client.put_object, **params)
         except bx.ClientError as exc:
-            code, status = _error_code(exc)
-            if mode == "create" and (status == 412 or code == "PreconditionFailed"):
+            if mode == "create" and _precondition_failed(exc):
                 # A retried request (botocore's, or aiohttp's own resend on a dropped
                 # keep-alive connection, which botocore never sees) may meet the object its
                 # first attempt wrote: the same bytes under the key mean this put landed.
@@ -786,8 +828,7 @@ class S3Store(Store):
                 IfNoneMatch="*",
             )
         except bx.ClientError as exc:
-            code, status = _error_code(exc)
-            if status == 412 or code == "PreconditionFailed":
+            if _precondition_failed(exc):
                 raise AlreadyExistsError(
                     f"{self._where(key)} is being created by another writer (it holds "
                     f"{self._where(lock)}; if that writer crashed, abort_stale_uploads removes "
@@ -800,12 +841,9 @@ class S3Store(Store):
 
     async def _release_create_lock(self, lock: str) -> None:
         client = await self._get_client()
-        try:
-            await self._call(
-                "delete", lock, client.delete_object, Bucket=self.bucket, Key=self._root + lock
-            )
-        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-            self._raise(exc, "delete", lock)
+        await self._request(
+            "delete", lock, client.delete_object, Bucket=self.bucket, Key=self._root + lock
+        )
 
     # ------------------------------------------------------------------ reads
 
@@ -956,21 +994,8 @@ class S3Store(Store):
             yield meta
 
     async def _list_pages(self, prefix: str) -> AsyncIterator[ObjectMeta]:
-        client = await self._get_client()
         cut = len(self._root)
-        token: str | None = None
-        while True:
-            params: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": self._root + prefix,
-                "MaxKeys": self.list_page_size,
-            }
-            if token:
-                params["ContinuationToken"] = token
-            try:
-                page = await self._call("list", prefix, client.list_objects_v2, **params)
-            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-                self._raise(exc, "list", prefix)
+        async for page in self._list_v2_pages(prefix):
             for item in page.get("Contents", ()):
                 key = item["Key"][cut:]
                 if not _listable(key):
@@ -982,36 +1007,17 @@ class S3Store(Store):
                     item.get("ETag"),
                     modified.timestamp() if modified is not None else None,
                 )
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return
 
     async def _list_prefixes(self, prefix: str) -> builtins.list[str]:
         # docstring inherited
-        client = await self._get_client()
         cut = len(self._root)
         found: builtins.list[str] = []
-        token: str | None = None
-        while True:
-            params: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Prefix": self._root + prefix,
-                "Delimiter": "/",
-                "MaxKeys": self.list_page_size,
-            }
-            if token:
-                params["ContinuationToken"] = token
-            try:
-                page = await self._call("list", prefix, client.list_objects_v2, **params)
-            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-                self._raise(exc, "list", prefix)
+        async for page in self._list_v2_pages(prefix, delimiter="/"):
             for item in page.get("CommonPrefixes", ()):
                 name = item["Prefix"][cut:]
                 if name.strip("/") and _listable(name.rstrip("/")):
                     found.append(name)
-            token = page.get("NextContinuationToken")
-            if not page.get("IsTruncated") or not token:
-                return sorted(set(found))
+        return sorted(set(found))
 
     async def _delete(self, keys: builtins.list[str]) -> None:
         # docstring inherited
@@ -1019,16 +1025,13 @@ class S3Store(Store):
         failed: builtins.list[str] = []
         for i in range(0, len(keys), _DELETE_BATCH):
             batch = keys[i : i + _DELETE_BATCH]
-            try:
-                response = await self._call(
-                    "delete",
-                    batch[0],
-                    client.delete_objects,
-                    Bucket=self.bucket,
-                    Delete={"Objects": [{"Key": self._root + k} for k in batch], "Quiet": True},
-                )
-            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-                self._raise(exc, "delete", batch[0])
+            response = await self._request(
+                "delete",
+                batch[0],
+                client.delete_objects,
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": self._root + k} for k in batch], "Quiet": True},
+            )
             for error in response.get("Errors", ()):
                 if error.get("Code") == "NoSuchKey":
                     continue
@@ -1051,10 +1054,9 @@ class S3Store(Store):
         found: builtins.list[StaleUpload] = []
         params: dict[str, Any] = {"Bucket": self.bucket, "Prefix": self._root + prefix}
         while True:
-            try:
-                page = await self._call("list", prefix, client.list_multipart_uploads, **params)
-            except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-                self._raise(exc, "list multipart uploads", prefix)
+            page = await self._request(
+                "list multipart uploads", prefix, client.list_multipart_uploads, **params
+            )
             for item in page.get("Uploads", ()):
                 found.append(
                     StaleUpload(
@@ -1084,25 +1086,12 @@ class S3Store(Store):
         """Abort uploads under ``prefix`` initiated before ``cutoff`` (seconds since the epoch)
         and delete create locks written before it; return how many uploads (and, with
         ``count_locks``, locks) were removed."""
-        client = await self._get_client()
         aborted = 0
         for upload in await self.multipart_uploads(prefix):
-            if upload.initiated > cutoff:
-                continue
-            try:
-                await self._call(
-                    "abort_multipart",
-                    upload.key,
-                    client.abort_multipart_upload,
-                    Bucket=self.bucket,
-                    Key=self._root + upload.key,
-                    UploadId=upload.upload_id,
-                )
-            except bx.ClientError as exc:
-                if _error_code(exc)[0] != "NoSuchUpload":
-                    self._raise(exc, "abort_multipart", upload.key)
-                continue
-            aborted += 1
+            if upload.initiated <= cutoff and await self._abort_upload_id(
+                upload.key, upload.upload_id
+            ):
+                aborted += 1
         # create locks of multipart creators that crashed (see _claim_create_lock)
         stale_locks = [
             key
@@ -1115,17 +1104,12 @@ class S3Store(Store):
 
     async def _scratch_objects(self, prefix: str) -> AsyncIterator[tuple[str, float]]:
         """Our scratch objects (probe, create locks) under ``prefix``, with their mtimes."""
-        client = await self._get_client()
-        paginator = client.get_paginator("list_objects_v2")
         cut = len(self._root)
-        try:
-            async for page in paginator.paginate(Bucket=self.bucket, Prefix=self._root + prefix):
-                for item in page.get("Contents", ()):
-                    key = item["Key"][cut:]
-                    if TEMP_PREFIX in key:
-                        yield key, item["LastModified"].timestamp()
-        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-            self._raise(exc, "list", prefix)
+        async for page in self._list_v2_pages(prefix):
+            for item in page.get("Contents", ()):
+                key = item["Key"][cut:]
+                if TEMP_PREFIX in key:
+                    yield key, item["LastModified"].timestamp()
 
 
 def _listable(key: str) -> bool:
@@ -1189,21 +1173,18 @@ class _S3Upload(MultipartUpload):
         store = self._store
         client = await store._get_client()
         crc = await store._checksum(data)
-        try:
-            async with store._bytes().hold(len(data)):
-                response = await store._call(
-                    "put_part",
-                    self.key,
-                    client.upload_part,
-                    Bucket=store.bucket,
-                    Key=store._root + self.key,
-                    UploadId=self._upload_id,
-                    PartNumber=index + 1,
-                    Body=_ViewBody(data),
-                    ChecksumCRC32C=crc,
-                )
-        except (bx.BotoCoreError, bx.ClientError, OSError) as exc:
-            store._raise(exc, f"put_part {index} of", self.key)
+        async with store._bytes().hold(len(data)):
+            response = await store._request(
+                f"put_part {index} of",
+                self.key,
+                client.upload_part,
+                Bucket=store.bucket,
+                Key=store._root + self.key,
+                UploadId=self._upload_id,
+                PartNumber=index + 1,
+                Body=_ViewBody(data),
+                ChecksumCRC32C=crc,
+            )
         self._parts[index] = (response["ETag"], crc)
 
     async def _complete(self, part_count: int, size: int) -> ObjectMeta:
@@ -1242,13 +1223,12 @@ class _S3Upload(MultipartUpload):
                 "complete_multipart", self.key, client.complete_multipart_upload, **params
             )
         except bx.ClientError as exc:
-            code, status = _error_code(exc)
-            lost = code in ("PreconditionFailed", "NoSuchUpload") or status == 412
+            lost = _precondition_failed(exc) or _error_code(exc)[0] == "NoSuchUpload"
             # a retry after a lost response: the first Complete may have landed
             if lost and await store._landed(self.key, size, _async_value(_multipart_etag(etags))):
                 self._finished = True
                 return await store._head(self.key)
-            if self.mode == "create" and (status == 412 or code == "PreconditionFailed"):
+            if self.mode == "create" and _precondition_failed(exc):
                 raise AlreadyExistsError(
                     f"{store._where(self.key)} already exists (put-if-absent lost to another "
                     "writer)"
@@ -1268,21 +1248,6 @@ class _S3Upload(MultipartUpload):
     async def _abort_upload(self) -> None:
         if self._finished:
             return
-        store = self._store
-        client = await store._get_client()
-        try:
-            await store._call(
-                "abort_multipart",
-                self.key,
-                client.abort_multipart_upload,
-                Bucket=store.bucket,
-                Key=store._root + self.key,
-                UploadId=self._upload_id,
-            )
-        except bx.ClientError as exc:
-            if _error_code(exc)[0] != "NoSuchUpload":
-                store._raise(exc, "abort_multipart", self.key)
-        except (bx.BotoCoreError, OSError) as exc:
-            store._raise(exc, "abort_multipart", self.key)
+        await self._store._abort_upload_id(self.key, self._upload_id)
         self._finished = True
         self._parts.clear()

@@ -17,17 +17,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable
-from typing import Any
-
-import google_crc32c
-import numpy as np
 
 from ckptstore.store.base import PutMode, Store
+from ckptstore.store.checksum import acrc32c
 
-__all__ = ["BufferPool", "copy_object", "crc32c_combine", "crc32c_of"]
+__all__ = ["BufferPool", "copy_object", "crc32c_combine"]
 
 _POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
-_HASH_IN_THREAD = 1 << 20  # larger buffers are hashed off the event loop
 
 
 def _multmodp(a: int, b: int) -> int:
@@ -65,17 +61,6 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
-
-
-def crc32c_of(data: Any) -> int:
-    """crc32c of a contiguous buffer, without copying it."""
-    return int(google_crc32c.value(np.frombuffer(data, dtype=np.uint8)))
-
-
-async def _acrc32c(data: Any) -> int:
-    if len(data) >= _HASH_IN_THREAD:
-        return await asyncio.to_thread(crc32c_of, data)
-    return crc32c_of(data)
 
 
 class BufferPool:
@@ -141,7 +126,7 @@ async def copy_object(
             await src.read_into(key, 0, buf)
         else:
             await src.head(key)  # a missing source is an error, even when empty
-        crc = await _acrc32c(buf)
+        crc = await acrc32c(buf)
         await dst.put(target, buf, mode=mode)
         if progress is not None:
             progress(size)
@@ -162,7 +147,7 @@ async def copy_object(
             try:
                 view = memoryview(buf)[:length]
                 await src.read_into(key, start, view)
-                crcs[index] = await _acrc32c(view)
+                crcs[index] = await acrc32c(view)
                 await upload.put_part(index, view)
             finally:
                 pool.release(buf)

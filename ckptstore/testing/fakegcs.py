@@ -13,10 +13,7 @@ class probes every bucket over gRPC (a 60 s timeout each against the emulator).
 from __future__ import annotations
 
 import json
-import signal
-import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -24,7 +21,13 @@ from pathlib import Path
 from types import TracebackType
 from typing import Self
 
-from ckptstore.testing.servers import _die_with_parent
+from ckptstore.testing.servers import (
+    _die_with_parent,
+    _http_status,
+    free_ports,
+    stop_pid,
+    wait_for,
+)
 
 __all__ = ["FakeGCS"]
 
@@ -69,13 +72,8 @@ class FakeGCS:
         return name
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        """Stop the emulator by PID (SIGTERM, then SIGKILL after 10 s) and reap it."""
+        stop_pid(self.process.pid, program=_binary().name, timeout=10.0, popen=self.process)
 
 
 def _binary() -> Path:
@@ -85,16 +83,9 @@ def _binary() -> Path:
     return path
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 def start_fake_gcs(root: Path, log: Path, *, backend: str = "filesystem") -> FakeGCS:
     """Start the emulator with its data under ``root``; wait until it answers."""
-    port = _free_port()
+    (port,) = free_ports(1)
     endpoint = f"http://127.0.0.1:{port}"
     with log.open("wb") as log_file:
         process = subprocess.Popen(
@@ -115,17 +106,15 @@ def start_fake_gcs(root: Path, log: Path, *, backend: str = "filesystem") -> Fak
             preexec_fn=_die_with_parent,
         )  # fmt: skip
     server = FakeGCS(endpoint, process, root)
-    deadline = time.monotonic() + _START_DEADLINE
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError(f"fake-gcs-server exited at start: {log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"{endpoint}/storage/v1/b", timeout=1) as response:
-                response.read()
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            if time.monotonic() > deadline:
-                server.stop()
-                raise RuntimeError(f"fake-gcs-server not ready after {_START_DEADLINE} s") from None
-            time.sleep(0.05)  # poll interval of the readiness loop, bounded by the deadline
-        else:
-            return server
+    try:
+        wait_for(
+            lambda: _http_status(f"{endpoint}/storage/v1/b", timeout=1.0) == 200,
+            timeout=_START_DEADLINE,
+            what=f"fake-gcs-server at {endpoint}",
+            alive=lambda: process.poll() is None,
+            log=log,
+        )
+    except BaseException:
+        server.stop()
+        raise
+    return server

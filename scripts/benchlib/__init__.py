@@ -14,10 +14,11 @@ neighbour hits both; client CPU seconds are recorded beside wall time.
 from __future__ import annotations
 
 import dataclasses
+import os
 import resource
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,18 @@ class Suite:
     run: Callable[[Context], list[Result]]
     #: Markdown written under the table: what was compared, against what, how.
     description: str = ""
+
+
+def evict(paths: Iterable[Path]) -> None:
+    """Drop the files ``paths`` from the page cache so the next read of them comes from disk
+    (cold-cache reads). Each is fsynced first: dirty pages cannot be dropped."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def cpu_time() -> float:

@@ -22,23 +22,13 @@ from pathlib import Path
 import numpy as np
 
 import ckptstore
-from benchlib import Context, Result, Suite, Timing, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave
 from ckptstore.maintenance import copy_step, verify_step
 
 VERIFY = "ckptstore verify"
 COPY = "ckptstore cp (copy + verify + commit)"
 PLAIN_READ = "plain sequential read"
 PLAIN_COPY = "plain copy (read, write, fsync)"
-
-
-def _evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _plain_read(paths: list[Path], buf: bytearray) -> None:
@@ -94,7 +84,7 @@ def run(ctx: Context) -> list[Result]:
             await copy_step(a, b, 1)
 
     def fresh(name: str) -> None:
-        _evict(paths)
+        evict(paths)
         if name in copies:
             shutil.rmtree(copies[name], ignore_errors=True)
             os.sync()

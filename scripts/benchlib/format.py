@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 import ckptstore
-from benchlib import Context, Result, Suite, Timing, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave
 
 CKPT = "ckptstore"
 TORCH = "torch.save (+fsync)"
@@ -179,16 +179,6 @@ def _files(directory: Path) -> list[Path]:
     return [Path(d) / n for d, _s, names in os.walk(directory) for n in names]
 
 
-def _evict(directory: Path) -> None:
-    for path in _files(directory):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
 # ---------------------------------------------------------------------------- the suite
 
 
@@ -236,8 +226,8 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray) -> dict[str, A
 
     target = _empty_like(tstate)
 
-    def evict(name: str) -> None:
-        _evict(dirs[name])
+    def uncache(name: str) -> None:
+        evict(_files(dirs[name]))
         gc.collect()
 
     def ckpt_load() -> None:
@@ -257,7 +247,7 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray) -> dict[str, A
             CEILING: lambda: _read_file(dirs[CEILING] / "blob", blob),  # same bytes back
         },
         ctx.repeat,
-        evict,
+        uncache,
     )
     _check_same(ckptstore.load(dirs[CKPT]), state)
     for name in dirs:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import Context, Result, Suite, Timing, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave
 from ckptstore.config import Settings
 from ckptstore.store.local import LocalStore
 
@@ -32,16 +32,6 @@ STORE = "ckptstore LocalStore"
 CEILING = "plain open+write+fsync / sequential read"
 THREADED = "plain, one file per thread (8 threads)"
 THREADS = 8
-
-
-def _evict(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # dirty pages cannot be dropped
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def _write_one(path: Path, buf: np.ndarray) -> None:
@@ -135,8 +125,8 @@ def run(ctx: Context) -> list[Result]:
             loop.run_until_complete(store_write())
         paths = [Path(store.local_path(k)) for k in keys]
 
-        def evict(name: str) -> None:
-            _evict(paths)
+        def uncache(name: str) -> None:
+            evict(paths)
             for out in outs:
                 out.fill(0)
 
@@ -147,7 +137,7 @@ def run(ctx: Context) -> list[Result]:
                 THREADED: lambda: _plain_read(paths, outs, pool),
             },
             ctx.repeat,
-            setup=evict,
+            setup=uncache,
         )
         loop.run_until_complete(store_read())
         for buf, out in zip(buffers, outs, strict=True):

@@ -6,17 +6,22 @@ running while a background save checksums a gigabyte. (google-crc32c, used befor
 GIL on anything but ``bytes``: with it hashing nonstop on the other core, a Python thread here
 made 46-48% of its normal progress, against 78-100% with ``crc32c``.) Large buffers are
 hashed in a worker thread by :func:`acrc32c` so the event loop keeps moving.
+
+This is the one place ckptstore hashes bytes: the backends (request checksums), the transfer
+and maintenance code (copies) and the checkpoint layout (every object and leaf in a manifest)
+all call it, so every layer hashes the same way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 from typing import Any
 
 import crc32c as _crc32c
 import numpy as np
 
-__all__ = ["CHUNK", "OFFLOAD_THRESHOLD", "acrc32c", "as_uint8", "crc32c"]
+__all__ = ["CHUNK", "OFFLOAD_THRESHOLD", "acrc32c", "as_uint8", "crc32c", "crc32c_b64"]
 
 #: Bytes hashed per call (the GIL is released during each).
 CHUNK = 64 << 20
@@ -31,13 +36,18 @@ def as_uint8(data: Any) -> np.ndarray[Any, np.dtype[np.uint8]]:
     return np.frombuffer(data, dtype=np.uint8)
 
 
-def crc32c(data: Any) -> int:
-    """crc32c of a contiguous buffer (bytes, bytearray, memoryview, numpy array)."""
+def crc32c(data: Any, crc: int = 0) -> int:
+    """crc32c of a contiguous buffer (bytes, bytearray, memoryview, numpy array), or ``crc``
+    extended over it (the crc32c of the earlier bytes followed by ``data``)."""
     view = memoryview(as_uint8(data))  # type: ignore[arg-type]  # ndarray is a Buffer
-    crc = 0
     for start in range(0, max(len(view), 1), CHUNK):
         crc = _crc32c.crc32c(view[start : start + CHUNK], crc)
     return int(crc)
+
+
+def crc32c_b64(data: Any) -> str:
+    """crc32c of ``data`` as object stores send it in headers: 4 big-endian bytes, base64."""
+    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode("ascii")
 
 
 async def acrc32c(data: Any) -> int:
