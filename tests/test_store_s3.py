@@ -24,7 +24,7 @@ from ckptstore.errors import (
     NotSupportedError,
     StoreError,
 )
-from ckptstore.store.s3 import S3Store, _ByteBudget
+from ckptstore.store.s3 import _BODY_SLICE, _FIRST_SLICE, S3Store, _ByteBudget, _ViewBody
 from ckptstore.testing import CheckpointTests, StoreTests
 from ckptstore.testing.checkpoint_tests import assert_same_state
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
@@ -649,3 +649,31 @@ async def test_checkpoint_commit_with_lost_reply_is_a_success(
         assert proxy.injected["drop_response"] == 1
         assert await alist_steps(store) == [5]
         assert_same_state(await aload(store, 5), state)
+
+
+class _RecordingWriter:
+    """Stands in for aiohttp's stream writer: records each write it is handed."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    async def write(self, chunk: memoryview) -> None:
+        self.writes.append(bytes(chunk))
+
+
+@pytest.mark.parametrize("length", [None, 3 * _BODY_SLICE + 17])
+async def test_request_body_is_written_in_bounded_slices(length: int | None) -> None:
+    # Python 3.11's transport copies a whole-body write (and aiohttp joins it with the
+    # headers); the body must reach the socket in slices so at most one slice is copied.
+    data = np.random.default_rng(1).integers(0, 256, 4 * _BODY_SLICE + 5, dtype=np.uint8)
+    writer = _RecordingWriter()
+    body = _ViewBody(memoryview(data))
+    if length is None:
+        await body.write(writer)
+    else:
+        await body.write_with_length(writer, length)
+    expected = data.tobytes()[: length if length is not None else None]
+    assert b"".join(writer.writes) == expected
+    assert len(writer.writes[0]) == _FIRST_SLICE
+    assert max(len(w) for w in writer.writes) == _BODY_SLICE
+    assert len(writer.writes) > 3

@@ -96,6 +96,8 @@ _MAX_PART = 5 << 30
 _MAX_PARTS = 10_000
 _DELETE_BATCH = 1000  # DeleteObjects limit
 _READ_CHUNK = 1 << 20
+_FIRST_SLICE = 64 << 10  # of a request body: sent together with the headers
+_BODY_SLICE = 1 << 20  # of a request body: what one socket write may leave to the transport
 
 
 def _b64_crc(value: int) -> str:
@@ -133,11 +135,19 @@ class _ViewBody(aiohttp.payload.Payload):
         return bytes(self._view).decode(encoding, errors)
 
     async def write(self, writer: Any) -> None:
-        await writer.write(self._view)
+        await self.write_with_length(writer, None)
 
     async def write_with_length(self, writer: Any, content_length: int | None) -> None:
         view = self._view if content_length is None else self._view[:content_length]
-        await writer.write(view)
+        # Slices, not the whole view: aiohttp joins the headers with the first write
+        # (``b"".join``, a copy of all of it, before Python 3.12.9), and asyncio's transport
+        # copies whatever the socket does not take at once into its buffer. Whole 32 MiB parts
+        # cost two copies into fresh memory each; slices keep both to one small slice, and
+        # aiohttp waits for the socket (drain) between them.
+        first = min(len(view), _FIRST_SLICE)
+        await writer.write(view[:first])
+        for offset in range(first, len(view), _BODY_SLICE):
+            await writer.write(view[offset : offset + _BODY_SLICE])
 
     async def as_bytes(self, encoding: str = "utf-8", errors: str = "strict") -> bytes:
         return bytes(self._view)
