@@ -85,6 +85,18 @@ def _spy_direct(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
     return calls
 
 
+def _refuse_o_direct(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make opens with O_DIRECT fail as on a filesystem that does not support it."""
+    real_open = os.open
+
+    def refusing(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(local.os, "open", refusing)
+
+
 def _page_aligned(nbytes: int) -> np.ndarray:
     raw = np.empty(nbytes + local._ALIGN, np.uint8)
     start = -raw.ctypes.data % local._ALIGN
@@ -133,14 +145,7 @@ async def test_a_filesystem_that_refuses_o_direct_gets_plain_writes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls = _spy_direct(monkeypatch)
-    real_open = os.open
-
-    def refusing(path: str, flags: int, *args: int) -> int:
-        if flags & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(path, flags, *args)
-
-    monkeypatch.setattr(local.os, "open", refusing)
+    _refuse_o_direct(monkeypatch)
     data = np.arange(1 << 20, dtype=np.uint32)
     async with LocalStore(tmp_path) as store:
         await store.put("a", data)
@@ -220,14 +225,7 @@ async def test_reads_fall_back_when_o_direct_is_refused(
     data = np.random.default_rng(3).integers(0, 256, 3 << 20, dtype=np.uint8)
     async with LocalStore(tmp_path) as store:
         await store.put("obj", data)
-        real_open = os.open
-
-        def refusing(path: str, flags: int, *args: int) -> int:
-            if flags & os.O_DIRECT:
-                raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *args)
-
-        monkeypatch.setattr(local.os, "open", refusing)
+        _refuse_o_direct(monkeypatch)
         out = _page_aligned(len(data))
         await store.read_into("obj", 0, out)
         assert out.tobytes() == data.tobytes()
