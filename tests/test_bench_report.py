@@ -138,3 +138,15 @@ def test_a_measured_section_embeds_its_chart(
     assert "![Demo: GiB/s per system](img/bench-demo.png)" in text
     assert "appears on the next run" not in text
     assert "| 1 GiB | local | peer | save | 1.000 | 1.00 |" in text
+
+
+def test_rows_of_one_system_on_two_targets_get_groups_of_their_own() -> None:
+    base = rows()[0]
+    on_memory = {**base, "target": "memory", "seconds": 0.25}
+    groups, systems, value = report.bar_groups([base, on_memory])
+    assert groups == [("1 GiB, local", "save"), ("1 GiB, memory", "save")]
+    assert systems == ["ckptstore"]
+    assert value[("1 GiB, local", "save"), "ckptstore"] == pytest.approx(2.0)
+    assert value[("1 GiB, memory", "save"), "ckptstore"] == pytest.approx(4.0)
+    # one target: the label stays the workload alone
+    assert report.bar_groups(rows())[0] == [("1 GiB", "save"), ("1 GiB", "load")]

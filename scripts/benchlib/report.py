@@ -175,6 +175,33 @@ def replace_header(text: str, block: str) -> str:
     return block + "\n\n" + tail
 
 
+def bar_groups(
+    rows: Sequence[Mapping[str, Any]],
+) -> tuple[list[tuple[str, str]], list[str], dict[tuple[tuple[str, str], str], float]]:
+    """The chart's bar groups ``(workload[, target], op)``, its systems, and GiB/s by
+    ``(group, system)``."""
+    # A suite measured on several targets (local dir and memory) draws each target's rows in
+    # groups of their own, so one system's figures on two targets never overwrite each other.
+    several = len({str(row["target"]) for row in rows}) > 1
+    groups: list[tuple[str, str]] = []
+    systems: list[str] = []
+    value: dict[tuple[tuple[str, str], str], float] = {}
+    for row in rows:
+        workload = str(row["workload"])
+        if several:
+            workload = f"{workload}, {row['target']}"
+        group = (workload, str(row["op"]))
+        system = str(row["system"])
+        if group not in groups:
+            groups.append(group)
+        if system not in systems:
+            systems.append(system)
+        seconds = float(row["seconds"])
+        nbytes = int(row["nbytes"])
+        value[group, system] = nbytes / seconds / (1 << 30) if seconds > 0 else 0.0
+    return groups, systems, value
+
+
 def chart(rows: Iterable[Mapping[str, Any]], path: Path, title: str = "") -> Path:
     """Draw one suite's rows as a bar chart of GiB/s per system, grouped by workload and op.
 
@@ -188,19 +215,7 @@ def chart(rows: Iterable[Mapping[str, Any]], path: Path, title: str = "") -> Pat
     rows = list(rows)
     if not rows:
         raise ValueError(f"no rows to draw for {path.name}")
-    groups: list[tuple[str, str]] = []
-    systems: list[str] = []
-    value: dict[tuple[tuple[str, str], str], float] = {}
-    for row in rows:
-        group = (str(row["workload"]), str(row["op"]))
-        system = str(row["system"])
-        if group not in groups:
-            groups.append(group)
-        if system not in systems:
-            systems.append(system)
-        seconds = float(row["seconds"])
-        nbytes = int(row["nbytes"])
-        value[group, system] = nbytes / seconds / (1 << 30) if seconds > 0 else 0.0
+    groups, systems, value = bar_groups(rows)
 
     width = 0.8 / len(systems)
     fig_height = max(2.5, 0.35 * len(groups) * len(systems) + 1.5)
