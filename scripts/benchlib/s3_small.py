@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from benchlib import Context, Result, Suite, interleave
+from benchlib.s3 import ACCESS_KEY, SECRET_KEY
 from ckptstore.api import adelete_step, aload, asave
 from ckptstore.store.s3 import S3Store
 from ckptstore.testing.servers import SeaweedFS
@@ -37,8 +38,6 @@ from ckptstore.testing.servers import SeaweedFS
 CKPT = "ckptstore asave / aload (packed checkpoint)"
 S3FS = "s3fs pipe / cat, one object per tensor"
 BUCKET = "bench-small"
-ACCESS_KEY = "bench-access-key"
-SECRET_KEY = "bench-secret-key"
 
 
 def run(ctx: Context) -> list[Result]:
