@@ -164,7 +164,7 @@ def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
     assert loaded["epoch"] == 3
 
     manifest = ckptstore.read_manifest(path, 0)  # an ordinary ckptstore checkpoint
-    assert manifest.metadata == {"format": "ckptstore.lightning/1"}
+    assert manifest.metadata == {"format": "ckptstore.lightning/2"}
     big = manifest.paths.index("tensors/0")
     data = tmp_path / "ck" / manifest.object_key(manifest.leaf_object[big])
     raw = bytearray(data.read_bytes())
@@ -232,3 +232,42 @@ def test_remove_waits_for_a_save_of_the_same_path_in_flight(
     clone = __import__("pickle").loads(__import__("pickle").dumps(io))
     clone.save_checkpoint({"w": torch.ones(3)}, path)  # picklable, locks rebuilt
     assert committed(str(tmp_path), {}) == ["step=1.ckpt"]
+
+
+def test_the_non_tensor_part_is_json_never_a_pickle(tmp_path: Path) -> None:
+    import collections
+    import json
+
+    io = StoreCheckpointIO()
+    state = {
+        "od": collections.OrderedDict([("b", 1), ("a", torch.ones(2))]),
+        "int_keys": {0: {"step": torch.tensor(3.0)}, 1: (1.5, None)},
+        "floats": [float("nan"), float("inf"), -0.0],
+        "dtype": torch.bfloat16,
+        "device": torch.device("cpu"),
+        "tag_like": {"t": 0, "d": "x"},  # a user dict shaped like a tag stays a dict
+    }
+    path = str(tmp_path / "ck")
+    io.save_checkpoint(state, path)
+    manifest = ckptstore.read_manifest(path, 0)
+    leaf = manifest.paths.index("structure")
+    raw = (tmp_path / "ck" / manifest.object_key(manifest.leaf_object[leaf])).read_bytes()
+    start = manifest.leaf_offset[leaf]
+    json.loads(raw[start : start + manifest.leaf_length[leaf]])  # plain JSON, no pickle
+    out = io.load_checkpoint(path)
+    assert type(out["od"]) is collections.OrderedDict
+    assert list(out["od"]) == ["b", "a"]
+    assert torch.equal(out["od"]["a"], torch.ones(2))
+    assert out["int_keys"][0]["step"].item() == 3.0
+    assert out["int_keys"][1] == (1.5, None)
+    assert out["floats"][0] != out["floats"][0]
+    assert out["floats"][1:] == [float("inf"), -0.0]
+    assert out["dtype"] is torch.bfloat16
+    assert out["device"] == torch.device("cpu")
+    assert out["tag_like"] == {"t": 0, "d": "x"}
+
+    class Opaque:
+        pass
+
+    with pytest.raises(TypeError, match=r"checkpoint\['hp'\]\['x'\]: Opaque cannot be stored"):
+        io.save_checkpoint({"hp": {"x": Opaque()}}, str(tmp_path / "bad"))

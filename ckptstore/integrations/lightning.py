@@ -10,11 +10,12 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
   that is verified on load, and the manifest written last with one put-if-absent, so a
   checkpoint is visible only once every byte is durable;
 * every tensor of the checkpoint dict is one leaf (``tensors/<i>``); the rest of the dict (its
-  structure, counters, hyper-parameters), with each tensor replaced by a
-  ``{"__ckptstore_tensor__": i}`` marker, is one more leaf (``structure``), a small
-  ``torch.save`` blob loaded back with ``torch.load(weights_only=True)`` always: ckptstore
-  never runs the full unpickler on stored bytes, so Lightning's ``weights_only=False`` is not
-  honoured here (objects outside torch's allow-list fail to load instead of executing);
+  structure, counters, hyper-parameters), with each tensor replaced by a marker, is one more
+  leaf (``structure``) of tagged JSON: dicts (any keys, OrderedDict kept), lists, tuples,
+  JSON scalars (nan and infinities too), torch dtypes and devices. Nothing is pickled, so
+  nothing is unpickled on load and Lightning's ``weights_only`` changes nothing; a value of
+  any other type (say a ``Namespace`` in the hyper-parameters) is refused on save with an
+  error naming where it is, and dict subclasses other than OrderedDict load as plain dicts;
 * ``remove_checkpoint`` deletes the manifest first, so a half-removed checkpoint is invisible
   rather than corrupt.
 
@@ -33,8 +34,10 @@ set ``FSSPEC_S3_ENDPOINT_URL`` or Lightning's storage options).
 
 from __future__ import annotations
 
+import collections
 import contextlib
-import io
+import json
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -56,8 +59,7 @@ from ckptstore.store.base import Store
 __all__ = ["StoreCheckpointIO"]
 
 #: Marks a manifest's ``metadata`` as holding a Lightning checkpoint, and its version.
-FORMAT = "ckptstore.lightning/1"
-_MARKER = "__ckptstore_tensor__"
+FORMAT = "ckptstore.lightning/2"
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -122,9 +124,9 @@ class StoreCheckpointIO(CheckpointIO):
         """Load the checkpoint at ``path``, verifying every tensor's crc32c.
 
         Tensors are created on the CPU; a ``map_location`` that is a device (or its name)
-        moves them there, and is passed to ``torch.load`` for the rest of the dict.
-        ``weights_only`` is accepted for Lightning's interface but the rest of the dict is
-        always loaded with torch's restricted unpickler (see the module docstring).
+        moves them there.
+        ``weights_only`` is accepted for Lightning's interface and has no effect: nothing
+        stored is pickled (see the module docstring).
 
         Raises:
             FileNotFoundError: no committed checkpoint at ``path``.
@@ -132,7 +134,7 @@ class StoreCheckpointIO(CheckpointIO):
         """
         target = CheckpointTarget(path, None, dict(self.options))
         try:
-            checkpoint = _load(target.store, target.step, weights_only, map_location)
+            checkpoint = _load(target.store, target.step, map_location)
         finally:
             target.handle.close()
         if not isinstance(checkpoint, dict):
@@ -159,11 +161,9 @@ class StoreCheckpointIO(CheckpointIO):
 
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
     tensors: list[torch.Tensor] = []
-    skeleton = _strip_tensors(checkpoint, tensors)
-    blob = io.BytesIO()
-    torch.save(skeleton, blob)
+    blob = json.dumps(_encode(checkpoint, tensors), allow_nan=False).encode()
     arrays = [_as_numpy(t) for t in tensors]
-    arrays.append(np.frombuffer(blob.getbuffer(), dtype=np.uint8))
+    arrays.append(np.frombuffer(blob, dtype=np.uint8))
     n = len(tensors)
     flat = FlatState(
         tree={"d": ["tensors", "structure"], "c": [{"l": list(range(n))}, n]},
@@ -184,32 +184,45 @@ def _as_numpy(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
     return raw.view(dtype).reshape(tuple(tensor.shape))
 
 
-def _strip_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` with every tensor inside dicts, lists and tuples replaced by a marker."""
-    if isinstance(value, torch.Tensor) and value.layout == torch.strided:
+def _encode(value: Any, tensors: list[torch.Tensor], where: str = "checkpoint") -> Any:
+    """``value`` as JSON: every tensor becomes a ``{"t": index}`` marker into ``tensors``,
+    containers become tagged objects (``{"d": [[key, value]...]}``, ``{"tuple": [...]}``...),
+    so any JSON object in the result is a tag. Anything else is refused, naming where it is:
+    ckptstore never pickles, so it never has to unpickle on load."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {"float": repr(value)}
+    if isinstance(value, torch.Tensor):
+        if value.layout != torch.strided:
+            raise TypeError(f"{where}: a {value.layout} tensor cannot be stored; make it dense")
         tensors.append(value)
-        return {_MARKER: len(tensors) - 1}
+        return {"t": len(tensors) - 1}
+    if isinstance(value, list):
+        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, tuple):
+        return {"tuple": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
     if isinstance(value, dict):
-        stripped = {k: _strip_tensors(v, tensors) for k, v in value.items()}
-        return stripped if type(value) is dict else _same_type(value, stripped)
-    if isinstance(value, list) and type(value) is list:
-        return [_strip_tensors(v, tensors) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_strip_tensors(v, tensors) for v in value)
-    return value
-
-
-def _same_type(original: dict[Any, Any], items: dict[Any, Any]) -> Any:
-    try:
-        return type(original)(items)
-    except TypeError:
-        return items
+        items = [
+            [_encode(k, tensors, f"{where} key {k!r}"), _encode(v, tensors, f"{where}[{k!r}]")]
+            for k, v in value.items()
+        ]
+        return {"od" if isinstance(value, collections.OrderedDict) else "d": items}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    raise TypeError(
+        f"{where}: {type(value).__name__} cannot be stored in a ckptstore checkpoint (only "
+        "tensors, JSON values, lists, tuples, dicts, torch dtypes and devices; nothing is "
+        "pickled)"
+    )
 
 
 # --------------------------------------------------------------------------- load
 
 
-def _load(store: Store, step: int, weights_only: bool | None, map_location: Any) -> Any:
+def _load(store: Store, step: int, map_location: Any) -> Any:
     source = f"{store.url} step {step}"
     try:
         manifest = background.run(read_manifest(store, step))
@@ -229,10 +242,11 @@ def _load(store: Store, step: int, weights_only: bool | None, map_location: Any)
     for leaf in range(n):
         tensor = _as_tensor(arrays[leaf], f"{source} {manifest.paths[leaf]}")
         tensors.append(tensor.to(device) if device is not None else tensor)
-    structure = torch.load(
-        io.BytesIO(arrays[n].tobytes()), map_location=map_location, weights_only=True
-    )
-    return _restore_tensors(structure, tensors)
+    try:
+        structure = json.loads(arrays[n].tobytes())
+    except ValueError as exc:
+        raise CorruptCheckpointError(f"{source}: the checkpoint's structure is not JSON") from exc
+    return _decode(structure, tensors)
 
 
 def _as_tensor(array: np.ndarray[Any, Any], where: str) -> torch.Tensor:
@@ -245,17 +259,34 @@ def _as_tensor(array: np.ndarray[Any, Any], where: str) -> torch.Tensor:
     return torch.from_numpy(raw).view(dtype).reshape(array.shape)
 
 
-def _restore_tensors(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, dict):
-        if len(value) == 1 and _MARKER in value:
-            index = value[_MARKER]
-            if not isinstance(index, int) or not 0 <= index < len(tensors):
-                raise CorruptCheckpointError(f"tensor marker {index!r} names no stored tensor")
-            return tensors[index]
-        items = {k: _restore_tensors(v, tensors) for k, v in value.items()}
-        return items if type(value) is dict else _same_type(value, items)
-    if isinstance(value, list) and type(value) is list:
-        return [_restore_tensors(v, tensors) for v in value]
-    if isinstance(value, tuple) and type(value) is tuple:
-        return tuple(_restore_tensors(v, tensors) for v in value)
-    return value
+def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """Invert :func:`_encode`; a tag it does not write is a corrupt checkpoint."""
+    if isinstance(value, list):
+        return [_decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if len(value) != 1:
+        raise CorruptCheckpointError(f"unknown entry {value!r} in a Lightning checkpoint")
+    ((tag, body),) = value.items()
+    if tag == "t":
+        if not isinstance(body, int) or isinstance(body, bool) or not 0 <= body < len(tensors):
+            raise CorruptCheckpointError(f"tensor marker {body!r} names no stored tensor")
+        return tensors[body]
+    if tag == "float" and body in ("nan", "inf", "-inf"):
+        return float(body)
+    if tag == "tuple" and isinstance(body, list):
+        return tuple(_decode(v, tensors) for v in body)
+    if tag in ("d", "od") and isinstance(body, list):
+        if not all(isinstance(kv, list) and len(kv) == 2 for kv in body):
+            raise CorruptCheckpointError("malformed dict in a Lightning checkpoint")
+        pairs = [(_decode(k, tensors), _decode(v, tensors)) for k, v in body]
+        return collections.OrderedDict(pairs) if tag == "od" else dict(pairs)
+    if (
+        tag == "dtype"
+        and isinstance(body, str)
+        and isinstance(getattr(torch, body, None), torch.dtype)
+    ):
+        return getattr(torch, body)
+    if tag == "device" and isinstance(body, str):
+        return torch.device(body)
+    raise CorruptCheckpointError(f"unknown entry {value!r} in a Lightning checkpoint")
