@@ -48,7 +48,7 @@ from ckptstore.layout.commit import (
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
-from ckptstore.stage import StagedState, Stager, map_leaves
+from ckptstore.stage import StagedState, Stager
 from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
@@ -57,20 +57,6 @@ __all__ = ["CheckpointManager"]
 
 #: Key of the manager's own entry in a manifest's metadata.
 _META_KEY = "ckptstore.manager"
-
-
-class _Staged:
-    """A staged array and its attributes, handed to the format layer's ``flatten``."""
-
-    __slots__ = ("array", "attrs")
-
-    def __init__(self, array: np.ndarray[Any, Any], attrs: dict[str, Any]) -> None:
-        self.array = array
-        self.attrs = attrs
-
-
-def _convert(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], dict[str, Any]] | None:
-    return (leaf.array, leaf.attrs) if isinstance(leaf, _Staged) else None
 
 
 class CheckpointManager:
@@ -194,13 +180,7 @@ class CheckpointManager:
         def stage() -> StagedState:
             staged = self._stager.stage(state)
             try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
-                tree = map_leaves(
-                    lambda path, leaf: (
-                        _Staged(leaf, staged.attrs[path]) if path in staged.attrs else leaf
-                    ),
-                    staged.tree,
-                )
-                flats.append(flatten(tree, convert=_convert))
+                flats.append(staged.flat())
             except BaseException:
                 staged.release()
                 raise
@@ -326,37 +306,8 @@ class CheckpointManager:
                 raise NotFoundError(f"{self._store.url}: no committed checkpoint to restore")
         elif self.last_handle is not None and self.last_handle.step == step:
             self.wait_until_finished()
-        manifest, arrays, accept = background.run(self._read(step, keys))
-        fixed = kind_named(target) if isinstance(target, str) else None
-        likes = _target_leaves(target) if target is not None and fixed is None else {}
-        rebuilt: dict[int, Any] = {}
-        for index, array in arrays.items():
-            path = manifest.paths[index]
-            attrs = manifest.attrs[index] or {}
-            like = likes.get(path)
-            try:
-                rebuilt[index] = rebuild_leaf(array, attrs, fixed, like)
-            except ValueError as exc:
-                raise ValueError(f"step {step}, leaf {path!r}: {exc}") from None
-        return unflatten(manifest.tree, rebuilt, selected=accept)
-
-    async def _read(
-        self, step: int, keys: Any
-    ) -> tuple[Manifest, dict[int, np.ndarray[Any, Any]], Callable[[str], bool] | None]:
-        manifest = await read_manifest(self._store, step)
-        accept = None
-        wanted = list(range(len(manifest.paths)))
-        if keys is not None:
-            patterns = [keys] if isinstance(keys, str) else list(keys)
-            accept = select_paths(patterns)
-            wanted = [i for i, p in enumerate(manifest.paths) if accept(p)]
-            if not wanted and not any(accept(p) for p in manifest.all_paths()):
-                raise NotFoundError(
-                    f"{self._store.url}: step {step} has no leaf matching {patterns} "
-                    f"(paths look like {manifest.paths[:3]})"
-                )
-        arrays = await read_leaves(self._store, manifest, wanted)
-        return manifest, arrays, accept
+        manifest, arrays, accept = background.run(read_selected(self._store, step, keys))
+        return rebuild_selected(manifest, arrays, accept, target)
 
     def delete(self, step: int) -> None:
         """Delete a committed step (its manifest first, so it is never half visible)."""
@@ -407,7 +358,59 @@ class CheckpointManager:
         return f"CheckpointManager({self._store.url!r})"
 
 
-def _target_leaves(target: Any) -> dict[str, Any]:
+async def read_selected(
+    store: Store, step: int, keys: Any
+) -> tuple[Manifest, dict[int, np.ndarray[Any, Any]], Callable[[str], bool] | None]:
+    """Read step ``step``'s leaves under ``keys`` (paths or prefixes; ``None``: all of them).
+
+    Returns the manifest, the host arrays by leaf index, and the path predicate of ``keys``
+    (``None`` when every leaf was read), as :func:`rebuild_selected` takes them.
+
+    Raises:
+        NotFoundError: no such step, or ``keys`` match no leaf at all.
+    """
+    manifest = await read_manifest(store, step)
+    accept = None
+    wanted = list(range(len(manifest.paths)))
+    if keys is not None:
+        patterns = [keys] if isinstance(keys, str) else list(keys)
+        accept = select_paths(patterns)
+        wanted = [i for i, p in enumerate(manifest.paths) if accept(p)]
+        if not wanted and not any(accept(p) for p in manifest.all_paths()):
+            raise NotFoundError(
+                f"{store.url}: step {step} has no leaf matching {patterns} "
+                f"(paths look like {manifest.paths[:3]})"
+            )
+    arrays = await read_leaves(store, manifest, wanted)
+    return manifest, arrays, accept
+
+
+def rebuild_selected(
+    manifest: Manifest,
+    arrays: Mapping[int, np.ndarray[Any, Any]],
+    accept: Callable[[str], bool] | None,
+    target: Any,
+) -> Any:
+    """The state :func:`read_selected` read, with its arrays rebuilt as ``target`` asks
+    (see :meth:`CheckpointManager.restore`).
+
+    Raises:
+        ValueError: a target leaf's shape differs from the checkpoint's (named by path).
+    """
+    fixed = kind_named(target) if isinstance(target, str) else None
+    likes = target_leaves(target) if target is not None and fixed is None else {}
+    rebuilt: dict[int, Any] = {}
+    for index, array in arrays.items():
+        path = manifest.paths[index]
+        attrs = manifest.attrs[index] or {}
+        try:
+            rebuilt[index] = rebuild_leaf(array, attrs, fixed, likes.get(path))
+        except ValueError as exc:
+            raise ValueError(f"step {manifest.step}, leaf {path!r}: {exc}") from None
+    return unflatten(manifest.tree, rebuilt, selected=accept)
+
+
+def target_leaves(target: Any) -> dict[str, Any]:
     """Leaves of a restore target that ask for an array type, by checkpoint path."""
     found: dict[str, Any] = {}
 

@@ -59,12 +59,14 @@ from ckptstore.store.checksum import acrc32c, as_uint8, crc32c
 
 __all__ = [
     "CommitInfo",
+    "check_metadata",
     "commit_manifest",
     "committed_steps",
     "delete_step",
     "latest_step",
     "read_manifest",
     "write_checkpoint",
+    "write_objects",
 ]
 
 #: Tries of the manifest put when the store reports a transient failure.
@@ -117,7 +119,8 @@ async def gather_all(aws: Iterable[Awaitable[Any]], *, cancel: bool = True) -> l
         raise
 
 
-def _check_metadata(metadata: Any) -> None:
+def check_metadata(metadata: Any) -> None:
+    """Raise ``TypeError`` unless ``metadata`` is plain JSON."""
     try:
         json.dumps(metadata, allow_nan=True)
     except (TypeError, ValueError) as exc:
@@ -158,7 +161,7 @@ async def write_checkpoint(
             may not be committed (its data is then left in place for a later check).
     """
     check_step(step)
-    _check_metadata(metadata)
+    check_metadata(metadata)
     settings = store.settings
     n = len(flat.arrays)
     if not len(flat.paths) == len(flat.attrs) == n:
@@ -186,7 +189,7 @@ async def write_checkpoint(
     leaf_crc = [0] * n
     object_crc = [0] * len(plan.objects)
     try:
-        await _write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
+        await write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
     except Exception:
         # The attempt is invisible without a manifest; removing its objects now only spares
         # garbage collection the work, so a failure to remove them is not reported.
@@ -237,7 +240,7 @@ async def write_checkpoint(
     return CommitInfo(step, attempt, len(plan.objects), plan.total_bytes, len(data))
 
 
-async def _write_objects(
+async def write_objects(
     store: Store,
     flat: FlatState,
     plan: PackPlan,
@@ -246,6 +249,11 @@ async def _write_objects(
     leaf_crc: list[int],
     object_crc: list[int],
 ) -> None:
+    """Write the objects of ``plan`` under ``prefix`` (every key is ``prefix + name``) and
+    fill ``leaf_crc`` and ``object_crc`` with their crc32c. Returns once every object is
+    durable; on a failure, only after every write has finished, so the caller can remove
+    what was written. Packs are filled from ``flat``'s arrays unless ``packed`` already
+    holds their buffer."""
     settings = store.settings
     arrays = flat.arrays
     # Packs are built in pooled buffers; bound how many exist at once.

@@ -42,6 +42,7 @@ __all__ = [
     "UnsupportedLeafError",
     "escape_key",
     "flatten",
+    "join_path",
     "select_paths",
     "tree_paths",
     "unflatten",
@@ -93,7 +94,9 @@ def escape_key(key: str | int) -> str:
     return key
 
 
-def _join(prefix: str, segment: str, depth: int) -> str:
+def join_path(prefix: str, segment: str, depth: int) -> str:
+    """The path of a child at ``segment`` of the node at ``prefix`` (at ``depth``; the root's
+    children are at depth 0 and their paths are just their segments)."""
     return segment if depth == 0 else f"{prefix}/{segment}"
 
 
@@ -156,10 +159,12 @@ def flatten(
                     )
                 seen.add(segment)
                 keys.append(key)
-                children.append(visit(value, _join(path, segment, depth), depth + 1))
+                children.append(visit(value, join_path(path, segment, depth), depth + 1))
             return {"d": keys, "c": children}
         if isinstance(node, list | tuple):
-            items = [visit(v, _join(path, str(i), depth), depth + 1) for i, v in enumerate(node)]
+            items = [
+                visit(v, join_path(path, str(i), depth), depth + 1) for i, v in enumerate(node)
+            ]
             return {"t": items} if isinstance(node, tuple) else {"l": items}
         if isinstance(node, np.ndarray):  # subclasses (memmap, matrix) are stored as arrays
             return add_array(np.asarray(node), path, None)
@@ -236,14 +241,14 @@ def tree_paths(tree: Any, count: int) -> tuple[list[str | None], list[str]]:
                 if segment in seen:
                     raise ValueError(f"tree dict at {path!r} repeats key {segment!r}")
                 seen.add(segment)
-                stack.append((child, _join(path, segment, depth), depth + 1))
+                stack.append((child, join_path(path, segment, depth), depth + 1))
             continue
         if len(node) == 1 and ("l" in node or "t" in node):
             items = node.get("l", node.get("t"))
             if type(items) is not list:
                 raise ValueError(f"tree sequence at {path!r} is not a list")
             stack.extend(
-                (child, _join(path, str(i), depth), depth + 1) for i, child in enumerate(items)
+                (child, join_path(path, str(i), depth), depth + 1) for i, child in enumerate(items)
             )
             continue
         raise ValueError(f"tree node at {path!r} has unknown fields {sorted(node)[:5]}")
@@ -291,14 +296,14 @@ def unflatten(
         if "d" in node:
             out: dict[str | int, Any] = {}
             for key, child in zip(node["d"], node["c"], strict=True):
-                value = build(child, _join(path, escape_key(key), depth), depth + 1)
+                value = build(child, join_path(path, escape_key(key), depth), depth + 1)
                 if value is not missing:
                     out[key] = value
             if selected is not None and not out and node["d"]:
                 return missing
             return out
         items = node["l"] if "l" in node else node["t"]
-        values = [build(c, _join(path, str(i), depth), depth + 1) for i, c in enumerate(items)]
+        values = [build(c, join_path(path, str(i), depth), depth + 1) for i, c in enumerate(items)]
         if selected is not None and items and all(v is missing for v in values):
             return missing
         values = [None if v is missing else v for v in values]

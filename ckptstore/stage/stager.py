@@ -27,6 +27,7 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.pool import ALIGNMENT, BufferPool, HostBuffer, align_up
 from ckptstore.stage.tree import Path, iter_leaves, map_leaves
 
@@ -143,6 +144,20 @@ def kind_named(name: str) -> ArrayKind:
     raise ValueError(f"unknown array framework {name!r}; use 'numpy', 'torch' or 'jax'")
 
 
+class _Staged:
+    """A staged array and its attributes, handed to the format layer's ``flatten``."""
+
+    __slots__ = ("array", "attrs")
+
+    def __init__(self, array: NDArray[Any], attrs: dict[str, Any]) -> None:
+        self.array = array
+        self.attrs = attrs
+
+    @staticmethod
+    def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any]] | None:
+        return (leaf.array, leaf.attrs) if isinstance(leaf, _Staged) else None
+
+
 @dataclass
 class StagedState:
     """A state whose arrays are host copies the writer owns.
@@ -161,6 +176,19 @@ class StagedState:
     nbytes: int
     buffer: HostBuffer | None = None
     fences: list[Callable[[], None]] = field(default_factory=list)
+
+    def flat(self) -> FlatState:
+        """The staged state as the format layer's :class:`~ckptstore.layout.tree.FlatState`:
+        the staged arrays as leaves, each with its attrs (framework, device...) for restore.
+
+        Raises:
+            UnsupportedLeafError: a leaf that is neither an array nor a plain value.
+        """
+        tree = map_leaves(
+            lambda path, leaf: _Staged(leaf, self.attrs[path]) if path in self.attrs else leaf,
+            self.tree,
+        )
+        return flatten(tree, convert=_Staged.convert)
 
     def wait_ready(self) -> None:
         """Block until asynchronous device-to-host copies have landed (CUDA sources)."""
