@@ -1,0 +1,156 @@
+"""Running one scenario on N real processes (gloo over 127.0.0.1), and where they save.
+
+A test starts N copies of a worker script (tests/dcp_ranks.py, tests/native_ranks.py), one
+per rank, with a fresh free port, and reads the ``RESULT <json>`` lines each prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+from ckptstore import background
+from ckptstore.store.registry import open_store
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class RankOutcome:
+    returncode: int
+    results: list[dict[str, Any]]
+    log: str
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def run_ranks(
+    worker: Path,
+    world: int,
+    scenario: str,
+    *args: str,
+    logs: Path,
+    env: dict[str, str] | None = None,
+) -> list[RankOutcome]:
+    """Run one scenario of ``worker`` on ``world`` processes; return each rank's exit code
+    and results."""
+    port = free_port()
+    logs.mkdir(parents=True, exist_ok=True)
+    procs = []
+    files = []
+    for rank in range(world):
+        log = open(logs / f"{scenario}-{world}-rank{rank}.log", "w+")  # noqa: SIM115
+        files.append(log)
+        rank_env = {
+            **os.environ,
+            **(env or {}),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONPATH": str(ROOT),
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(worker), scenario, *args],
+                env=rank_env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
+    outcomes = []
+    try:
+        for proc, log in zip(procs, files, strict=True):
+            proc.wait(timeout=240)
+            log.seek(0)
+            text = log.read()
+            results = [
+                json.loads(line.removeprefix("RESULT "))
+                for line in text.splitlines()
+                if line.startswith("RESULT ")
+            ]
+            outcomes.append(RankOutcome(proc.returncode, results, text))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in files:
+            log.close()
+    return outcomes
+
+
+def assert_all_ok(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 0, f"rank {rank} failed:\n{outcome.log[-4000:]}"
+        assert outcome.results, f"rank {rank} printed no result:\n{outcome.log[-4000:]}"
+    return [outcome.results[-1] for outcome in outcomes]
+
+
+@dataclass
+class Target:
+    """Where checkpoints go: a base URL and the store options that reach it."""
+
+    base: str
+    options: dict[str, Any]
+
+    def env(self) -> dict[str, str]:
+        return {"CKPTSTORE_TEST_STORE_OPTIONS": json.dumps(self.options)}
+
+    def keys(self, url: str) -> list[str]:
+        async def run() -> list[str]:
+            async with open_store(url, **self.options) as store:
+                return await store.list_keys()
+
+        return background.run(run())
+
+    def steps(self) -> list[int]:
+        async def run() -> list[int]:
+            async with open_store(self.base, **self.options) as store:
+                return await ckptstore.alist_steps(store)
+
+        return background.run(run())
+
+
+@pytest.fixture(
+    params=[
+        "local",
+        pytest.param("moto", marks=[pytest.mark.s3, pytest.mark.slow]),
+        pytest.param("seaweedfs", marks=[pytest.mark.s3, pytest.mark.slow]),
+    ]
+)
+def target(request: pytest.FixtureRequest, tmp_path: Path) -> Target:
+    """The root checkpoints go under, on each backend."""
+    prefix = f"ranks-{uuid.uuid4().hex[:8]}"
+    if request.param == "moto":
+        moto = request.getfixturevalue("moto_s3")
+        options = {
+            **moto.options(),
+            "access_key_id": moto.access_key,
+            "secret_access_key": moto.secret_key,
+        }
+        return Target(f"s3://{moto.bucket}/{prefix}", options)
+    if request.param == "seaweedfs":
+        server = request.getfixturevalue("seaweedfs")
+        bucket = "ckptstore-ranks"
+        server.create_bucket(bucket)
+        return Target(
+            f"s3://{bucket}/{prefix}", {"endpoint_url": server.s3_endpoint, "anonymous": True}
+        )
+    return Target(str(tmp_path / "ckpts"), {})

@@ -1,0 +1,142 @@
+"""One rank of a multi-process ckptstore.distributed scenario; started N times by
+tests/test_distributed_ranks.py.
+
+Usage: ``python tests/native_ranks.py SCENARIO ROOT [ARG...]`` with RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT set, and store options as JSON in CKPTSTORE_TEST_STORE_OPTIONS.
+Each rank prints ``RESULT <json>`` lines; the test reads the last one.
+
+Rank r's part of the state: a 1 MiB float32 shard of its own (``model/shard<r>``), small
+tensors of its own, and entries every rank holds (a replicated bf16 weight, the step).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptstore.distributed as cd
+from ckptstore import background
+from ckptstore.store.base import Store
+from ckptstore.store.registry import open_store
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
+
+OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
+SHARD = 256 * 1024  # float32 elements: 1 MiB
+
+
+def shard(rank: int, seed: int) -> torch.Tensor:
+    return torch.randn(SHARD, generator=torch.Generator().manual_seed(seed * 100 + rank))
+
+
+def replicated(seed: int) -> torch.Tensor:
+    return torch.arange(4096, dtype=torch.bfloat16) + seed
+
+
+def part(rank: int, seed: int) -> dict[str, Any]:
+    return {
+        "model": {f"shard{rank}": shard(rank, seed), "replicated": replicated(seed)},
+        "small": {f"r{rank}-{i}": torch.full((16,), float(seed * 1000 + i)) for i in range(30)},
+        "step": seed,
+    }
+
+
+def opened(root: str, **settings: Any) -> Store:
+    return open_store(root, **OPTIONS, **settings)
+
+
+def scenario_save(root: str, step: str) -> dict[str, Any]:
+    store = opened(root)
+    info = cd.save(store, part(dist.get_rank(), int(step)), step=int(step))
+    background.run(store.close())
+    return {"attempt": info.attempt, "objects": info.objects}
+
+
+def scenario_load(root: str, step: str, saved_world: str) -> dict[str, Any]:
+    """Load on this (smaller) world: rank r takes the shards r, r + world, ... of the saved
+    world, the replicated weight and the step, and reads nothing else."""
+    rank, world, seed = dist.get_rank(), dist.get_world_size(), int(step)
+    mine = range(rank, int(saved_world), world)
+    counting = CountingStore(opened(root))
+    like = {
+        "model": {f"shard{r}": torch.empty(SHARD) for r in mine}
+        | {"replicated": torch.empty(4096, dtype=torch.bfloat16)},
+        "step": 0,
+    }
+    got = cd.load(counting, target=like)  # the latest step, as the coordinator sees it
+    background.run(counting.close())
+    exact = (
+        got["step"] == seed
+        and torch.equal(got["model"]["replicated"], replicated(seed))
+        and sorted(got["model"]) == sorted(like["model"])
+        and all(torch.equal(got["model"][f"shard{r}"], shard(r, seed)) for r in mine)
+    )
+    return {"exact": exact, "bytes_read": counting.bytes["read"], "shards": len(mine)}
+
+
+class DiesAfterFirstObject(StoreWrapper):
+    """Rank 1's store in the 'die' save: once one of its objects is durable, the process
+    exits on its next write, as a preempted or OOM-killed rank would: no exception, no
+    cleanup."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.puts = 0
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        if op != "put":
+            return
+        self.puts += 1
+        if self.puts < 2:
+            return
+        attempt = key.rsplit("/", 1)[0] + "/"  # this save's objects, not earlier saves'
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if any("/r1-" in k for k in await self.inner.list_keys(attempt)):
+                os._exit(17)
+        raise TimeoutError("no object of rank 1 appeared within 30 s")
+
+
+def scenario_failures(root: str) -> dict[str, Any]:
+    """Save step 1; then step 2, where rank 1's writes fail; then step 3, where rank 1 dies
+    after storing an object."""
+    rank = dist.get_rank()
+    store = opened(root, pack_size=64 << 10)  # several objects per rank
+    cd.save(store, part(rank, 1), step=1)
+    outcome: dict[str, Any] = {}
+    failing = FaultStore(store, [Fault(frozenset({"put"}), transient_error, after=1)])
+    try:
+        cd.save(failing if rank == 1 else store, part(rank, 2), step=2)
+        outcome["raise"] = "succeeded"
+    except Exception as exc:
+        outcome["raise"] = f"{type(exc).__name__}: {exc}"
+    print("RESULT " + json.dumps(outcome), flush=True)  # rank 1 does not live past the next
+    try:
+        cd.save(DiesAfterFirstObject(store) if rank == 1 else store, part(rank, 3), step=3)
+        outcome["die"] = "succeeded"
+    except Exception as exc:
+        outcome["die"] = type(exc).__name__
+    return outcome
+
+
+SCENARIOS = {"save": scenario_save, "load": scenario_load, "failures": scenario_failures}
+
+
+def main() -> None:
+    scenario, *args = sys.argv[1:]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        result = SCENARIOS[scenario](*args)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
