@@ -131,7 +131,41 @@ def run(ctx: Context) -> list[Result]:
             ("transformer + Adam", _transformer(ctx.quick)),
         ):
             results += _measure(ctx, workload, state, writers, readers, counter, notes)
+    ctx.options["summary"] = _summary(results)
     return results
+
+
+#: Goals per peer and op: the peer's time / ckptstore.dcp's time should be at least this.
+GOALS = {
+    ("DCP FsspecWriter (s3fs)", "save"): 1.4,
+    ("DCP FsspecWriter (s3fs)", "load"): 4.0,
+    ("s3torchconnector", "save"): 1.0,
+    ("s3torchconnector", "load"): 1.0,
+}
+
+
+def _summary(results: list[Result]) -> str:
+    """Each peer's median time over ckptstore.dcp's, per workload and op, against the goal."""
+    lines = []
+    for workload in dict.fromkeys(r.workload for r in results):
+        for op in ("save", "load"):
+            rows = {r.system: r for r in results if r.workload == workload and r.op == op}
+            ours = rows.get("ckptstore.dcp")
+            if ours is None:
+                continue
+            ratios = []
+            for (peer, goal_op), goal in GOALS.items():
+                if goal_op == op and peer in rows:
+                    ratio = rows[peer].seconds / ours.seconds
+                    verdict = "met" if ratio >= goal else "NOT met"
+                    ratios.append(f"{peer} {ratio:.2f}x (goal >= {goal}x: {verdict})")
+            lines.append(
+                f"- {workload}, {op}: ckptstore.dcp {ours.seconds:.2f} s; " + "; ".join(ratios)
+            )
+    return (
+        "Each peer's median time / ckptstore.dcp's median time in this run (above 1.00x: "
+        "ckptstore.dcp is faster):\n\n" + "\n".join(lines)
+    )
 
 
 def _measure(
