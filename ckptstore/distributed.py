@@ -67,7 +67,13 @@ from ckptstore.layout.commit import (
     write_objects,
 )
 from ckptstore.layout.dtypes import dtype_name
-from ckptstore.layout.keys import attempt_prefix, check_step, manifest_key, new_attempt_id
+from ckptstore.layout.keys import (
+    attempt_prefix,
+    check_step,
+    manifest_key,
+    new_attempt_id,
+    step_prefix,
+)
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState, escape_key, flatten, join_path, tree_paths
@@ -428,6 +434,7 @@ def save(
     group: Any = None,
     coordinator: int = 0,
     comm: Collectives | None = None,
+    **store_options: Any,
 ) -> CommitInfo:
     """Save this rank's part of a state as step ``step``; every rank of the group calls it.
 
@@ -440,6 +447,8 @@ def save(
         group: a ``torch.distributed`` process group (default: the whole world).
         coordinator: the rank (within the group) that commits.
         comm: collectives to use instead of ``torch.distributed``.
+        **store_options: passed to ``open_store`` with a URL ``root`` (endpoint, credentials,
+            settings), as ``ckptstore.dcp.Writer`` takes them.
 
     Returns:
         What was committed, the same on every rank.
@@ -455,7 +464,11 @@ def save(
     rank = comm.rank
     if not 0 <= coordinator < comm.world:
         raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
-    with _opened(root) as store, _stager() as stager, contextlib.ExitStack() as later:
+    with (
+        _opened(root, store_options) as store,
+        _stager() as stager,
+        contextlib.ExitStack() as later,
+    ):
         # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
         error: BaseException | None = None
@@ -502,7 +515,13 @@ def save(
                 outcome = _Outcome(None, _Failure.of(rank, exc), remove=False)
         # 3. every rank learns the outcome. If this fails the coordinator may have committed
         # already, so the objects stay (gc removes them if it did not).
-        outcome = comm.broadcast(outcome, coordinator)
+        try:
+            outcome = comm.broadcast(outcome, coordinator)
+        except Exception:
+            # The coordinator knows the outcome without hearing it: a committed step is
+            # committed, whatever became of the ranks it was telling.
+            if reports is None or outcome is None or outcome.info is None:
+                raise
         assert outcome is not None
         if outcome.info is not None:
             return outcome.info
@@ -624,6 +643,18 @@ async def _commit(
         return _Outcome(
             None, _Failure(-1, "CkptStoreError", f"no rank wrote the leaves {missing[:5]}")
         )
+    unseen = await _unseen_objects(store, step, attempt, object_keys, object_lengths)
+    if unseen:
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "CkptStoreError",
+                f"objects the ranks reported as written are not in {store.url} as the "
+                f"coordinator sees it: {unseen[:3]}; do all ranks save to the same shared "
+                "root (a local path must be a filesystem every rank mounts)?",
+            ),
+        )
     grace = store.settings.gc_grace_seconds
     elapsed = time.time() - started
     if elapsed > grace / 2:
@@ -676,6 +707,22 @@ async def _commit(
     return _Outcome(CommitInfo(step, attempt, len(object_keys), sum(object_lengths), len(data)))
 
 
+async def _unseen_objects(
+    store: Store, step: int, attempt: str, keys: list[str], lengths: list[int]
+) -> list[str]:
+    """Reported objects the coordinator cannot see with their reported length (one listing
+    of the attempt prefix). A rank whose root is not the coordinator's (a local path on
+    another host) reports objects the manifest must not name: the step would commit and
+    only fail when loaded."""
+    root = step_prefix(step)
+    found = {meta.key: meta.size async for meta in store.list(attempt_prefix(step, attempt))}
+    return [
+        f"{root}{key} ({length} bytes)"
+        for key, length in zip(keys, lengths, strict=True)
+        if found.get(f"{root}{key}") != length
+    ]
+
+
 async def _aremove(store: Store, prefix: str) -> None:
     directory = prefix.rsplit("/", 1)[0] + "/"
     await store.delete([k for k in await store.list_keys(directory) if k.startswith(prefix)])
@@ -700,6 +747,7 @@ def load(
     group: Any = None,
     coordinator: int = 0,
     comm: Collectives | None = None,
+    **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
 
@@ -712,12 +760,13 @@ def load(
             :meth:`~ckptstore.CheckpointManager.restore`); a state given here without
             ``keys`` also selects what is read: exactly the leaves it holds.
         group, coordinator, comm: as for :func:`save`; used only when ``step`` is ``None``.
+        **store_options: passed to ``open_store`` with a URL ``root``.
 
     Raises:
         NotFoundError: nothing committed, no such step, or keys matching nothing.
         CorruptCheckpointError: anything read fails verification.
     """
-    with _opened(root) as store:
+    with _opened(root, store_options) as store:
         if step is None:
             comm = comm if comm is not None else TorchCollectives(group)
             found: Any = None
@@ -757,11 +806,13 @@ def _leaf_paths(target: Any) -> list[str]:
 
 
 @contextlib.contextmanager
-def _opened(root: Root) -> Iterator[Store]:
+def _opened(root: Root, options: dict[str, Any]) -> Iterator[Store]:
     if isinstance(root, Store):
+        if options:
+            raise TypeError(f"store options {sorted(options)} apply to a URL, not to an open Store")
         yield root
         return
-    store = open_store(os.fspath(root))
+    store = open_store(os.fspath(root), **options)
     try:
         yield store
     finally:

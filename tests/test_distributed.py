@@ -277,3 +277,75 @@ def test_torch_tensors_round_trip_with_their_dtype_and_grad(store: Store) -> Non
     assert torch.equal(got["w1"].detach(), torch_part(1)["w1"].detach())
     assert torch.equal(got["shared"], torch.ones(5, dtype=torch.bool))
     assert "w0" not in got
+
+
+def test_objects_a_rank_wrote_elsewhere_are_not_committed(tmp_path: Path) -> None:
+    # Rank 1's root is another directory, as a local path is on another host: its objects
+    # are durable there, but the coordinator cannot see them, so nothing may commit.
+    shared, elsewhere = tmp_path / "shared", tmp_path / "elsewhere"
+    roots = {0: str(shared), 1: str(elsewhere)}
+
+    results = run_ranks(2, lambda rank, comm: cd.save(roots[rank], part(rank), step=6, comm=comm))
+    for result in results:
+        assert isinstance(result, CkptStoreError), result
+        assert "not in" in str(result)
+        assert "same shared root" in str(result)
+        assert "/r1-" in str(result)  # names an object the coordinator could not see
+    assert ckptstore.list_steps(str(shared)) == []
+    assert ckptstore.list_steps(str(elsewhere)) == []
+
+
+class LostOutcome:
+    """Collectives whose last step, the broadcast of the outcome, fails on every rank."""
+
+    def __init__(self, inner: cd.Collectives) -> None:
+        self.inner = inner
+        self.rank, self.world = inner.rank, inner.world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return self.inner.all_gather(obj)
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        return self.inner.gather(obj, root)
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        raise ConnectionError("the transport failed")
+
+
+def test_a_coordinator_that_committed_reports_success_when_the_outcome_is_lost(
+    store: Store,
+) -> None:
+    results = run_ranks(
+        3, lambda rank, comm: cd.save(store, part(rank), step=9, comm=LostOutcome(comm))
+    )
+    assert isinstance(results[0], ckptstore.CommitInfo), results[0]
+    assert isinstance(results[1], ConnectionError)  # they never learnt the outcome
+    assert isinstance(results[2], ConnectionError)
+    assert ckptstore.list_steps(store) == [9]
+    assert_same(ckptstore.load(store, 9), merged(3))  # nobody removed committed objects
+
+
+def test_store_options_reach_the_store_a_url_opens(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+
+    def save(step: int, **options: Any) -> list[Any]:
+        return run_ranks(
+            2, lambda rank, comm: cd.save(root, part(rank), step=step, comm=comm, **options)
+        )
+
+    default, small_packs = save(1)[0], save(2, pack_size=256)[0]
+    assert isinstance(default, ckptstore.CommitInfo)
+    assert isinstance(small_packs, ckptstore.CommitInfo)
+    # 20 small arrays of 64 bytes per rank: one pack each by default, many of 256 bytes
+    assert small_packs.objects >= default.objects + 2 * 4
+    got = run_ranks(2, lambda rank, comm: cd.load(root, comm=comm, pack_size=256))
+    assert_same(got[0], merged(2))
+
+    with pytest.raises(TypeError, match="open Store"):
+        cd.save(
+            CountingStore(open_store(root)),
+            {},
+            step=3,
+            comm=cd.LocalGroup(1).member(0),
+            pack_size=256,
+        )
