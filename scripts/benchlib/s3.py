@@ -55,7 +55,8 @@ ACCESS_KEY = "bench-access-key"
 SECRET_KEY = "bench-secret-key"
 
 
-def _client(session: Any, endpoint: str, verify: str | None, *, tuned: bool) -> Any:
+def raw_client(session: Any, endpoint: str, verify: str | None, *, tuned: bool) -> Any:
+    """A plain aiobotocore client for the ceiling (``tuned``) or with botocore's defaults."""
     from aiobotocore.config import AioConfig
 
     options: dict[str, Any] = {
@@ -78,31 +79,33 @@ def _client(session: Any, endpoint: str, verify: str | None, *, tuned: bool) -> 
     )
 
 
-async def _raw_put(client: Any, key: str, parts: list[bytes]) -> None:
-    created = await client.create_multipart_upload(Bucket=BUCKET, Key=key)
+async def raw_put(client: Any, key: str, parts: list[bytes], *, bucket: str = BUCKET) -> None:
+    """The ceiling's write: ``parts`` as one multipart upload, ``CONCURRENCY`` parts in flight."""
+    created = await client.create_multipart_upload(Bucket=bucket, Key=key)
     upload_id = created["UploadId"]
     slots = asyncio.Semaphore(CONCURRENCY)
 
     async def send(i: int) -> dict[str, Any]:
         async with slots:
             r = await client.upload_part(
-                Bucket=BUCKET, Key=key, UploadId=upload_id, PartNumber=i + 1, Body=parts[i]
+                Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=i + 1, Body=parts[i]
             )
             return {"PartNumber": i + 1, "ETag": r["ETag"]}
 
     done = await asyncio.gather(*(send(i) for i in range(len(parts))))
     await client.complete_multipart_upload(
-        Bucket=BUCKET, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(done)}
+        Bucket=bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": list(done)}
     )
 
 
-async def _raw_get(client: Any, key: str, out: memoryview) -> None:
+async def raw_get(client: Any, key: str, out: memoryview, *, bucket: str = BUCKET) -> None:
+    """The ceiling's read: ``CONCURRENCY`` concurrent ``PART``-sized ranged GETs into ``out``."""
     slots = asyncio.Semaphore(CONCURRENCY)
 
     async def fetch(start: int) -> None:
         end = min(start + PART, len(out))
         async with slots:
-            r = await client.get_object(Bucket=BUCKET, Key=key, Range=f"bytes={start}-{end - 1}")
+            r = await client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}")
             stream = r["Body"].raw_stream.content
             pos = start
             while pos < end:
@@ -141,8 +144,8 @@ def _measure(
         settings=settings,
     )
     session = AioSession()
-    tuned_cm = _client(session, endpoint, verify, tuned=True)
-    default_cm = _client(session, endpoint, verify, tuned=False)
+    tuned_cm = raw_client(session, endpoint, verify, tuned=True)
+    default_cm = raw_client(session, endpoint, verify, tuned=False)
     tuned = loop.run_until_complete(tuned_cm.__aenter__())
     default = loop.run_until_complete(default_cm.__aenter__())
     fs = s3fs.S3FileSystem(
@@ -166,8 +169,8 @@ def _measure(
     try:
         writes_cases = {
             STORE: lambda: loop.run_until_complete(store.put("blob", data)),
-            CEILING: lambda: loop.run_until_complete(_raw_put(tuned, keys[CEILING], parts)),
-            DEFAULTS: lambda: loop.run_until_complete(_raw_put(default, keys[DEFAULTS], parts)),
+            CEILING: lambda: loop.run_until_complete(raw_put(tuned, keys[CEILING], parts)),
+            DEFAULTS: lambda: loop.run_until_complete(raw_put(default, keys[DEFAULTS], parts)),
             S3FS: lambda: fs.pipe(f"{BUCKET}/{keys[S3FS]}", blob),
         }
         for name, case in writes_cases.items():  # warm-up: connections, server volumes
@@ -187,7 +190,7 @@ def _measure(
         view = memoryview(out)
         read_cases = {
             STORE: lambda: loop.run_until_complete(store.read_into("blob", 0, out)),
-            CEILING: lambda: loop.run_until_complete(_raw_get(tuned, keys[CEILING], view)),
+            CEILING: lambda: loop.run_until_complete(raw_get(tuned, keys[CEILING], view)),
             S3FS: s3fs_cat,
         }
 
@@ -202,7 +205,7 @@ def _measure(
         loop.run_until_complete(store.read_into("blob", 0, out))
         if not np.array_equal(out, data):
             raise AssertionError("ckptstore read back different bytes")
-        loop.run_until_complete(_raw_get(tuned, keys[CEILING], view))
+        loop.run_until_complete(raw_get(tuned, keys[CEILING], view))
         if not np.array_equal(out, data):
             raise AssertionError("the ceiling read back different bytes")
         s3fs_cat()
