@@ -2,8 +2,10 @@ from __future__ import annotations
 
 import errno
 import os
+import stat
 import tracemalloc
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from ckptstore import Settings
 from ckptstore.errors import InvalidRangeError
 from ckptstore.store import local
-from ckptstore.store.base import TEMP_PREFIX
+from ckptstore.store.base import TEMP_PREFIX, PutMode
 from ckptstore.store.local import LocalStore, temp_files
 from ckptstore.testing import StoreTests
 
@@ -61,6 +63,123 @@ async def test_temp_files_are_never_listed_and_are_found_for_cleanup(tmp_path: P
         assert await store.list_keys() == ["a/obj"]
         await upload.abort()
         assert list(temp_files(tmp_path)) == []
+
+
+@dataclass(frozen=True, slots=True)
+class _Step:
+    """One durability-relevant system call a put made, in the order it made them."""
+
+    call: str  # "fsync-file", "fsync-dir", "link", "replace" or "rename"
+    path: str  # what was fsynced (resolved), or the source of a link/rename
+    target: str = ""  # the destination of a link/rename
+    size: int = -1  # for an fsynced file: its size at that moment
+    inode: int = -1  # for an fsynced file: its inode
+
+
+def _spy_durability(monkeypatch: pytest.MonkeyPatch) -> list[_Step]:
+    """Record every fsync (with the path of the descriptor, read from /proc) and every
+    link, replace and rename, in order."""
+    steps: list[_Step] = []
+    real_fsync, real_link = os.fsync, os.link
+    real_replace, real_rename = os.replace, os.rename
+
+    def fsync(fd: int) -> None:
+        st = os.fstat(fd)
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if stat.S_ISDIR(st.st_mode):
+            steps.append(_Step("fsync-dir", path))
+        else:
+            steps.append(_Step("fsync-file", path, size=st.st_size, inode=st.st_ino))
+        real_fsync(fd)
+
+    def link(src: str, dst: str) -> None:
+        steps.append(_Step("link", src, dst))
+        real_link(src, dst)
+
+    def replace(src: str, dst: str) -> None:
+        steps.append(_Step("replace", src, dst))
+        real_replace(src, dst)
+
+    def rename(src: str, dst: str) -> None:
+        steps.append(_Step("rename", src, dst))
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "link", link)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(os, "rename", rename)
+    return steps
+
+
+def _real(path: Path) -> str:
+    """``path`` as /proc/self/fd shows it: symlinks resolved."""
+    return os.path.realpath(path)
+
+
+# Small parts so the multipart path (create_multipart, parts, complete) runs on small data.
+_MULTIPART = Settings(part_size=4096, multipart_threshold=8192, max_inflight_bytes=1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["create", "overwrite"])
+@pytest.mark.parametrize("size", [5000, 30000], ids=["single-write", "multipart"])
+async def test_durable_put_fsyncs_the_file_before_publishing_then_every_changed_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: PutMode, size: int
+) -> None:
+    root = tmp_path / "root"  # missing: the first put creates it and three levels below it
+    final = root / "a" / "b" / "c" / "obj"
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    steps = _spy_durability(monkeypatch)
+    async with LocalStore(root, settings=_MULTIPART) as store:
+        await store.put("a/b/c/obj", data, mode=mode)
+        assert final.read_bytes() == data
+
+        # 1. the temp file beside the final name, fully written, is fsynced first...
+        synced, published, *dirs = steps
+        assert synced.call == "fsync-file"
+        assert os.path.dirname(synced.path) == _real(final.parent)
+        assert os.path.basename(synced.path).startswith(TEMP_PREFIX)
+        assert synced.size == size
+        # 2. ...then published: create links it (never renames), overwrite renames it over
+        assert published == _Step(
+            "link" if mode == "create" else "replace",
+            os.path.join(final.parent, os.path.basename(synced.path)),
+            str(final),
+        )
+        assert os.stat(final).st_ino == synced.inode  # the fsynced file is what readers see
+        # 3. ...then the directory holding the name and the parent of every directory the
+        # put created, up to the one above the store root, each once
+        assert {d.call for d in dirs} == {"fsync-dir"}
+        assert sorted(d.path for d in dirs) == sorted(
+            _real(p) for p in (final.parent, root / "a" / "b", root / "a", root, tmp_path)
+        )
+
+        # Replacing an existing object: the new file is fsynced while readers still see the
+        # old one, and only its directory is fsynced (no directory was created)
+        steps.clear()
+        old_inode = os.stat(final).st_ino
+        await store.put("a/b/c/obj", data[::-1], mode="overwrite")
+        assert final.read_bytes() == data[::-1]
+        synced, published, *dirs = steps
+        assert synced.call == "fsync-file"
+        assert synced.size == size
+        assert synced.inode != old_inode
+        assert published.call == "replace"
+        assert published.target == str(final)
+        assert os.stat(final).st_ino == synced.inode
+        assert dirs == [_Step("fsync-dir", _real(final.parent))]
+
+
+@pytest.mark.parametrize("mode", ["create", "overwrite"])
+@pytest.mark.parametrize("size", [5000, 30000], ids=["single-write", "multipart"])
+async def test_put_with_durability_off_fsyncs_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: PutMode, size: int
+) -> None:
+    steps = _spy_durability(monkeypatch)
+    data = bytes(range(256)) * (size // 256)
+    async with LocalStore(tmp_path / "root", settings=_MULTIPART.replace(durable=False)) as store:
+        await store.put("a/b/obj", data, mode=mode)
+        assert await store.get("a/b/obj") == data
+    assert [s.call for s in steps] == ["link" if mode == "create" else "replace"]
 
 
 class TestLocalStoreBuffered(StoreTests):
