@@ -276,11 +276,6 @@ def test_checkpoint_id_selects_the_url(tmp_path: Path) -> None:
     assert not ckptstore.dcp.Reader.validate_checkpoint_id("nosuchscheme://x")
 
 
-@pytest.mark.xfail(
-    reason="Writer.finish does not put Writer.storage_meta() into DCP's Metadata (the default "
-    "planner ignores it; DCP's FileSystemWriter.finish sets it itself), so none is stored",
-    strict=True,
-)
 def test_checkpoint_metadata_carries_the_writers_storage_meta(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     writer = ckptstore.dcp.Writer(str(tmp_path / "unused"))

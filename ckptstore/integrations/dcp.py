@@ -250,6 +250,9 @@ class Writer(StorageWriter):
                     raise TypeError(f"write result of {result.index.fqn} was not written here")
                 locations[result.index] = result.storage_data
         step = self._target.step
+        # DCP's planners leave storage_meta to the writer (its FileSystemWriter sets it here
+        # too); without it a reader cannot tell which save it loads.
+        metadata.storage_meta = self.storage_meta()
         manifest = build_manifest(
             step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
         )
