@@ -602,11 +602,11 @@ async def test_checkpoint_save_and_load_under_20_percent_faults(
         [
             ProxyFault("503", rate=0.05),
             ProxyFault("500", rate=0.04),
-            ProxyFault("reset", rate=0.03, nbytes=2000),
-            ProxyFault("truncate", rate=0.04, ops=frozenset({"get"})),
+            ProxyFault("reset", rate=0.04, nbytes=2000),
+            ProxyFault("truncate", rate=0.08, ops=frozenset({"get"})),
             ProxyFault(
                 "drop_response",
-                rate=0.03,
+                rate=0.02,
                 ops=frozenset({"put_object", "upload_part", "complete_multipart", "get"}),
             ),
         ],
@@ -619,12 +619,15 @@ async def test_checkpoint_save_and_load_under_20_percent_faults(
         assert await alist_steps(store) == [100, 200]
         for step, state in states.items():
             assert_same_state(await aload(store, step), state)
-    # the acceptance: 503s, 500s, resets and truncations, at 10-20% of the requests
-    assert all(proxy.injected[kind] >= 1 for kind in ("503", "500", "reset", "truncate")), (
-        proxy.injected
+    # the acceptance: 503s, 500s, resets and truncations, at 10-20% of the requests (lost
+    # replies come on top)
+    named = ("503", "500", "reset", "truncate")
+    assert all(proxy.injected[kind] >= 1 for kind in named), proxy.injected
+    requests = sum(proxy.requests.values())
+    assert 0.10 <= sum(proxy.injected[kind] for kind in named) / requests <= 0.20, (
+        proxy.injected,
+        proxy.requests,
     )
-    faulted, requests = sum(proxy.injected.values()), sum(proxy.requests.values())
-    assert 0.10 <= faulted / requests <= 0.20, (proxy.injected, proxy.requests)
     assert await target.open_uploads() == []
 
 

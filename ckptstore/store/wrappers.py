@@ -197,7 +197,8 @@ class Fault:
 
 
 def transient_error(op: str, key: str) -> BaseException:
-    """A retryable-looking backend failure, the default error of a fault."""
+    """A retryable-looking backend failure: the ``error`` to give a fault that should fail
+    requests (a fault without one only delays, truncates or corrupts)."""
     return StoreError(f"injected fault in {op} of {key!r}")
 
 
