@@ -13,20 +13,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.multirank import Target, assert_all_ok, run_ranks
+from tests.multirank import TARGETS_AND_WORLDS, Target, assert_all_ok, run_ranks
 
 pytestmark = pytest.mark.torch
 
 WORKER = Path(__file__).with_name("dcp_ranks.py")
 WEIGHT_BYTES = 1024 * 256 * 4  # dcp_ranks.ROWS x COLS float32
 FAILING_RANK = 1  # the rank dcp_ranks.FailingPlanner fails and kills
-
-
-def local_only_on_4_ranks(target: Target, world: int) -> None:
-    """4 ranks add survivors that are not the coordinator; 2 ranks already cover each
-    object store, so the 4-rank runs stay on local disk to keep CI time down."""
-    if world == 4 and "://" in target.base:
-        pytest.skip("4-rank runs use the local target only (CI time); 2 ranks cover S3")
 
 
 def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: Target, tmp_path: Path) -> None:
@@ -50,11 +43,10 @@ def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: Target, tmp_path: 
         assert WEIGHT_BYTES // 2 <= result["bytes_read"] < WEIGHT_BYTES // 2 + 64 * 1024
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
 def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     target: Target, world: int, tmp_path: Path
 ) -> None:
-    local_only_on_4_ranks(target, world)
     good, failed, died = (f"{target.base}/{step}" for step in (1, 2, 3))
     logs, env = tmp_path / "logs", target.env()
     outcomes = run_ranks(WORKER, world, "failures", good, failed, died, logs=logs, env=env)
@@ -76,11 +68,10 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     assert [result["exact"] for result in loaded] == [True] * world
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
 def test_async_save_thread_and_process_executors(
     target: Target, world: int, tmp_path: Path
 ) -> None:
-    local_only_on_4_ranks(target, world)
     thread_url, process_url = f"{target.base}/10", f"{target.base}/20"
     outcomes = run_ranks(
         WORKER, world, "async", thread_url, process_url, logs=tmp_path / "logs", env=target.env()
