@@ -21,6 +21,7 @@ import json
 import os
 import pkgutil
 import platform
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -214,6 +215,10 @@ def main(argv: list[str] | None = None) -> int:
             extra = str(ctx.options.get("summary", ""))
             if extra:
                 print(extra, flush=True)
+            # A suite's servers and files go before the next suite starts: the dcp suite
+            # leaves ~30 GiB in its SeaweedFS, whose write-back then slowed the disk under
+            # the next suite's server (SeaweedFS answered 500 to every retry of a part).
+            shutil.rmtree(workdir, ignore_errors=True)
             dicts = [r.as_dict() for r in rows]
             if write_doc:
                 if rows:

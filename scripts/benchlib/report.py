@@ -65,7 +65,16 @@ def _ckptstore_version() -> str:
         return "unknown (not a git checkout)"
     # The report's own outputs are rewritten by the run that asks; they do not make it dirty.
     dirty = _run(
-        ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!docs/benchmarks.md"],
+        [
+            "git",
+            "status",
+            "--porcelain",
+            "--untracked-files=no",
+            "--",
+            ".",
+            ":!docs/benchmarks.md",
+            ":!docs/img",
+        ],
         cwd=ROOT,
     )
     return f"git {commit}" + (" (with uncommitted changes)" if dirty else "")
