@@ -84,6 +84,20 @@ def evict(paths: Iterable[Path]) -> None:
             os.close(fd)
 
 
+def torch_tensors(tree: Any) -> list[Any]:
+    """The torch tensors of a state, depth first in dict and list order (the order in which
+    suites lay a state's bytes end to end)."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in torch_tensors(v)]
+    if isinstance(tree, list | tuple):
+        return [t for v in tree for t in torch_tensors(v)]
+    return []
+
+
 def cpu_time() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime

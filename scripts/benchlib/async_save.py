@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Context, Result, Suite
+from benchlib import Context, Result, Suite, torch_tensors
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent.parent
@@ -97,18 +97,6 @@ def _state(workload: str, quick: bool) -> dict[str, Any]:
     return {"model": model, "optim": optim}
 
 
-def _tensors(tree: Any) -> list[Any]:
-    import torch
-
-    if isinstance(tree, torch.Tensor):
-        return [tree]
-    if isinstance(tree, dict):
-        return [t for v in tree.values() for t in _tensors(v)]
-    if isinstance(tree, list | tuple):
-        return [t for v in tree for t in _tensors(v)]
-    return []
-
-
 def _numpy_tree(tree: Any) -> Any:
     import torch
 
@@ -130,7 +118,7 @@ class _Saver:
         if system == "memcpy":
             import torch
 
-            self.pairs = [(torch.empty_like(t), t) for t in _tensors(state)]
+            self.pairs = [(torch.empty_like(t), t) for t in torch_tensors(state)]
         elif system == "ckptstore":
             from ckptstore.manager import CheckpointManager
 
@@ -191,7 +179,7 @@ def child(
     torch.set_num_threads(1)
     torch.manual_seed(0)
     state = _state(workload, quick)
-    state_bytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+    state_bytes = sum(t.numel() * t.element_size() for t in torch_tensors(state))
     width = 256 if quick else 768
     model = torch.nn.Sequential(
         torch.nn.Linear(width, width),

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from benchlib import Context, Result, Suite, interleave
+from benchlib import Context, Result, Suite, interleave, torch_tensors
 from benchlib.s3 import ACCESS_KEY, CEILING, PART, SECRET_KEY, raw_client, raw_get, raw_put
 
 BUCKET = "dcp-bench"
@@ -98,17 +98,6 @@ def _zeros_like(state: Any) -> Any:
     return torch.zeros_like(state) if isinstance(state, torch.Tensor) else state
 
 
-def _tensors(state: Any) -> Iterator[Any]:
-    """The state's tensors, depth first in dict order (the ceiling's byte order)."""
-    import torch
-
-    if isinstance(state, dict):
-        for value in state.values():
-            yield from _tensors(value)
-    elif isinstance(state, torch.Tensor):
-        yield state
-
-
 def _numpy_views(state: Any) -> Any:
     """The state with every tensor replaced by a numpy array sharing its memory."""
     import torch
@@ -122,7 +111,7 @@ def _blob_parts(state: Any) -> list[bytes]:
     """The state's tensor bytes, concatenated into one blob held as ``PART``-sized parts."""
     parts: list[bytes] = []
     part = bytearray()
-    for tensor in _tensors(state):
+    for tensor in torch_tensors(state):
         view = memoryview(tensor.numpy()).cast("B")
         while view:
             take = PART - len(part)
@@ -141,13 +130,13 @@ def _check(state: Any, got: Any, what: str) -> None:
     tree, or one flat uint8 buffer holding them end to end (the ceiling's blob)."""
     if isinstance(got, np.ndarray):
         pos = 0
-        for tensor in _tensors(state):
+        for tensor in torch_tensors(state):
             want = tensor.numpy().view(np.uint8).reshape(-1)
             if not np.array_equal(got[pos : pos + want.size], want):
                 raise AssertionError(f"{what} read back different bytes at offset {pos}")
             pos += want.size
         return
-    for tensor, loaded in zip(_tensors(state), _tensors(got), strict=True):
+    for tensor, loaded in zip(torch_tensors(state), torch_tensors(got), strict=True):
         if not tensor.equal(loaded):
             raise AssertionError(f"{what} read back different bytes")
 
@@ -209,7 +198,7 @@ def _native_system(
         loop.run_until_complete(aload(store, step=last["step"], into=into))
 
     def clear() -> None:
-        for tensor in _tensors(target):
+        for tensor in torch_tensors(target):
             tensor.zero_()
 
     return _System(save, load, clear, lambda: _check(state, target, NATIVE))

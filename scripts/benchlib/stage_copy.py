@@ -22,8 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from benchlib import Context, Result, Suite, interleave
-from benchlib.async_save import _state, _tensors
+from benchlib import Context, Result, Suite, interleave, torch_tensors
+from benchlib.async_save import _state
 
 
 def _cases(state: Any, pooled: Any) -> dict[str, Callable[[], Any]]:
@@ -31,7 +31,7 @@ def _cases(state: Any, pooled: Any) -> dict[str, Callable[[], Any]]:
 
     from ckptstore.stage import Stager
 
-    tensors = _tensors(state)
+    tensors = torch_tensors(state)
     reused = [torch.empty_like(t) for t in tensors]
 
     def memcpy() -> None:
@@ -68,7 +68,7 @@ def run(ctx: Context) -> list[Result]:
     lines: list[str] = []
     for workload in ("1GiB", "transformer"):
         state = _state(workload, ctx.quick)
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+        nbytes = sum(t.numel() * t.element_size() for t in torch_tensors(state))
         pooled = Stager()
         cases = _cases(state, pooled)
         for fn in cases.values():
