@@ -170,6 +170,49 @@ async def test_stager_attrs_round_trip_through_restore_hook() -> None:
     assert seen == [("w", {"framework": "fake", "requires_grad": True}), ("n", None)]
 
 
+async def test_packs_are_built_one_at_a_time_and_uploaded_as_they_are_built(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Building a pack holds the GIL for most of its time, so concurrent builds all finished
+    together and the first upload waited for nearly all of them."""
+    import threading
+
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store.memory import MemoryStore
+
+    lock = threading.Lock()
+    building = {"now": 0, "most": 0, "done": 0}
+    done_at_first_put: list[int] = []
+    real_fill = PackPlan.fill
+
+    def fill(self: PackPlan, index: int, arrays: list[np.ndarray], out: np.ndarray) -> list[int]:
+        with lock:
+            building["now"] += 1
+            building["most"] = max(building["most"], building["now"])
+        try:
+            return real_fill(self, index, arrays, out)
+        finally:
+            with lock:
+                building["now"] -= 1
+                building["done"] += 1
+
+    class Recording(MemoryStore):
+        async def _put(self, key: str, data: memoryview, mode: str) -> None:  # type: ignore[override]
+            if "/pack-" in key and not done_at_first_put:
+                done_at_first_put.append(building["done"])
+            await super()._put(key, data, mode)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(PackPlan, "fill", fill)
+    state = {f"t{i:03d}": np.full(1024, i, np.float32) for i in range(400)}
+    store = Recording(settings=Settings(pack_size=64 << 10))
+    info = await write_checkpoint(store, flatten(state), step=0)
+    assert info.objects == 25  # 400 leaves of 4 KiB in packs of 64 KiB
+    assert building["most"] == 1
+    assert done_at_first_put[0] < 5
+    out = await ckptstore.aload(store)
+    assert_same_state(out, state)
+
+
 def test_large_leaves_load_into_page_aligned_arrays(tmp_path: Path) -> None:
     """So a local store reads them with O_DIRECT straight into place, no bounce copy."""
     state = {"big": np.arange(1 << 19, dtype=np.float32), "small": np.arange(10)}

@@ -260,6 +260,11 @@ async def write_objects(
     pack_slots = asyncio.Semaphore(
         max(2, min(settings.max_concurrency, settings.max_inflight_bytes // settings.pack_size))
     )
+    # Packs are built one at a time, in plan order: building is mostly a Python loop over
+    # small leaves that holds the GIL, so concurrent builds all finished together and no
+    # pack's upload began until nearly all were built; one at a time, the first upload
+    # starts after one build and the rest are built while it is in flight.
+    build_lane = asyncio.Lock()
 
     async def write_leaf(index: int) -> None:
         obj = plan.objects[index]
@@ -293,7 +298,8 @@ async def write_objects(
                     def build() -> tuple[list[int], int]:
                         return plan.fill(index, arrays, buf), crc32c(buf)
 
-                    crcs, whole = await asyncio.to_thread(build)
+                    async with build_lane:
+                        crcs, whole = await asyncio.to_thread(build)
                     await store.put(prefix + obj.name, buf)
                 finally:
                     pack_buffers.release(pooled)
