@@ -14,6 +14,7 @@ neighbour hits both; client CPU seconds are recorded beside wall time.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import resource
 import statistics
@@ -124,12 +125,15 @@ def interleave(
     setup: Callable[[str], Any] | None = None,
 ) -> dict[str, Timing]:
     """Time each case ``repeat`` times, alternating between cases in every round so that
-    machine noise lands on all of them alike. ``setup(name)`` runs untimed before each run."""
+    machine noise lands on all of them alike. ``setup(name)`` runs untimed before each run,
+    then a full garbage collection, so no run pays for collecting what an earlier run (often
+    another system's) left behind."""
     timings = {name: Timing([], []) for name in cases}
     for _ in range(repeat):
         for name, fn in cases.items():
             if setup is not None:
                 setup(name)
+            gc.collect()
             c0, t0 = cpu_time(), time.perf_counter()
             fn()
             t1, c1 = time.perf_counter(), cpu_time()
