@@ -6,7 +6,7 @@ command (``ls``, ``show``, ``verify``, ``cp``); they are plain async functions f
 **Verify** re-reads every byte of every data object a manifest names, in part-sized chunks
 read in parallel into a bounded pool of buffers, and checks the crc32c of every object and of
 every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces are combined
-(:func:`~ckptstore.store.transfer.crc32c_combine`), so no leaf is read twice and memory stays
+(:func:`~ckptstore.store.checksum.crc32c_combine`), so no leaf is read twice and memory stays
 at ``max_concurrency`` chunks. It reports every problem found instead of stopping at the first.
 
 **Copy** streams a committed step from one store to another (any backends) and commits it at
@@ -51,8 +51,8 @@ from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.checksum import crc32c
-from ckptstore.store.transfer import BufferPool, copy_object, crc32c_combine
+from ckptstore.store.checksum import crc32c, crc32c_combine
+from ckptstore.store.transfer import BufferPool, copy_object
 
 __all__ = [
     "CopyReport",

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from ckptstore.errors import AlreadyExistsError, NotFoundError, StoreError
 from ckptstore.store import open_store
-from ckptstore.store.checksum import crc32c
+from ckptstore.store.checksum import crc32c, crc32c_combine
 from ckptstore.store.memory import MemoryStore
-from ckptstore.store.transfer import copy_object, crc32c_combine
+from ckptstore.store.transfer import copy_object
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore
 
 

@@ -21,7 +21,15 @@ from typing import Any
 import crc32c as _crc32c
 import numpy as np
 
-__all__ = ["CHUNK", "OFFLOAD_THRESHOLD", "acrc32c", "as_uint8", "crc32c", "crc32c_b64"]
+__all__ = [
+    "CHUNK",
+    "OFFLOAD_THRESHOLD",
+    "acrc32c",
+    "as_uint8",
+    "crc32c",
+    "crc32c_b64",
+    "crc32c_combine",
+]
 
 #: Bytes hashed per call (the GIL is released during each).
 CHUNK = 64 << 20
@@ -56,3 +64,46 @@ async def acrc32c(data: Any) -> int:
     if len(view) < OFFLOAD_THRESHOLD:
         return crc32c(view)
     return await asyncio.to_thread(crc32c, view)
+
+
+# The GF(2) polynomial arithmetic of zlib's crc32_combine, for the crc32c polynomial: the
+# checksum of a whole from the checksums of its consecutive pieces, so pieces hashed in
+# parallel (or as they arrive) need no second pass.
+_POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
+
+
+def _multmodp(a: int, b: int) -> int:
+    """``a * b`` modulo the crc32c polynomial (bit-reflected representation)."""
+    m = 1 << 31
+    p = 0
+    while True:
+        if a & m:
+            p ^= b
+            if (a & (m - 1)) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
+
+
+def _x2n_table() -> list[int]:
+    table = [1 << 30]  # x^1
+    for _ in range(31):
+        table.append(_multmodp(table[-1], table[-1]))
+    return table
+
+
+_X2N = _x2n_table()
+
+
+def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
+    if len2 < 0:
+        raise ValueError(f"length must be >= 0, got {len2}")
+    p = 1 << 31  # x^0
+    n, k = len2, 3  # x^(8 * len2): 8 bits per byte
+    while n:
+        if n & 1:
+            p = _multmodp(_X2N[k & 31], p)
+        n >>= 1
+        k += 1
+    return _multmodp(p, crc1) ^ crc2

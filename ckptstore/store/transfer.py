@@ -7,9 +7,8 @@ buffers of ``part_size`` bytes exist). Any failure aborts the upload, so nothing
 becomes visible.
 
 The crc32c of the bytes copied is computed on the way, part by part, and the parts' checksums
-are combined (:func:`crc32c_combine`, the GF(2) polynomial arithmetic zlib's
-``crc32_combine`` uses), so a caller can check the copy against a recorded checksum without
-reading anything twice.
+are combined (:func:`~ckptstore.store.checksum.crc32c_combine`), so a caller can check the
+copy against a recorded checksum without reading anything twice.
 """
 
 from __future__ import annotations
@@ -19,48 +18,9 @@ import contextlib
 from collections.abc import Callable
 
 from ckptstore.store.base import PutMode, Store
-from ckptstore.store.checksum import acrc32c
+from ckptstore.store.checksum import acrc32c, crc32c_combine
 
-__all__ = ["BufferPool", "copy_object", "crc32c_combine"]
-
-_POLY = 0x82F63B78  # crc32c (Castagnoli), bit-reflected
-
-
-def _multmodp(a: int, b: int) -> int:
-    """``a * b`` modulo the crc32c polynomial (bit-reflected representation)."""
-    m = 1 << 31
-    p = 0
-    while True:
-        if a & m:
-            p ^= b
-            if (a & (m - 1)) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _POLY if b & 1 else b >> 1
-
-
-def _x2n_table() -> list[int]:
-    table = [1 << 30]  # x^1
-    for _ in range(31):
-        table.append(_multmodp(table[-1], table[-1]))
-    return table
-
-
-_X2N = _x2n_table()
-
-
-def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
-    """The crc32c of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
-    if len2 < 0:
-        raise ValueError(f"length must be >= 0, got {len2}")
-    p = 1 << 31  # x^0
-    n, k = len2, 3  # x^(8 * len2): 8 bits per byte
-    while n:
-        if n & 1:
-            p = _multmodp(_X2N[k & 31], p)
-        n >>= 1
-        k += 1
-    return _multmodp(p, crc1) ^ crc2
+__all__ = ["BufferPool", "copy_object"]
 
 
 class BufferPool:
