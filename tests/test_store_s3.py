@@ -24,6 +24,7 @@ from ckptstore.errors import (
     NotSupportedError,
     StoreError,
 )
+from ckptstore.store.checksum import crc32c
 from ckptstore.store.s3 import _BODY_SLICE, _FIRST_SLICE, S3Store, _ByteBudget, _ViewBody
 from ckptstore.testing import CheckpointTests, StoreTests
 from ckptstore.testing.checkpoint_tests import assert_same_state
@@ -247,6 +248,34 @@ async def test_broken_read_bodies_are_retried(target: Target, proxy: FaultProxy)
         await store.read_into("obj", 10, out)
         assert out == data[10:]
     assert proxy.injected["truncate"] == 2
+    assert proxy.injected["reset"] == 2
+
+
+async def test_checksummed_reads_hash_only_the_attempt_that_succeeded(
+    target: Target, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The crc32c is computed as the body streams in; a body that broke off after some bytes
+    were hashed must not leave them in the checksum of the retried read."""
+    import ckptstore.store.base
+
+    async def no_second_pass(data: object) -> int:
+        raise AssertionError("S3 reads hash while the body arrives, not afterwards")
+
+    monkeypatch.setattr(ckptstore.store.base, "acrc32c", no_second_pass)
+    data = _data(12 << 20, 5)
+    async with _proxied_store(target, proxy) as store:
+        await store.put("obj", data)
+        proxy.set_faults(
+            [
+                ProxyFault("truncate", ops=frozenset({"get"}), times=1),
+                ProxyFault("reset", ops=frozenset({"get"}), times=2, nbytes=300_000),
+            ]
+        )
+        out = bytearray(len(data) - 10)
+        crc = await store.read_into_crc32c("obj", 10, out)
+        assert out == data[10:]
+        assert crc == crc32c(data[10:])
+    assert proxy.injected["truncate"] == 1
     assert proxy.injected["reset"] == 2
 
 

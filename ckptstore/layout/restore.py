@@ -115,9 +115,7 @@ async def read_leaves(
 
     async def read_single(obj: int, key: str, leaf: int) -> None:
         dest = _destination(manifest, leaf, into)
-        view = as_uint8(dest)
-        await store.read_into(key, 0, view)
-        crc = await acrc32c(view)
+        crc = await store.read_into_crc32c(key, 0, as_uint8(dest))
         if crc != manifest.leaf_crc[leaf] or crc != manifest.object_crcs[obj]:
             raise corrupt(
                 obj, leaf, f"crc32c mismatch (expected {manifest.leaf_crc[leaf]}, read {crc})"
@@ -126,8 +124,7 @@ async def read_leaves(
 
     async def read_whole(obj: int, key: str, length: int, wanted: list[int]) -> None:
         buf = _empty((length,), np.dtype(np.uint8))
-        await store.read_into(key, 0, buf)
-        crc = await acrc32c(buf)
+        crc = await store.read_into_crc32c(key, 0, buf)
         if crc != manifest.object_crcs[obj]:
             # Name the first damaged leaf, if the damage is inside one.
             for leaf in wanted:

@@ -140,6 +140,7 @@ class GCSStore(Store):
 
     schemes = ("gs", "gcs")
     url_query_options = True
+    hashes_while_reading = True
 
     def __init__(
         self,
@@ -430,16 +431,27 @@ class GCSStore(Store):
 
     async def _read_into(self, key: str, start: int, out: memoryview) -> None:
         # docstring inherited
+        await self._read_range(key, start, out, checksum=False)
+
+    async def _read_into_crc32c(self, key: str, start: int, out: memoryview) -> int:
+        # docstring inherited
+        return await self._read_range(key, start, out, checksum=True)
+
+    async def _read_range(self, key: str, start: int, out: memoryview, *, checksum: bool) -> int:
+        """GET ``[start, start + len(out))`` into ``out``; returns the bytes' crc32c, computed
+        as each chunk lands when ``checksum`` is set or the range is the whole object (whose
+        crc32c the response's X-Goog-Hash carries), else 0."""
         size = len(out)
         end = start + size
         what = f"read [{start}, {end}) of {self.url}/{key}"
 
-        async def handle(response: aiohttp.ClientResponse) -> None:
+        async def handle(response: aiohttp.ClientResponse) -> int:
             if response.status == 200:  # a server that ignored Range sends the whole object
                 skip, total = start, response.content_length
             else:
                 skip, total = 0, _content_range_total(response)
             whole = start == 0 and total == size  # only then does X-Goog-Hash cover the bytes
+            hashing = whole or checksum
             pos = 0
             crc = 0
             async for chunk in response.content.iter_any():
@@ -449,7 +461,7 @@ class GCSStore(Store):
                     view, skip = view[dropped:], skip - dropped
                 take = min(len(view), size - pos)
                 out[pos : pos + take] = view[:take]
-                if whole:
+                if hashing:
                     crc = crc32c(view[:take], crc)
                 pos += take
             if pos < size:
@@ -459,8 +471,9 @@ class GCSStore(Store):
             expected = _hash_header(response, "crc32c")
             if whole and expected is not None and _is_identity(response) and _b64(crc) != expected:
                 raise _Transient("body does not match the object's crc32c")
+            return crc
 
-        await self._request(
+        return await self._request(
             "GET",
             self._media_url(self._name(key)),
             handle,

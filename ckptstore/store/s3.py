@@ -60,6 +60,7 @@ import aiohttp
 import aiohttp.payload
 import botocore
 import botocore.exceptions as bx
+import crc32c as _crc32c
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
@@ -305,6 +306,7 @@ class S3Store(Store):
 
     schemes: ClassVar[tuple[str, ...]] = ("s3",)
     url_query_options: ClassVar[bool] = True
+    hashes_while_reading: ClassVar[bool] = True
     #: Keys per ListObjectsV2 page (S3's maximum; tests lower it to exercise pagination).
     list_page_size: int = 1000
 
@@ -871,16 +873,31 @@ class S3Store(Store):
         async with self._bytes().hold(len(out)):
             await self._retrying_read(key, start, out, [])
 
+    async def _read_into_crc32c(self, key: str, start: int, out: memoryview) -> int:
+        # docstring inherited
+        if len(out) == 0:
+            await self._head(key)
+            return 0
+        async with self._bytes().hold(len(out)):
+            return await self._retrying_read(key, start, out, [], checksum=True)
+
     async def _retrying_read(
-        self, key: str, start: int, out: memoryview | None, whole: builtins.list[bytearray]
-    ) -> None:
+        self,
+        key: str,
+        start: int,
+        out: memoryview | None,
+        whole: builtins.list[bytearray],
+        *,
+        checksum: bool = False,
+    ) -> int:
         """GET ``[start, start + len(out))`` into ``out`` (or, with ``out=None``, the whole
-        object into a new buffer put in ``whole``), restarting on broken bodies."""
+        object into a new buffer put in ``whole``), restarting on broken bodies. With
+        ``checksum``, returns the crc32c of the bytes (of the attempt that succeeded)."""
         client = await self._get_client()
         attempt = 0
         while True:
             try:
-                await self._fetch(client, key, start, out, whole)
+                return await self._fetch(client, key, start, out, whole, checksum)
             except bx.ClientError as exc:
                 code, status = _error_code(exc)
                 if out is not None and (code == "InvalidRange" or status == 416):
@@ -897,8 +914,6 @@ class S3Store(Store):
                     self._raise(exc, "read", key)
                 _log.debug("read %s: %s, retrying", self._where(key), exc)
                 await self._backoff(attempt)
-            else:
-                return
 
     async def _fetch(
         self,
@@ -907,7 +922,8 @@ class S3Store(Store):
         start: int,
         out: memoryview | None,
         whole: builtins.list[bytearray],
-    ) -> None:
+        checksum: bool,
+    ) -> int:
         params: dict[str, Any] = {"Bucket": self.bucket, "Key": self._root + key}
         if out is not None:
             params["Range"] = f"bytes={start}-{start + len(out) - 1}"
@@ -931,12 +947,14 @@ class S3Store(Store):
             if length != len(out):
                 raise _BodyError(f"asked for {len(out)} bytes, the server announced {length}")
             stream = body.raw_stream.content
-            got = 0
+            got = crc = 0
             try:
                 while got < len(out):
                     chunk = await stream.read(min(_READ_CHUNK, len(out) - got))
                     if not chunk:
                         break
+                    if checksum:  # now, while the chunk is in cache, not in a second pass
+                        crc = _crc32c.crc32c(chunk, crc)
                     out[got : got + len(chunk)] = chunk
                     got += len(chunk)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
@@ -945,6 +963,7 @@ class S3Store(Store):
                 raise _BodyError(f"the body ended after {got} of {len(out)} bytes")
         finally:
             body.close()
+        return crc
 
     async def _head(self, key: str) -> ObjectMeta:
         # docstring inherited

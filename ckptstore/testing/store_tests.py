@@ -28,6 +28,7 @@ from ckptstore.errors import (
     StoreError,
 )
 from ckptstore.store.base import TEMP_PREFIX, Store
+from ckptstore.store.checksum import crc32c
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore
 
 __all__ = ["BAD_KEYS", "StoreTests"]
@@ -242,6 +243,23 @@ class StoreTests:
         await counting.read_into("big", 100, out)
         assert out.tobytes() == data[100:]
         assert counting.requests["read"] == -(-out.size // store.settings.part_size)
+
+    async def test_read_into_crc32c_returns_the_checksum_of_the_bytes(
+        self, store: Store, small_parts: Store
+    ) -> None:
+        data = _pattern(self.multipart_size + 7, 11)
+        await store.put("sum", data)
+        for start, length in [(0, len(data)), (100, len(data) - 100), (5, 4096), (7, 0)]:
+            out = np.empty(length, dtype=np.uint8)
+            crc = await store.read_into_crc32c("sum", start, out)
+            assert out.tobytes() == data[start : start + length]
+            assert crc == crc32c(data[start : start + length])
+        with pytest.raises(InvalidRangeError):
+            await store.read_into_crc32c("sum", len(data) - 10, bytearray(11))
+        with pytest.raises(NotFoundError):
+            await store.read_into_crc32c("missing/key", 0, bytearray(4))
+        with pytest.raises(NotFoundError):
+            await store.read_into_crc32c("missing/key", 0, bytearray(0))
 
     async def test_read_into_refuses_readonly_buffer(self, store: Store) -> None:
         await store.put("ro", b"abc")
