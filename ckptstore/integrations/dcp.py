@@ -427,6 +427,8 @@ class _ReadPlan:
         # storage index -> (location, destination buffer, destination tensor if direct)
         self.buffers: dict[MetadataIndex, tuple[ItemLocation, np.ndarray[Any, Any]]] = {}
         self.direct: dict[MetadataIndex, torch.Tensor] = {}
+        #: crc32c of each item's bytes as read (items of length 0 are not read).
+        self.crcs: dict[MetadataIndex, int] = {}
         for req in self.items:
             try:
                 loc = locations[req.storage_index]
@@ -452,17 +454,23 @@ class _ReadPlan:
             self.buffers[req.storage_index] = (loc, buffer)
 
     async def fetch(self, store: Store) -> None:
-        per_object: dict[str, list[tuple[int, np.ndarray[Any, Any]]]] = {}
-        for loc, buffer in self.buffers.values():
+        """Read every item's bytes, hashing them as they land (no second pass over them)."""
+        per_object: dict[str, list[MetadataIndex]] = {}
+        for index, (loc, _) in self.buffers.items():
             if loc.length:
-                per_object.setdefault(loc.key, []).append((loc.start, buffer))
-        await asyncio.gather(
-            *(store.read_ranges_into(key, requests) for key, requests in per_object.items())
-        )
+                per_object.setdefault(loc.key, []).append(index)
+
+        async def read(key: str, indices: list[MetadataIndex]) -> None:
+            requests = [(self.buffers[i][0].start, self.buffers[i][1]) for i in indices]
+            crcs = await store.read_ranges_into_crc32c(key, requests)
+            self.crcs.update(zip(indices, crcs, strict=True))
+
+        await asyncio.gather(*(read(key, indices) for key, indices in per_object.items()))
 
     def deliver(self, planner: LoadPlanner, url: str) -> None:
         for index, (loc, buffer) in self.buffers.items():
-            if crc32c(buffer) != loc.crc32c:
+            crc = self.crcs[index] if loc.length else crc32c(buffer)
+            if crc != loc.crc32c:
                 raise CorruptCheckpointError(
                     f"{url}/{loc.key}: item {index.fqn} at bytes [{loc.start}, "
                     f"{loc.start + loc.length}) fails its crc32c check"

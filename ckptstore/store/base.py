@@ -483,9 +483,44 @@ class Store(ABC):
             ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
         )
 
-        async def fetch(g_start: int, g_end: int, members: list[int]) -> None:
+        await self._read_groups(key, views, groups, None)
+
+    async def read_ranges_into_crc32c(
+        self, key: str, requests: Sequence[tuple[int, Buffer]]
+    ) -> builtins.list[int]:
+        """:meth:`read_ranges_into`, returning the crc32c of each buffer's bytes, in the order
+        of ``requests``. A lone range is hashed as it arrives (:meth:`read_into_crc32c`); the
+        members of a merged range are hashed as soon as their group has landed, while other
+        groups are still in flight."""
+        validate_key(key)
+        views = [(start, _writable_view(out, key)) for start, out in requests]
+        ranges = [(start, start + len(view)) for start, view in views]
+        for start, end in ranges:
+            _check_range(key, start, end)
+        groups = coalesce_ranges(
+            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
+        )
+        crcs = [0] * len(views)
+        await self._read_groups(key, views, groups, crcs)
+        return crcs
+
+    async def _read_groups(
+        self,
+        key: str,
+        views: builtins.list[tuple[int, memoryview]],
+        groups: builtins.list[tuple[int, int, builtins.list[int]]],
+        crcs: builtins.list[int] | None,
+    ) -> None:
+        """Fetch each group in parallel and scatter it into its members' views; with
+        ``crcs``, fill in each member's crc32c."""
+
+        async def fetch(g_start: int, g_end: int, members: builtins.list[int]) -> None:
             if len(members) == 1:
-                await self.read_into(key, g_start, views[members[0]][1])
+                (i,) = members
+                if crcs is None:
+                    await self.read_into(key, g_start, views[i][1])
+                else:
+                    crcs[i] = await self.read_into_crc32c(key, g_start, views[i][1])
                 return
             scratch = bytearray(g_end - g_start)
             await self.read_into(key, g_start, scratch)
@@ -493,6 +528,8 @@ class Store(ABC):
             for i in members:
                 start, view = views[i]
                 view[:] = source[start - g_start : start - g_start + len(view)]
+                if crcs is not None:
+                    crcs[i] = await acrc32c(view)
 
         await _gather_all(fetch(*group) for group in groups)
 

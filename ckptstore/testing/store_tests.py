@@ -261,6 +261,20 @@ class StoreTests:
         with pytest.raises(NotFoundError):
             await store.read_into_crc32c("missing/key", 0, bytearray(0))
 
+    async def test_read_ranges_into_crc32c_checksums_merged_and_lone_ranges(
+        self, store: Store, small_parts: Store
+    ) -> None:
+        data = _pattern(self.multipart_size + 7, 12)
+        await store.put("sums", data)
+        # two ranges close enough to merge into one request, one far off spanning parts
+        starts = [10, 200, 3 << 20, 0]
+        lengths = [100, 5000, self.multipart_size + 7 - (3 << 20), 0]
+        outs = [np.empty(n, dtype=np.uint8) for n in lengths]
+        crcs = await store.read_ranges_into_crc32c("sums", list(zip(starts, outs, strict=True)))
+        for start, out, crc in zip(starts, outs, crcs, strict=True):
+            assert out.tobytes() == data[start : start + len(out)]
+            assert crc == crc32c(data[start : start + len(out)])
+
     async def test_read_into_refuses_readonly_buffer(self, store: Store) -> None:
         await store.put("ro", b"abc")
         with pytest.raises(ValueError, match="read-only"):
