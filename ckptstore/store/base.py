@@ -474,16 +474,7 @@ class Store(ABC):
         a scratch buffer and scattered (one memcpy each); a lone range is read straight into
         its buffer. Groups are fetched in parallel.
         """
-        validate_key(key)
-        views = [(start, _writable_view(out, key)) for start, out in requests]
-        ranges = [(start, start + len(view)) for start, view in views]
-        for start, end in ranges:
-            _check_range(key, start, end)
-        groups = coalesce_ranges(
-            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
-        )
-
-        await self._read_groups(key, views, groups, None)
+        await self._read_groups(key, requests, None)
 
     async def read_ranges_into_crc32c(
         self, key: str, requests: Sequence[tuple[int, Buffer]]
@@ -492,6 +483,18 @@ class Store(ABC):
         of ``requests``. A lone range is hashed as it arrives (:meth:`read_into_crc32c`); the
         members of a merged range are hashed as soon as their group has landed, while other
         groups are still in flight."""
+        crcs = [0] * len(requests)
+        await self._read_groups(key, requests, crcs)
+        return crcs
+
+    async def _read_groups(
+        self,
+        key: str,
+        requests: Sequence[tuple[int, Buffer]],
+        crcs: builtins.list[int] | None,
+    ) -> None:
+        """Merge the requests' ranges into groups, fetch the groups in parallel and scatter
+        each into its members' buffers; with ``crcs``, fill in each member's crc32c."""
         validate_key(key)
         views = [(start, _writable_view(out, key)) for start, out in requests]
         ranges = [(start, start + len(view)) for start, view in views]
@@ -500,19 +503,6 @@ class Store(ABC):
         groups = coalesce_ranges(
             ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
         )
-        crcs = [0] * len(views)
-        await self._read_groups(key, views, groups, crcs)
-        return crcs
-
-    async def _read_groups(
-        self,
-        key: str,
-        views: builtins.list[tuple[int, memoryview]],
-        groups: builtins.list[tuple[int, int, builtins.list[int]]],
-        crcs: builtins.list[int] | None,
-    ) -> None:
-        """Fetch each group in parallel and scatter it into its members' views; with
-        ``crcs``, fill in each member's crc32c."""
 
         async def fetch(g_start: int, g_end: int, members: builtins.list[int]) -> None:
             if len(members) == 1:
