@@ -51,7 +51,7 @@ from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.checksum import crc32c, crc32c_combine
+from ckptstore.store.checksum import crc32c, crc32c_combine, in_hash_thread
 from ckptstore.store.transfer import BufferPool, copy_object
 
 __all__ = [
@@ -238,7 +238,7 @@ async def verify_manifest(
         try:
             view = memoryview(buf)[:length]
             await store.read_into(key, start, view)
-            crc, pieces = await asyncio.to_thread(hash_chunk, obj, start, view)
+            crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
         finally:
             pool.release(buf)
         for leaf, piece_crc in pieces:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from pathlib import Path
 
 import ml_dtypes
@@ -237,3 +238,86 @@ def test_crc32c_matches_the_reference_across_chunks(
     assert checksum.crc32c(data) == expected
     assert checksum.crc32c(data.tobytes()) == expected
     assert checksum.crc32c(data.view(np.int8)) == expected
+
+
+@pytest.fixture
+def fresh_hash_pool() -> Iterator[None]:
+    from ckptstore.store import checksum
+
+    checksum._forget_pool()
+    yield
+    checksum._forget_pool()
+
+
+async def test_background_hashing_stays_on_the_bounded_hash_pool(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
+) -> None:
+    """asyncio's default executor has cpus + 4 threads: a save handing it many large leaves
+    hashed on every core at once, the training thread's included."""
+    import threading
+    import time
+
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store import checksum
+    from ckptstore.store.memory import MemoryStore
+
+    lock = threading.Lock()
+    running = {"now": 0, "most": 0}
+    threads: set[str] = set()
+    real = checksum.crc32c
+
+    def slow_crc32c(data: object, crc: int = 0) -> int:
+        with lock:
+            running["now"] += 1
+            running["most"] = max(running["most"], running["now"])
+            threads.add(threading.current_thread().name)
+        time.sleep(0.01)  # long enough for a larger pool to overlap
+        try:
+            return real(data, crc)
+        finally:
+            with lock:
+                running["now"] -= 1
+
+    monkeypatch.setattr(checksum, "crc32c", slow_crc32c)
+    monkeypatch.setenv("CKPTSTORE_HASH_THREADS", "2")
+    state = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(12)}  # 2 MiB leaves
+    await write_checkpoint(MemoryStore(), flatten(state), step=0)
+    assert threads
+    assert all(name.startswith("ckptstore-hash") for name in threads)
+    assert running["most"] == 2
+
+
+def test_hash_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from ckptstore.store.checksum import hash_threads
+
+    monkeypatch.delenv("CKPTSTORE_HASH_THREADS", raising=False)
+    assert hash_threads() == max(1, min(4, len(os.sched_getaffinity(0)) // 2))
+    monkeypatch.setenv("CKPTSTORE_HASH_THREADS", "3")
+    assert hash_threads() == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("CKPTSTORE_HASH_THREADS", bad)
+        with pytest.raises(ValueError, match="CKPTSTORE_HASH_THREADS"):
+            hash_threads()
+
+
+def test_a_forked_child_hashes_on_its_own_pool(fresh_hash_pool: None) -> None:
+    import asyncio
+    import os
+    import signal
+
+    from ckptstore.store.checksum import acrc32c, crc32c
+
+    data = np.arange(1 << 20, dtype=np.uint32)  # 4 MiB: hashed on the pool
+    expected = crc32c(data)
+    assert asyncio.run(acrc32c(data)) == expected  # the parent's pool now has a thread
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child reports through its exit status)
+        signal.alarm(20)  # the parent's pool threads do not exist here: a hang fails
+        try:
+            os._exit(0 if asyncio.run(acrc32c(data)) == expected else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -55,7 +55,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan, pack_buffers
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
-from ckptstore.store.checksum import acrc32c, as_uint8, crc32c
+from ckptstore.store.checksum import acrc32c, as_uint8, crc32c, in_hash_thread
 
 __all__ = [
     "CommitInfo",
@@ -287,7 +287,7 @@ async def write_objects(
                 crcs = [crc32c(buf[offsets[i] : offsets[i] + lengths[i]]) for i in obj.leaves]
                 return crcs, crc32c(buf)
 
-            crcs, whole = await asyncio.to_thread(checksums)
+            crcs, whole = await in_hash_thread(checksums)
             await store.put(prefix + obj.name, buf)
         else:
             async with pack_slots:
@@ -299,7 +299,7 @@ async def write_objects(
                         return plan.fill(index, arrays, buf), crc32c(buf)
 
                     async with build_lane:
-                        crcs, whole = await asyncio.to_thread(build)
+                        crcs, whole = await in_hash_thread(build)
                     await store.put(prefix + obj.name, buf)
                 finally:
                     pack_buffers.release(pooled)
