@@ -420,19 +420,7 @@ class Store(ABC):
         Large reads are split into ``Settings.part_size`` ranges fetched in parallel straight
         into ``out``; nothing is copied twice.
         """
-        validate_key(key)
-        view = _writable_view(out, key)
-        _check_range(key, start, start + len(view))
-        if len(view) == 0:
-            await self.head(key)  # a missing key is still an error
-            return
-        part = self.settings.part_size
-
-        async def fetch(offset: int) -> None:
-            async with self._limit():
-                await self._read_into(key, start + offset, view[offset : offset + part])
-
-        await _gather_all(fetch(off) for off in range(0, len(view), part))
+        await self._read_parts(key, start, out, checksum=False)
 
     async def read_into_crc32c(self, key: str, start: int, out: Buffer) -> int:
         """:meth:`read_into`, returning the crc32c of the bytes read.
@@ -447,6 +435,11 @@ class Store(ABC):
         if not self.hashes_while_reading:
             await self.read_into(key, start, out)
             return await acrc32c(out)
+        return await self._read_parts(key, start, out, checksum=True)
+
+    async def _read_parts(self, key: str, start: int, out: Buffer, *, checksum: bool) -> int:
+        """Fill ``out`` in ``part_size`` ranges fetched in parallel; with ``checksum``, each
+        through :meth:`_read_into_crc32c`, returning the combined crc32c (else 0)."""
         validate_key(key)
         view = _writable_view(out, key)
         _check_range(key, start, start + len(view))
@@ -457,13 +450,16 @@ class Store(ABC):
         crcs: dict[int, int] = {}
 
         async def fetch(offset: int) -> None:
+            piece = view[offset : offset + part]
             async with self._limit():
-                piece = view[offset : offset + part]
-                crcs[offset] = await self._read_into_crc32c(key, start + offset, piece)
+                if checksum:
+                    crcs[offset] = await self._read_into_crc32c(key, start + offset, piece)
+                else:
+                    await self._read_into(key, start + offset, piece)
 
         await _gather_all(fetch(off) for off in range(0, len(view), part))
         crc = 0
-        for offset in range(0, len(view), part):
+        for offset in sorted(crcs):
             crc = crc32c_combine(crc, crcs[offset], min(part, len(view) - offset))
         return crc
 

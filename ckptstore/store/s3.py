@@ -867,19 +867,20 @@ class S3Store(Store):
 
     async def _read_into(self, key: str, start: int, out: memoryview) -> None:
         # docstring inherited
-        if len(out) == 0:
-            await self._head(key)
-            return
-        async with self._bytes().hold(len(out)):
-            await self._retrying_read(key, start, out, [])
+        await self._read_range(key, start, out, checksum=False)
 
     async def _read_into_crc32c(self, key: str, start: int, out: memoryview) -> int:
         # docstring inherited
+        return await self._read_range(key, start, out, checksum=True)
+
+    async def _read_range(self, key: str, start: int, out: memoryview, *, checksum: bool) -> int:
+        """One ranged GET into ``out`` within the byte budget; with ``checksum``, returns the
+        crc32c of the bytes (else 0)."""
         if len(out) == 0:
             await self._head(key)
             return 0
         async with self._bytes().hold(len(out)):
-            return await self._retrying_read(key, start, out, [], checksum=True)
+            return await self._retrying_read(key, start, out, [], checksum=checksum)
 
     async def _retrying_read(
         self,
