@@ -85,18 +85,23 @@ def evict(paths: Iterable[Path]) -> None:
             os.close(fd)
 
 
-def torch_tensors(tree: Any) -> list[Any]:
-    """The torch tensors of a state, depth first in dict and list order (the order in which
-    suites lay a state's bytes end to end)."""
-    import torch
-
-    if isinstance(tree, torch.Tensor):
+def leaves_of(tree: Any, kind: type) -> list[Any]:
+    """The leaves of a state that are instances of ``kind``, depth first in dict and list
+    order (the order in which suites lay a state's bytes end to end)."""
+    if isinstance(tree, kind):
         return [tree]
     if isinstance(tree, dict):
-        return [t for v in tree.values() for t in torch_tensors(v)]
+        return [t for v in tree.values() for t in leaves_of(v, kind)]
     if isinstance(tree, list | tuple):
-        return [t for v in tree for t in torch_tensors(v)]
+        return [t for v in tree for t in leaves_of(v, kind)]
     return []
+
+
+def torch_tensors(tree: Any) -> list[Any]:
+    """The torch tensors of a state (:func:`leaves_of`)."""
+    import torch
+
+    return leaves_of(tree, torch.Tensor)
 
 
 def cpu_time() -> float:

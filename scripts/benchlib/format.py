@@ -58,7 +58,7 @@ from typing import Any
 import numpy as np
 
 import ckptstore
-from benchlib import Context, Result, Suite, Timing, evict, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave, leaves_of
 
 CKPT = "ckptstore"
 TORCH = "torch.save (+fsync)"
@@ -130,13 +130,7 @@ WORKLOADS: dict[str, Callable[[bool], dict[str, Any]]] = {
 
 
 def _arrays(state: Any) -> list[np.ndarray]:
-    if isinstance(state, np.ndarray):
-        return [state]
-    if isinstance(state, dict):
-        return [a for v in state.values() for a in _arrays(v)]
-    if isinstance(state, list | tuple):
-        return [a for v in state for a in _arrays(v)]
-    return []
+    return leaves_of(state, np.ndarray)
 
 
 def _to_torch(state: Any) -> Any:
