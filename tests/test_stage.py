@@ -414,3 +414,95 @@ def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> Non
     for key in ("tiny", "odd"):
         assert staged.tree[key].ctypes.data % LEAF_ALIGNMENT == 0, key
         assert bits(staged.tree[key]) == bits(state[key])
+
+
+# -- how the copies run ---------------------------------------------------------------------
+
+
+def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any) -> None:
+    import threading
+
+    from ckptstore.stage import numpy as numpy_kind
+
+    copied_by: dict[int, int] = {}
+    real = numpy_kind._copy
+
+    def counting(dst: Any, src: Any) -> None:
+        ident = threading.get_ident()
+        copied_by[ident] = copied_by.get(ident, 0) + dst.nbytes
+        real(dst, src)
+
+    monkeypatch.setattr(numpy_kind, "_copy", counting)
+    rng = np.random.default_rng(2)
+    state = {f"t{i}": rng.standard_normal(1 << 16).astype(np.float32) for i in range(32)}
+    stager = Stager(threads=2, chunk_bytes=64 << 10)
+    staged = stager.stage(state)
+    for key, value in state.items():
+        assert bits(staged.tree[key]) == bits(value)
+    assert threading.get_ident() in copied_by, copied_by
+    assert len(copied_by) == 2, copied_by
+    assert sum(copied_by.values()) == sum(v.nbytes for v in state.values())
+    stager.close()
+
+
+def test_torch_host_copies_go_in_batches_not_one_call_per_tensor(monkeypatch: Any) -> None:
+    torch = pytest.importorskip("torch")
+    calls: list[int] = []
+    real = torch._foreach_copy_
+
+    def counting(dsts: Any, srcs: Any) -> None:
+        calls.append(len(dsts))
+        real(dsts, srcs)
+
+    monkeypatch.setattr(torch, "_foreach_copy_", counting)
+    state = {f"w{i}": torch.full((64, 65), float(i)) for i in range(100)}
+    state["strided"] = torch.arange(60.0).reshape(6, 10).t()
+    staged = Stager(threads=2, chunk_bytes=4096).stage(state)
+    for key, value in state.items():
+        assert bits(staged.tree[key]) == bits(value)
+    chunks = 100 * 5 + 1  # 16,640 B a tensor in 4 KiB chunks, and the strided one whole
+    assert sum(calls) == chunks  # every chunk copied once...
+    assert len(calls) <= chunks // 10, calls  # ...in a few calls, not one per copy
+
+
+def test_a_failing_copy_fails_the_stage_and_returns_the_arena(monkeypatch: Any) -> None:
+    from ckptstore.stage import numpy as numpy_kind
+
+    real = numpy_kind._copy
+
+    def failing(dst: Any, src: Any) -> None:
+        if src.size and src.reshape(-1)[0] == 7:
+            raise MemoryError("copy failed")
+        real(dst, src)
+
+    monkeypatch.setattr(numpy_kind, "_copy", failing)
+    state = {f"t{i}": np.full(1 << 15, float(i), np.float32) for i in range(16)}
+    stager = Stager(threads=2, chunk_bytes=16 << 10)
+    with pytest.raises(MemoryError, match="copy failed"):
+        stager.stage(state)
+    stats = stager.pool.stats()
+    assert stats.idle_bytes > 0
+    assert stats.lent_bytes == 0
+    monkeypatch.setattr(numpy_kind, "_copy", real)
+    staged = stager.stage(state)  # the arena comes back and is reused
+    assert bits(staged.tree["t7"]) == bits(state["t7"])
+    assert stager.pool.stats().reuses == 1
+
+
+def test_an_unstorable_leaf_fails_the_stage_and_returns_the_arena() -> None:
+    from ckptstore.layout.tree import UnsupportedLeafError
+
+    stager = Stager(threads=2, chunk_bytes=16 << 10)
+    state = {"w": np.ones(1 << 16, np.float32), "bad": object()}
+    with pytest.raises(UnsupportedLeafError, match="bad"):
+        stager.stage(state)
+    assert stager.pool.stats().lent_bytes == 0
+
+
+def test_the_flat_view_is_built_while_staging_and_reused() -> None:
+    state = {"w": np.arange(10, dtype=np.int32), "step": 3}
+    staged = Stager().stage(state)
+    flat = staged.flat()
+    assert flat is staged.flat()
+    assert flat.paths == ["w"]
+    assert bits(flat.arrays[0]) == bits(state["w"])
