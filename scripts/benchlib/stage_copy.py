@@ -2,7 +2,7 @@
 
 The blocking part of an async save is the copy of the state into host memory. This suite
 copies the 1 GiB workload (16 float32 torch tensors of 64 MiB) and the transformer-like state
-(about 400 MiB in 66 tensors with Adam moments) four ways, interleaved, after one untimed
+(about 400 MiB in 200 tensors with Adam moments) four ways, interleaved, after one untimed
 warm-up run each:
 
 * ``memcpy (reused)``: one single-threaded ``Tensor.copy_`` per tensor into buffers allocated
