@@ -260,6 +260,25 @@ def test_cuda_staging_uses_pinned_memory_and_an_event() -> None:
     assert staged.attrs[("w",)]["device"].startswith("cuda")
 
 
+@pytest.mark.torch
+def test_cuda_copies_follow_the_callers_stream_from_every_staging_thread() -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device on this machine")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        # Large enough that the helper thread issues some of the copies.
+        state = {f"w{i}": torch.full((8 << 20,), float(i), device="cuda") for i in range(4)}
+        expected = {k: bits(v) for k, v in state.items()}
+        staged = Stager(threads=2).stage(state)
+        for value in state.values():  # queued on the same stream after the copies
+            value.add_(100.0)
+    staged.wait_ready()
+    for key in state:
+        assert bits(staged.tree[key]) == expected[key], key
+
+
 # -- JAX ----------------------------------------------------------------------------------
 
 

@@ -163,7 +163,11 @@ class TorchKind(ArrayKind):
         out = _bytes_as_tensor(dst, src.dtype)
         nbytes = dst.nbytes
         if src.is_cuda:
-            return [(nbytes, functools.partial(_copy, out, src, non_blocking=True))]
+            # On the caller's current stream, whichever staging thread issues it: after the
+            # caller's queued kernels, before its later ones, and on the stream the fence's
+            # event is recorded on (a helper thread's current stream is the default one).
+            stream = torch.cuda.current_stream(src.device)
+            return [(nbytes, functools.partial(_copy_on, stream, out, src))]
         if src.device.type != "cpu":
             return [(nbytes, functools.partial(_copy, out, src.to("cpu")))]
         if nbytes <= chunk_bytes or not src.is_contiguous() or src.dim() == 0:
@@ -224,8 +228,13 @@ class TorchKind(ArrayKind):
         return tensor
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> None:
-    dst.copy_(src, non_blocking=non_blocking)
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
+def _copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+    with torch.cuda.stream(stream):
+        dst.copy_(src, non_blocking=True)
 
 
 class _HostCopy:
