@@ -169,7 +169,7 @@ class TorchKind(ArrayKind):
             stream = torch.cuda.current_stream(src.device)
             return [(nbytes, functools.partial(_copy_on, stream, out, src))]
         if src.device.type != "cpu":
-            return [(nbytes, functools.partial(_copy, out, src.to("cpu")))]
+            return [(nbytes, _HostCopy(out, src.to("cpu")))]
         if nbytes <= chunk_bytes or not src.is_contiguous() or src.dim() == 0:
             return [(nbytes, _HostCopy(out, src))]
         flat_src, flat_out = src.view(-1), out.view(-1)
@@ -226,10 +226,6 @@ class TorchKind(ArrayKind):
         if requires_grad:
             tensor.requires_grad_(True)
         return tensor
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
 
 
 def _copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
