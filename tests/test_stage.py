@@ -445,9 +445,18 @@ def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any
 
     copied_by: dict[int, int] = {}
     real = numpy_kind._copy
+    caller = threading.get_ident()
+    caller_copied = threading.Event()
 
     def counting(dst: Any, src: Any) -> None:
         ident = threading.get_ident()
+        if ident == caller:
+            caller_copied.set()
+        else:
+            # Hold the helper until the caller has taken copies of its own, so the test does
+            # not depend on how fast the helper is; if the caller never does, the wait times
+            # out and the assertions below fail.
+            caller_copied.wait(timeout=10)
         copied_by[ident] = copied_by.get(ident, 0) + dst.nbytes
         real(dst, src)
 
@@ -458,7 +467,7 @@ def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any
     staged = stager.stage(state)
     for key, value in state.items():
         assert bits(staged.tree[key]) == bits(value)
-    assert threading.get_ident() in copied_by, copied_by
+    assert caller in copied_by, copied_by
     assert len(copied_by) == 2, copied_by
     assert sum(copied_by.values()) == sum(v.nbytes for v in state.values())
     stager.close()
