@@ -1,4 +1,4 @@
-"""The async benchmark's ``floor`` system: the least a durable, checksummed write can cost.
+"""The async benchmark's ``bare`` system: a durable, checksummed write from another process.
 
 Run by :mod:`benchlib.async_save` as a separate process. It holds its own copy of a state's
 bytes (objects of the sizes given on the command line, touched once before timing) and, for
@@ -7,9 +7,10 @@ crc32c, then the object written with ``O_DIRECT`` to a temporary file, ``fsync``
 ``fsync`` of the directory; then it answers with one byte. No Python runs in the training
 process while it writes and no GIL, allocator or event loop is shared with it: what the loop
 still loses is what the machine itself charges for hashing and writing those bytes (memory
-bandwidth, cache, the CPU the kernel and the hypervisor spend on the I/O).
+bandwidth, cache, the CPU the kernel and the hypervisor spend on the I/O) for a plain,
+one-object-at-a-time writer. A lower bound it is not: it does nothing to be gentle.
 
-Usage: ``floor_writer.py DIR SIZE [SIZE ...]``
+Usage: ``bare_writer.py DIR SIZE [SIZE ...]``
 """
 
 from __future__ import annotations
