@@ -14,9 +14,9 @@ the saves were made.
 Why the write runs on threads of this process and not in a writer process: one was built and
 measured (staging arenas as memfds the process mapped, the write and commit run there, the
 arena released on its answer). On the async benchmark's transformer loop it lost no less
-than the threads, in four runs of 4-6 rounds alternating the two: 42 against 50, 57 against
-50 and 68 against 57 ms a save (a 23-27 ms memcpy), with the process at nice 10 or under
-SCHED_IDLE no better. A plain writer process with nothing shared with the loop
+than the threads in three runs of 4-6 rounds alternating the two: 42 against 50, 57 against
+50 and 68 against 57 ms a save (a 24-27 ms memcpy); at nice 10 or under SCHED_IDLE it did no
+better. A plain writer process with nothing shared with the loop
 (``scripts/benchlib/bare_writer.py``) loses as much or more, so the GIL is not what the
 background write costs the loop here; memory bandwidth and the kernel's I/O work are.
 """
