@@ -4,22 +4,6 @@ Importing ckptstore imports no heavy dependency: torch, JAX and the cloud client
 by the modules that need them, on first use.
 """
 
-from ckptstore.api import (
-    CommitInfo,
-    GCReport,
-    adelete_step,
-    agc,
-    alist_steps,
-    aload,
-    aread_manifest,
-    asave,
-    delete_step,
-    gc,
-    list_steps,
-    load,
-    read_manifest,
-    save,
-)
 from ckptstore.config import Settings, default_settings
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -36,12 +20,30 @@ from ckptstore.errors import (
 )
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import UnsupportedLeafError
+from ckptstore.manager.checkpoint_manager import CheckpointManager
+from ckptstore.manager.functions import (
+    CommitInfo,
+    GCReport,
+    adelete_step,
+    agc,
+    alist_steps,
+    aload,
+    aread_manifest,
+    asave,
+    delete_step,
+    gc,
+    list_steps,
+    load,
+    read_manifest,
+    save,
+)
 from ckptstore.store import ObjectMeta, Store, open_store, register_backend
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlreadyExistsError",
+    "CheckpointManager",
     "CommitInfo",
     "GCReport",
     "Manifest",

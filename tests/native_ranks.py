@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import ckptstore.distributed as cd
+import ckptstore.manager.distributed as cd
 from ckptstore import background
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store

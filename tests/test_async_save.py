@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from ckptstore import background
-from ckptstore.async_save import AsyncSaver
+from ckptstore.manager.async_save import AsyncSaver
 from ckptstore.stage import StagedState, Stager
 
 

@@ -111,7 +111,7 @@ def test_a_bug_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch, tmp_path: Pa
     async def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("a bug in ckptstore")
 
-    monkeypatch.setattr("ckptstore.bench.bench_store", broken)
+    monkeypatch.setattr("ckptstore.cli.tune.bench_store", broken)
     with pytest.raises(RuntimeError, match="a bug in ckptstore"):
         cli.main(["bench", str(tmp_path), "--size", "1MiB", "--part-sizes", "1MiB"])
 
@@ -124,7 +124,7 @@ def test_setup_errors_of_client_libraries_are_one_line(
     async def no_credentials(*args: object, **kwargs: object) -> None:
         raise botocore_exceptions.NoCredentialsError()
 
-    monkeypatch.setattr("ckptstore.bench.bench_store", no_credentials)
+    monkeypatch.setattr("ckptstore.cli.tune.bench_store", no_credentials)
     status, _, err = run(capsys, "bench", str(tmp_path), "--size", "1MiB", "--part-sizes", "1MiB")
     assert status == cli.EXIT_ERROR
     assert_one_line_error(err, "no AWS credentials")
@@ -286,7 +286,7 @@ def test_verify_detects_a_flipped_byte(
 
 def test_verify_reads_in_chunks_across_leaf_boundaries(run_dir: Path) -> None:
     """Small chunks cut leaves in pieces; the pieces' checksums still add up."""
-    from ckptstore.maintenance import verify_manifest
+    from ckptstore.layout.maintenance import verify_manifest
 
     async def check(chunk: int) -> tuple[bool, int]:
         async with ckptstore.open_store(run_dir) as store:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-import ckptstore.distributed as cd
+import ckptstore.manager.distributed as cd
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, StoreError
 from ckptstore.store.base import Store

@@ -140,8 +140,8 @@ def test_buffer_pool_reuses_and_caps() -> None:
 
 
 async def test_stager_attrs_round_trip_through_restore_hook() -> None:
-    from ckptstore.api import load_state
     from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.manager.functions import load_state
     from ckptstore.store.memory import MemoryStore
 
     class Tensor:  # stands in for a framework tensor

@@ -12,10 +12,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptstore.api import aload, asave
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
+from ckptstore.manager.functions import aload, asave
 from ckptstore.store.base import PutMode, Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.memory import MemoryStore

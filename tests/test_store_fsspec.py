@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
-from ckptstore.api import alist_steps, asave
 from ckptstore.errors import AlreadyExistsError, NotSupportedError
+from ckptstore.manager.functions import alist_steps, asave
 from ckptstore.store.fsspec import FsspecStore
 from ckptstore.testing import CheckpointTests, StoreTests
 from tests.servers.fakegcs import FakeGCS

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
-from ckptstore.api import alist_steps, aload, asave
 from ckptstore.errors import (
     AlreadyExistsError,
     CorruptCheckpointError,
@@ -21,6 +20,7 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
+from ckptstore.manager.functions import alist_steps, aload, asave
 from ckptstore.store.gcs import GCSStore
 from ckptstore.testing import CheckpointTests, StoreTests, assert_same_state
 from tests.servers.fakegcs import FakeGCS

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
-from ckptstore.api import alist_steps, aload, asave
 from ckptstore.errors import (
     AlreadyExistsError,
     InvalidKeyError,
@@ -24,6 +23,7 @@ from ckptstore.errors import (
     NotSupportedError,
     StoreError,
 )
+from ckptstore.manager.functions import alist_steps, aload, asave
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.s3 import _BODY_SLICE, _FIRST_SLICE, S3Store, _ByteBudget, _ViewBody
 from ckptstore.testing import CheckpointTests, StoreTests

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from ckptstore.async_save import SaveHandle
 from ckptstore.manager import CheckpointManager
+from ckptstore.manager.async_save import SaveHandle
 
 
 def build(width: int, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:

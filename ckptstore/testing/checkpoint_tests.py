@@ -28,7 +28,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ckptstore.api import adelete_step, agc, alist_steps, aload, aread_manifest, asave
 from ckptstore.errors import (
     CommitConflictError,
     CorruptCheckpointError,
@@ -37,6 +36,7 @@ from ckptstore.errors import (
 )
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
+from ckptstore.manager.functions import adelete_step, agc, alist_steps, aload, aread_manifest, asave
 from ckptstore.store.base import PutMode, Store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper
 

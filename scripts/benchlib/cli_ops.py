@@ -23,7 +23,7 @@ import numpy as np
 
 import ckptstore
 from benchlib import Context, Result, Suite, Timing, evict, interleave
-from ckptstore.maintenance import copy_step, verify_step
+from ckptstore.layout.maintenance import copy_step, verify_step
 
 VERIFY = "ckptstore verify"
 COPY = "ckptstore cp (copy + verify + commit)"

@@ -182,7 +182,7 @@ def _dcp_system(
 def _native_system(
     loop: asyncio.AbstractEventLoop, store: Any, state: Any, counter: Iterator[int]
 ) -> _System:
-    from ckptstore.api import aload, asave
+    from ckptstore.manager.functions import aload, asave
 
     arrays = _numpy_views(state)
     target = _zeros_like(state)

@@ -45,8 +45,8 @@ CKPT = "ckptstore asave / aload (checkpoint on GCSStore)"
 def run(ctx: Context) -> list[Result]:
     import gcsfs.core
 
-    from ckptstore.api import adelete_step, aload, asave
     from ckptstore.config import Settings
+    from ckptstore.manager.functions import adelete_step, aload, asave
     from ckptstore.store.gcs import GCSStore
     from ckptstore.testing.fakegcs import FakeGCS
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from benchlib import Context, Result, Suite, interleave
 from benchlib.s3 import ACCESS_KEY, SECRET_KEY
-from ckptstore.api import adelete_step, aload, asave
+from ckptstore.manager.functions import adelete_step, aload, asave
 from ckptstore.store.s3 import S3Store
 from ckptstore.testing.servers import SeaweedFS
 

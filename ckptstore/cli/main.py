@@ -251,7 +251,7 @@ def _when(created: float) -> str:
 
 
 async def _resolve_step(store: Store, step: int | None) -> int:
-    from ckptstore.api import alist_steps
+    from ckptstore.manager.functions import alist_steps
 
     if step is not None:
         return step
@@ -263,7 +263,7 @@ async def _resolve_step(store: Store, step: int | None) -> int:
 
 async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | CkptStoreError]:
     """The manifest of each step, or the error that reading it raised (invalid ones)."""
-    from ckptstore.api import aread_manifest
+    from ckptstore.manager.functions import aread_manifest
 
     slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
 
@@ -278,8 +278,8 @@ async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | Ckpt
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import alist_steps
-    from ckptstore.maintenance import summarize_step
+    from ckptstore.layout.maintenance import summarize_step
+    from ckptstore.manager.functions import alist_steps
 
     async with cli_store(args.url, _options(args.option)) as store:
         steps = await alist_steps(store)
@@ -318,8 +318,8 @@ async def _ls(args: argparse.Namespace) -> Outcome:
 
 
 async def _show(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import aread_manifest
-    from ckptstore.maintenance import plain_values, summarize_step
+    from ckptstore.layout.maintenance import plain_values, summarize_step
+    from ckptstore.manager.functions import aread_manifest
 
     async with cli_store(args.url, _options(args.option)) as store:
         step = await _resolve_step(store, args.step)
@@ -387,8 +387,8 @@ async def _show(args: argparse.Namespace) -> Outcome:
 
 
 async def _verify(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import alist_steps
-    from ckptstore.maintenance import Damage, VerifyReport, verify_manifest
+    from ckptstore.layout.maintenance import Damage, VerifyReport, verify_manifest
+    from ckptstore.manager.functions import alist_steps
 
     async with cli_store(args.url, _options(args.option)) as store:
         if args.all:
@@ -448,8 +448,8 @@ async def _verify(args: argparse.Namespace) -> Outcome:
 
 
 async def _cp(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import alist_steps
-    from ckptstore.maintenance import CopyReport, copy_step
+    from ckptstore.layout.maintenance import CopyReport, copy_step
+    from ckptstore.manager.functions import alist_steps
 
     async with (
         cli_store(args.src, _options(args.option)) as src,
@@ -485,7 +485,7 @@ async def _cp(args: argparse.Namespace) -> Outcome:
 
 
 async def _gc(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import agc
+    from ckptstore.manager.functions import agc
 
     async with cli_store(args.url, _options(args.option)) as store:
         report = await agc(store, grace=args.grace)
@@ -510,7 +510,7 @@ async def _gc(args: argparse.Namespace) -> Outcome:
 
 
 async def _rm(args: argparse.Namespace) -> Outcome:
-    from ckptstore.api import adelete_step
+    from ckptstore.manager.functions import adelete_step
 
     removed = []
     async with cli_store(args.url, _options(args.option)) as store:
@@ -527,7 +527,7 @@ async def _rm(args: argparse.Namespace) -> Outcome:
 
 
 async def _bench(args: argparse.Namespace) -> Outcome:
-    from ckptstore.bench import bench_store, usable_part_sizes
+    from ckptstore.cli.tune import bench_store, usable_part_sizes
 
     options = _options(args.option)
     async with cli_store(args.url, options, must_exist=False) as store:
@@ -697,7 +697,7 @@ def _common(*, options: bool = True) -> _Parser:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ckptstore`` command."""
     from ckptstore import __version__
-    from ckptstore.bench import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES
+    from ckptstore.cli.tune import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES
 
     parser = _Parser(
         prog="ckptstore",

@@ -11,7 +11,7 @@
 
 A save blocks only while the state is copied into pooled host buffers
 (:mod:`ckptstore.stage`); the write, the put-if-absent commit and then retention run on the
-background loop (:mod:`ckptstore.async_save`). Retention runs only after the new step's
+background loop (:mod:`ckptstore.manager.async_save`). Retention runs only after the new step's
 manifest is durable, and never deletes the newest committed step, so a crash at any moment
 costs at most the save that was in progress: the previous good checkpoint stays. Retention
 reconsiders every committed step each time, so steps a crash left beyond ``max_to_keep`` are
@@ -37,7 +37,6 @@ from typing import Any, Literal, Self
 import numpy as np
 
 from ckptstore import background
-from ckptstore.async_save import AsyncSaver, SaveHandle
 from ckptstore.errors import NotFoundError
 from ckptstore.layout.commit import (
     committed_steps,
@@ -48,6 +47,7 @@ from ckptstore.layout.commit import (
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
+from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.stage import StagedState, Stager
 from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
 from ckptstore.store.base import Store

@@ -1,0 +1,20 @@
+"""The training-loop faces: what a training script calls to save and restore.
+
+* :mod:`~ckptstore.manager.functions`: ``ckptstore.save``/``load`` and friends, one call per
+  checkpoint of a run root.
+* :mod:`~ckptstore.manager.checkpoint_manager`: :class:`CheckpointManager`, which decides when
+  to save, saves asynchronously, applies retention and restores.
+* :mod:`~ckptstore.manager.async_save`: the save handle and the one-save-in-flight rule the
+  manager's async saves run under.
+* :mod:`~ckptstore.manager.distributed`: one checkpoint saved by many ranks, committed once.
+
+Each face is a thin caller of the save and restore paths below it (``stage/``, ``layout/``);
+it keeps only what is its own: scheduling and retention, the handle, the collectives.
+"""
+
+from __future__ import annotations
+
+from ckptstore.manager.async_save import SaveHandle, SaveTiming
+from ckptstore.manager.checkpoint_manager import CheckpointManager
+
+__all__ = ["CheckpointManager", "SaveHandle", "SaveTiming"]

@@ -1,0 +1,828 @@
+"""Multi-rank saves without DCP: every rank writes its own objects, one commit.
+
+::
+
+    import torch.distributed as dist
+    import ckptstore.distributed
+
+    dist.init_process_group("gloo")                 # or "nccl"; any initialised group
+    rank = dist.get_rank()
+    part = {"model": {f"shard{rank}": shard}, "step": 100}   # this rank's part of the state
+    ckptstore.distributed.save("s3://bucket/run", part, step=100)        # on every rank
+    ...
+    mine = ckptstore.distributed.load("s3://bucket/run", target={"model": {"shard0": like}})
+
+Each rank passes its part of one global state. The parts are merged by dict key: entries
+only one rank holds are written by that rank; an entry several ranks hold (a replicated
+tensor, the step counter) must agree on every rank that holds it (dtype and shape for arrays,
+the value for plain values, the kind of container) and is written once, by the holder with
+the fewest bytes assigned so far. The checkpoint is then an ordinary ckptstore checkpoint of
+the merged state: ``ckptstore.load``, :class:`~ckptstore.CheckpointManager` ``restore`` and
+the CLI read it like any other, on any number of processes, and a rank that loads with
+``keys`` or a ``target`` reads only the byte ranges of the leaves it names.
+
+The save is three collectives around the commit protocol of :mod:`ckptstore.layout.commit`:
+
+1. Every rank stages and flattens its part. The coordinator checks that the step is not
+   committed and draws the attempt id. One ``all_gather`` shares every rank's tree, paths,
+   dtypes and shapes (never array bytes), and every rank computes the same merge and the same
+   owner of every leaf, so a conflict raises the same error on every rank.
+2. Every rank writes the leaves it owns under ``<step>/<attempt>/r<rank>-...`` (packs of small
+   leaves and one object per large leaf, as a single-process save), durable before it
+   reports. A ``gather`` brings each rank's object list and leaf checksums to the coordinator.
+3. Only if every rank succeeded does the coordinator write the one manifest with a
+   put-if-absent; a ``broadcast`` of the outcome makes every rank return the same
+   :class:`~ckptstore.CommitInfo` or raise.
+
+A rank that fails anywhere still takes part in the remaining collectives, so the others learn
+of its failure instead of waiting for it; a rank that dies makes the collectives fail on the
+others (at once when the transport sees the closed connection, else at the process group's
+timeout). Either way no manifest is written and the attempt's objects are garbage for ``gc``
+(the surviving ranks remove their own at once).
+
+Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
+tensors through a host copy), so they must not change until ``save`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from ckptstore import background
+from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
+from ckptstore.layout.commit import (
+    CommitInfo,
+    check_metadata,
+    commit_manifest,
+    latest_step,
+    write_objects,
+)
+from ckptstore.layout.dtypes import dtype_name
+from ckptstore.layout.keys import (
+    attempt_prefix,
+    check_step,
+    manifest_key,
+    new_attempt_id,
+    step_prefix,
+)
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.plan import PackPlan
+from ckptstore.layout.tree import FlatState, escape_key, flatten, join_path, tree_paths
+from ckptstore.manager.checkpoint_manager import read_selected, rebuild_selected
+from ckptstore.stage import Stager
+from ckptstore.store.base import Store
+from ckptstore.store.registry import open_store
+
+__all__ = ["Collectives", "LocalGroup", "TorchCollectives", "load", "save"]
+
+Root = str | os.PathLike[str] | Store
+
+
+# =========================================================================== collectives
+
+
+class Collectives(Protocol):
+    """The three collectives a multi-rank save needs, over some group of processes.
+
+    :class:`TorchCollectives` implements them with ``torch.distributed``; another launcher
+    (MPI, JAX's multi-process runtime) can pass its own. Every member must call the same
+    collectives in the same order; objects are small (trees, paths, checksums), never array
+    bytes.
+    """
+
+    @property
+    def rank(self) -> int:
+        """This member's rank in the group, ``0 <= rank < world``."""
+        ...
+
+    @property
+    def world(self) -> int:
+        """How many members the group has."""
+        ...
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        """Every member's ``obj``, by rank, on every member."""
+        ...
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        """Every member's ``obj``, by rank, on ``root``; ``None`` elsewhere."""
+        ...
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        """``root``'s ``obj`` on every member."""
+        ...
+
+
+class TorchCollectives:
+    """:class:`Collectives` over a ``torch.distributed`` process group (default: the world).
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+
+    def __init__(self, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "ckptstore.distributed needs torch.distributed initialised "
+                "(dist.init_process_group) or a Collectives passed as comm="
+            )
+        self._dist = dist
+        self._group = group
+        self._rank = dist.get_rank(group)
+        self._world = dist.get_world_size(group)
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world(self) -> int:
+        return self._world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self._world
+        self._dist.all_gather_object(out, obj, group=self._group)
+        return out
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        out: list[Any] | None = [None] * self._world if self._rank == root else None
+        self._dist.gather_object(obj, out, group=self._group, group_dst=root)
+        return out
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        box = [obj]
+        self._dist.broadcast_object_list(box, group=self._group, group_src=root)
+        return box[0]
+
+
+class LocalGroup:
+    """A group of threads of one process acting as ranks, for tests and single-host tools.
+
+    ``group.member(rank)`` is the :class:`Collectives` of one thread. A member that stops
+    taking part can call :meth:`abort`: every collective then raises
+    ``threading.BrokenBarrierError`` on the others, as a dead process fails a real group's
+    collectives.
+    """
+
+    def __init__(self, world: int, *, timeout: float = 120.0) -> None:
+        if world < 1:
+            raise ValueError("a group has at least one member")
+        self.world = world
+        self._barrier = threading.Barrier(world, timeout=timeout)
+        self._slots: list[Any] = [None] * world
+
+    def member(self, rank: int) -> Collectives:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside a group of {self.world}")
+        return _LocalMember(self, rank)
+
+    def abort(self) -> None:
+        self._barrier.abort()
+
+    def _exchange(self, rank: int, obj: Any) -> list[Any]:
+        self._slots[rank] = obj
+        self._barrier.wait()
+        out = list(self._slots)
+        self._barrier.wait()  # nobody writes the next round's slot before all have read
+        return out
+
+
+@dataclass(frozen=True)
+class _LocalMember:
+    group: LocalGroup
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return self.group.world
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return self.group._exchange(self.rank, obj)
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        out = self.group._exchange(self.rank, obj)
+        return out if self.rank == root else None
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        return self.group._exchange(self.rank, obj if self.rank == root else None)[root]
+
+
+# =========================================================================== messages
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """A rank's exception, as the other ranks learn of it."""
+
+    rank: int
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, rank: int, exc: BaseException) -> _Failure:
+        return cls(rank, type(exc).__name__, str(exc))
+
+    def describe(self) -> str:
+        return f"rank {self.rank}: {self.kind}: {self.message}"
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What a rank tells every other rank about its part before anything is written."""
+
+    step: int
+    tree: Any
+    paths: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    nbytes: list[int]
+    attrs: list[dict[str, Any] | None]
+    attempt: str | None = None  # the coordinator's only
+    started: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Written:
+    """What a rank wrote: its objects and, per leaf it owns, where the leaf lies."""
+
+    objects: list[tuple[str, int, int]]  # name, size, crc32c
+    leaves: list[tuple[int, int, int, int]]  # global leaf, object (rank-local, -1), offset, crc
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    """The coordinator's word on the save, broadcast to every rank."""
+
+    info: CommitInfo | None
+    failure: _Failure | None = None
+    remove: bool = True  # whether the ranks may delete their objects (nothing committed)
+
+
+# =========================================================================== merging
+
+
+@dataclass
+class _Leaf:
+    path: str
+    dtype: str
+    shape: list[int]
+    nbytes: int
+    attrs: dict[str, Any] | None
+    holders: dict[int, int]  # rank -> that rank's leaf index
+    owner: int = -1
+
+
+def _kind(node: Any) -> str:
+    if type(node) is int:
+        return "array"
+    if "s" in node:
+        return "numpy scalar"
+    if "v" in node:
+        return "plain value"
+    if "d" in node:
+        return "dict"
+    return "list" if "l" in node else "tuple"
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    return type(a) is type(b) and (a == b or (a != a and b != b))  # NaN equals NaN here
+
+
+def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
+    """Merge the ranks' parts into one tree and its leaves, and choose each leaf's writer.
+
+    Every rank runs this on the same input and gets the same result.
+
+    Raises:
+        ValueError: the parts disagree where they overlap (named by path and ranks).
+    """
+    leaves: list[_Leaf] = []
+
+    def where(path: str) -> str:
+        return repr(path) if path else "<root>"
+
+    def visit(nodes: list[tuple[int, Any]], path: str, depth: int) -> Any:
+        kinds = [(rank, _kind(node)) for rank, node in nodes]
+        first_rank, kind = kinds[0]
+        for rank, other in kinds[1:]:
+            if other != kind:
+                raise ValueError(
+                    f"state entry {where(path)} is a {kind} on rank {first_rank} and a "
+                    f"{other} on rank {rank}; where the ranks' parts overlap they must agree"
+                )
+        if kind == "dict":
+            order: list[str] = []
+            original: dict[str, str | int] = {}
+            children: dict[str, list[tuple[int, Any]]] = {}
+            for rank, node in nodes:
+                for key, child in zip(node["d"], node["c"], strict=True):
+                    segment = escape_key(key)
+                    if segment not in children:
+                        order.append(segment)
+                        original[segment] = key
+                        children[segment] = []
+                    elif type(original[segment]) is not type(key):
+                        raise ValueError(
+                            f"dict {where(path)} has key {original[segment]!r} on one rank "
+                            f"and {key!r} on rank {rank}; they would share one path"
+                        )
+                    children[segment].append((rank, child))
+            return {
+                "d": [original[s] for s in order],
+                "c": [visit(children[s], join_path(path, s, depth), depth + 1) for s in order],
+            }
+        if kind in ("list", "tuple"):
+            tag = "l" if kind == "list" else "t"
+            lengths = {rank: len(node[tag]) for rank, node in nodes}
+            if len(set(lengths.values())) > 1:
+                raise ValueError(
+                    f"{kind} {where(path)} has different lengths on different ranks "
+                    f"({lengths}); where the ranks' parts overlap they must agree"
+                )
+            return {
+                tag: [
+                    visit(
+                        [(rank, node[tag][i]) for rank, node in nodes],
+                        join_path(path, str(i), depth),
+                        depth + 1,
+                    )
+                    for i in range(lengths[first_rank])
+                ]
+            }
+        if kind == "plain value":
+            value = nodes[0][1]["v"]
+            for rank, node in nodes[1:]:
+                if not _same_value(node["v"], value):
+                    raise ValueError(
+                        f"state entry {where(path)} is {value!r:.80} on rank {first_rank} and "
+                        f"{node['v']!r:.80} on rank {rank}; a value several ranks hold must be "
+                        "the same on all (keep per-rank values under per-rank keys)"
+                    )
+            return nodes[0][1]
+        holders: dict[int, int] = {}
+        described: dict[int, tuple[str, list[int]]] = {}
+        for rank, node in nodes:
+            index = node if kind == "array" else node["s"]
+            holders[rank] = index
+            part = parts[rank]
+            described[rank] = (part.dtypes[index], part.shapes[index])
+        dtype, shape = described[first_rank]
+        for rank, (other_dtype, other_shape) in described.items():
+            if (other_dtype, other_shape) != (dtype, shape):
+                raise ValueError(
+                    f"array {where(path)} is {dtype}{shape} on rank {first_rank} and "
+                    f"{other_dtype}{other_shape} on rank {rank}; an array several ranks hold "
+                    "is written once, so it must be the same array on all of them"
+                )
+        index = holders[first_rank]
+        leaves.append(
+            _Leaf(
+                path,
+                dtype,
+                shape,
+                parts[first_rank].nbytes[index],
+                parts[first_rank].attrs[index],
+                holders,
+            )
+        )
+        number = len(leaves) - 1
+        return number if kind == "array" else {"s": number}
+
+    tree = visit(list(enumerate(part.tree for part in parts)), "", 0)
+    _assign_owners(leaves, len(parts))
+    return tree, leaves
+
+
+def _assign_owners(leaves: list[_Leaf], world: int) -> None:
+    """A leaf one rank holds is that rank's; a leaf several hold goes, largest first, to the
+    holder with the fewest bytes so far (the lowest rank on a tie)."""
+    assigned = [0] * world
+    shared = []
+    for number, leaf in enumerate(leaves):
+        if len(leaf.holders) == 1:
+            (leaf.owner,) = leaf.holders
+            assigned[leaf.owner] += leaf.nbytes
+        else:
+            shared.append(number)
+    shared.sort(key=lambda number: (-leaves[number].nbytes, number))
+    for number in shared:
+        leaf = leaves[number]
+        leaf.owner = min(leaf.holders, key=lambda rank: (assigned[rank], rank))
+        assigned[leaf.owner] += leaf.nbytes
+
+
+# =========================================================================== saving
+
+
+def save(
+    root: Root,
+    state: Any,
+    *,
+    step: int,
+    metadata: Any = None,
+    group: Any = None,
+    coordinator: int = 0,
+    comm: Collectives | None = None,
+    **store_options: Any,
+) -> CommitInfo:
+    """Save this rank's part of a state as step ``step``; every rank of the group calls it.
+
+    Args:
+        root: URL, path or Store of the run's checkpoint root (the same root on every rank).
+        state: this rank's part: nested dicts/lists/tuples of torch tensors, JAX or numpy
+            arrays and plain values, merged with the other ranks' parts by dict key.
+        step: the step number, the same on every rank.
+        metadata: JSON stored in the manifest (the coordinator's is used).
+        group: a ``torch.distributed`` process group (default: the whole world).
+        coordinator: the rank (within the group) that commits.
+        comm: collectives to use instead of ``torch.distributed``.
+        **store_options: passed to ``open_store`` with a URL ``root`` (endpoint, credentials,
+            settings), as ``ckptstore.dcp.Writer`` takes them.
+
+    Returns:
+        What was committed, the same on every rank.
+
+    Raises:
+        CommitConflictError: the step is already committed.
+        ValueError: the ranks' parts disagree where they overlap, or the ranks disagree on
+            the step.
+        CkptStoreError: another rank failed; the message names it and its error. A rank's
+            own error is raised as itself. Nothing is committed in either case.
+    """
+    comm = comm if comm is not None else TorchCollectives(group)
+    rank = comm.rank
+    if not 0 <= coordinator < comm.world:
+        raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
+    with (
+        _opened(root, store_options) as store,
+        _stager() as stager,
+        contextlib.ExitStack() as later,
+    ):
+        # 1. share every rank's part; the coordinator adds the attempt
+        flat: FlatState | None = None
+        error: BaseException | None = None
+        try:
+            check_step(step)
+            staged = stager.stage(state, copy=False)
+            later.callback(staged.release)
+            staged.wait_ready()
+            flat = staged.flat()
+            part = _describe(flat, step)
+            if rank == coordinator:
+                part = _begin(store, part, metadata)
+            shared: Any = part
+        except Exception as exc:
+            error, shared = exc, _Failure.of(rank, exc)
+        parts = comm.all_gather(shared)
+        _raise_first(parts, error, store, step)
+        steps = {p.step for p in parts}
+        if len(steps) > 1:
+            raise ValueError(f"the ranks save different steps: {sorted(steps)}")
+        attempt, started = parts[coordinator].attempt, parts[coordinator].started
+        assert flat is not None
+        assert attempt is not None
+        tree, leaves = merge_parts(parts)
+
+        # 2. write what this rank owns, then tell the coordinator
+        prefix = f"{attempt_prefix(step, attempt)}r{rank}-"
+        try:
+            written: Any = background.run(_write_own(store, flat, leaves, rank, prefix))
+        except Exception as exc:
+            error, written = exc, _Failure.of(rank, exc)
+        try:
+            reports = comm.gather(written, coordinator)
+        except BaseException:
+            _remove(store, prefix)  # a rank died before the commit: nothing is committed
+            raise
+        outcome: _Outcome | None = None
+        if reports is not None:
+            try:
+                outcome = background.run(
+                    _commit(store, reports, tree, leaves, step, attempt, started, metadata)
+                )
+            except Exception as exc:  # unforeseen: keep the data, the manifest may exist
+                outcome = _Outcome(None, _Failure.of(rank, exc), remove=False)
+        # 3. every rank learns the outcome. If this fails the coordinator may have committed
+        # already, so the objects stay (gc removes them if it did not).
+        try:
+            outcome = comm.broadcast(outcome, coordinator)
+        except Exception:
+            # The coordinator knows the outcome without hearing it: a committed step is
+            # committed, whatever became of the ranks it was telling.
+            if reports is None or outcome is None or outcome.info is None:
+                raise
+        assert outcome is not None
+        if outcome.info is not None:
+            return outcome.info
+        if outcome.remove:
+            _remove(store, prefix)
+        if error is not None:
+            raise error
+        failure = outcome.failure
+        assert failure is not None
+        if failure.kind == CommitConflictError.__name__:
+            raise CommitConflictError(failure.message)
+        raise CkptStoreError(f"{store.url}: step {step} was not saved: {failure.describe()}")
+
+
+def _begin(store: Store, part: _Part, metadata: Any) -> _Part:
+    """The coordinator's first step: refuse a committed step, draw the attempt id."""
+    check_metadata(metadata)
+    key = manifest_key(part.step)
+    if background.run(store.exists(key)):
+        raise CommitConflictError(f"{store.url}/{key}: step {part.step} is already committed")
+    now = time.time()
+    return dataclasses.replace(part, attempt=new_attempt_id(now), started=now)
+
+
+def _describe(flat: FlatState, step: int) -> _Part:
+    dtypes = []
+    for array in flat.arrays:
+        name = dtype_name(array.dtype)
+        assert name is not None  # flatten refuses the others
+        dtypes.append(name)
+    return _Part(
+        step=step,
+        tree=flat.tree,
+        paths=flat.paths,
+        dtypes=dtypes,
+        shapes=[list(a.shape) for a in flat.arrays],
+        nbytes=flat.nbytes,
+        attrs=flat.attrs,
+    )
+
+
+def _raise_first(parts: list[Any], own: BaseException | None, store: Store, step: int) -> None:
+    """Raise if any rank failed before writing: its own error on a failed rank, on the
+    others an error naming every failed rank."""
+    failures = [p for p in parts if isinstance(p, _Failure)]
+    if own is not None:
+        raise own
+    if failures:
+        first = failures[0]
+        if first.kind == CommitConflictError.__name__:
+            raise CommitConflictError(first.message)
+        raise CkptStoreError(
+            f"{store.url}: step {step} was not saved: " + "; ".join(f.describe() for f in failures)
+        )
+
+
+async def _write_own(
+    store: Store, flat: FlatState, leaves: list[_Leaf], rank: int, prefix: str
+) -> _Written:
+    mine = [number for number, leaf in enumerate(leaves) if leaf.owner == rank]
+    own = FlatState(
+        tree=None,
+        paths=[leaves[n].path for n in mine],
+        arrays=[flat.arrays[leaves[n].holders[rank]] for n in mine],
+        attrs=[leaves[n].attrs for n in mine],
+    )
+    plan = PackPlan.for_store(own.nbytes, store.settings, store.capabilities, own.paths)
+    leaf_crc = [0] * len(mine)
+    object_crc = [0] * len(plan.objects)
+    try:
+        await write_objects(store, own, plan, prefix, {}, leaf_crc, object_crc)
+    except Exception:
+        with contextlib.suppress(Exception):
+            await _aremove(store, prefix)
+        raise
+    return _Written(
+        objects=[
+            (obj.name, obj.size, crc) for obj, crc in zip(plan.objects, object_crc, strict=True)
+        ],
+        leaves=[
+            (number, plan.leaf_object[i], plan.leaf_offset[i], leaf_crc[i])
+            for i, number in enumerate(mine)
+        ],
+    )
+
+
+async def _commit(
+    store: Store,
+    reports: list[Any],
+    tree: Any,
+    leaves: list[_Leaf],
+    step: int,
+    attempt: str,
+    started: float,
+    metadata: Any,
+) -> _Outcome:
+    failures = [r for r in reports if isinstance(r, _Failure)]
+    if failures:
+        return _Outcome(None, failures[0])
+    n = len(leaves)
+    object_keys: list[str] = []
+    object_lengths: list[int] = []
+    object_crcs: list[int] = []
+    leaf_object, leaf_offset, leaf_crc = [-1] * n, [0] * n, [0] * n
+    reported = [False] * n
+    for rank, written in enumerate(reports):
+        base = len(object_keys)
+        for name, size, crc in written.objects:
+            object_keys.append(f"{attempt}/r{rank}-{name}")
+            object_lengths.append(size)
+            object_crcs.append(crc)
+        for number, obj, offset, crc in written.leaves:
+            leaf_object[number] = base + obj if obj >= 0 else -1
+            leaf_offset[number] = offset
+            leaf_crc[number] = crc
+            reported[number] = True
+    if not all(reported):
+        missing = [leaves[i].path for i, ok in enumerate(reported) if not ok]
+        return _Outcome(
+            None, _Failure(-1, "CkptStoreError", f"no rank wrote the leaves {missing[:5]}")
+        )
+    unseen = await _unseen_objects(store, step, attempt, object_keys, object_lengths)
+    if unseen:
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "CkptStoreError",
+                f"objects the ranks reported as written are not in {store.url} as the "
+                f"coordinator sees it: {unseen[:3]}; do all ranks save to the same shared "
+                "root (a local path must be a filesystem every rank mounts)?",
+            ),
+        )
+    grace = store.settings.gc_grace_seconds
+    elapsed = time.time() - started
+    if elapsed > grace / 2:
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "CkptStoreError",
+                f"the data took {elapsed:.0f} s to write, over half of the garbage-collection "
+                f"grace period ({grace} s), so a concurrent gc may have removed it; not "
+                "committing. Raise Settings.gc_grace_seconds.",
+            ),
+        )
+    manifest = Manifest(
+        step=step,
+        attempt=attempt,
+        created=time.time(),
+        metadata=metadata,
+        tree=tree,
+        object_keys=object_keys,
+        object_lengths=object_lengths,
+        object_crcs=object_crcs,
+        paths=[leaf.path for leaf in leaves],
+        dtypes=[leaf.dtype for leaf in leaves],
+        shapes=[leaf.shape for leaf in leaves],
+        leaf_object=leaf_object,
+        leaf_offset=leaf_offset,
+        leaf_length=[leaf.nbytes for leaf in leaves],
+        leaf_crc=leaf_crc,
+        attrs=[leaf.attrs for leaf in leaves],
+    )
+    data = manifest.encode()
+    if len(data) > store.settings.manifest_max_bytes:
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "ValueError",
+                f"the manifest of step {step} is {len(data)} bytes, over "
+                f"Settings.manifest_max_bytes ({store.settings.manifest_max_bytes})",
+            ),
+        )
+    try:
+        await commit_manifest(store, manifest, encoded=data)
+    except CommitConflictError as exc:
+        return _Outcome(None, _Failure.of(-1, exc))
+    except StoreError as exc:
+        # the manifest may have landed with its reply lost: keep the data for a later check
+        return _Outcome(None, _Failure.of(-1, exc), remove=False)
+    return _Outcome(CommitInfo(step, attempt, len(object_keys), sum(object_lengths), len(data)))
+
+
+async def _unseen_objects(
+    store: Store, step: int, attempt: str, keys: list[str], lengths: list[int]
+) -> list[str]:
+    """Reported objects the coordinator cannot see with their reported length (one listing
+    of the attempt prefix). A rank whose root is not the coordinator's (a local path on
+    another host) reports objects the manifest must not name: the step would commit and
+    only fail when loaded."""
+    root = step_prefix(step)
+    found = {meta.key: meta.size async for meta in store.list(attempt_prefix(step, attempt))}
+    return [
+        f"{root}{key} ({length} bytes)"
+        for key, length in zip(keys, lengths, strict=True)
+        if found.get(f"{root}{key}") != length
+    ]
+
+
+async def _aremove(store: Store, prefix: str) -> None:
+    directory = prefix.rsplit("/", 1)[0] + "/"
+    await store.delete([k for k in await store.list_keys(directory) if k.startswith(prefix)])
+
+
+def _remove(store: Store, prefix: str) -> None:
+    """Remove this rank's objects of a save that was not committed (best effort: they are
+    garbage for ``gc`` otherwise)."""
+    with contextlib.suppress(Exception):
+        background.run(_aremove(store, prefix))
+
+
+# =========================================================================== loading
+
+
+def load(
+    root: Root,
+    step: int | None = None,
+    *,
+    keys: Any = None,
+    target: Any = None,
+    group: Any = None,
+    coordinator: int = 0,
+    comm: Collectives | None = None,
+    **store_options: Any,
+) -> Any:
+    """Load the part of a checkpoint this rank needs, verifying every byte read.
+
+    Args:
+        root: URL, path or Store of the run's checkpoint root.
+        step: the step; ``None`` takes the newest committed step as the coordinator sees it,
+            so every rank loads the same one (a collective: every rank must call).
+        keys: leaf paths or prefixes to read; only their byte ranges are fetched.
+        target: what to rebuild the arrays as (see
+            :meth:`~ckptstore.CheckpointManager.restore`); a state given here without
+            ``keys`` also selects what is read: exactly the leaves it holds.
+        group, coordinator, comm: as for :func:`save`; used only when ``step`` is ``None``.
+        **store_options: passed to ``open_store`` with a URL ``root``.
+
+    Raises:
+        NotFoundError: nothing committed, no such step, or keys matching nothing.
+        CorruptCheckpointError: anything read fails verification.
+    """
+    with _opened(root, store_options) as store:
+        if step is None:
+            comm = comm if comm is not None else TorchCollectives(group)
+            found: Any = None
+            if comm.rank == coordinator:
+                try:
+                    found = background.run(latest_step(store))
+                except Exception as exc:
+                    found = _Failure.of(coordinator, exc)
+            found = comm.broadcast(found, coordinator)
+            if isinstance(found, _Failure):
+                raise CkptStoreError(
+                    f"{store.url}: finding the latest step failed on {found.describe()}"
+                )
+            if found is None:
+                raise NotFoundError(f"{store.url}: no committed checkpoint")
+            step = int(found)
+        if keys is None and target is not None and not isinstance(target, str):
+            keys = _leaf_paths(target)
+            if not keys:
+                raise ValueError("the load target holds no leaves to load")
+        manifest, arrays, accept = background.run(read_selected(store, step, keys))
+        return rebuild_selected(manifest, arrays, accept, target)
+
+
+def _leaf_paths(target: Any) -> list[str]:
+    """Every leaf path of ``target``: arrays of any framework and plain values."""
+
+    def anything(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], None]:
+        return np.empty(0, np.uint8), None
+
+    flat = flatten(target, convert=anything)
+    arrays, values = tree_paths(flat.tree, len(flat.arrays))
+    return [p for p in arrays if p is not None] + values
+
+
+# =========================================================================== helpers
+
+
+@contextlib.contextmanager
+def _opened(root: Root, options: dict[str, Any]) -> Iterator[Store]:
+    if isinstance(root, Store):
+        if options:
+            raise TypeError(f"store options {sorted(options)} apply to a URL, not to an open Store")
+        yield root
+        return
+    store = open_store(os.fspath(root), **options)
+    try:
+        yield store
+    finally:
+        background.run(store.close())
+
+
+@contextlib.contextmanager
+def _stager() -> Iterator[Stager]:
+    stager = Stager()
+    try:
+        yield stager
+    finally:
+        stager.close()
