@@ -99,7 +99,7 @@ def test_numpy_state_staged_into_one_arena_bit_exact() -> None:
         if out.nbytes:
             assert lo <= out.ctypes.data < hi  # lives in the pooled arena, not the source
     assert staged.tree["meta"] == state["meta"]
-    assert staged.attrs[("scalar",)] == {"framework": "numpy", "scalar": True}
+    assert staged.attrs["scalar"] == {"framework": "numpy", "scalar": True}
     assert staged.nbytes == sum(np.asarray(state[k]).nbytes for k in state if k != "meta")
 
 
@@ -184,15 +184,15 @@ def test_torch_dtypes_and_layouts_staged_bit_exact() -> None:
         assert bits(out) == bits(tensor), key
     assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert staged.tree["f8"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
-    assert staged.attrs[("param",)] == {
+    assert staged.attrs["param"] == {
         "framework": "torch",
         "dtype": "float32",
         "device": "cpu",
         "requires_grad": True,
         "parameter": True,
     }
-    assert staged.attrs[("bf16",)]["requires_grad"] is False
-    assert staged.attrs[("grad_leaf",)]["requires_grad"] is True
+    assert staged.attrs["bf16"]["requires_grad"] is False
+    assert staged.attrs["grad_leaf"]["requires_grad"] is True
 
     back = rebuild_state(staged.tree, staged.attrs)
     for key, tensor in state.items():
@@ -257,7 +257,7 @@ def test_cuda_staging_uses_pinned_memory_and_an_event() -> None:
     assert staged.fences
     staged.wait_ready()
     assert bits(staged.tree["w"]) == bits(src)
-    assert staged.attrs[("w",)]["device"].startswith("cuda")
+    assert staged.attrs["w"]["device"].startswith("cuda")
 
 
 @pytest.mark.torch
@@ -299,7 +299,7 @@ def test_jax_arrays_staged_bit_exact_and_rebuilt() -> None:
     assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert bits(staged.tree["w"]) == bits(state["w"])
     assert bits(staged.tree["bf16"]) == bits(state["bf16"])
-    assert staged.attrs[("w",)]["framework"] == "jax"
+    assert staged.attrs["w"]["framework"] == "jax"
     back = rebuild_state(staged.tree, staged.attrs)
     assert isinstance(back["w"], jax.Array)
     assert bits(back["bf16"]) == bits(state["bf16"])
@@ -358,7 +358,7 @@ def test_sharded_jax_arrays_on_one_host_gathered(tmp_path: Path) -> None:
         for k in cases:
             assert np.array_equal(staged.tree[k], full), k
         assert staged.tree["bf16"].tobytes() == full.astype(jnp.bfloat16).tobytes()
-        assert staged.attrs[("grid",)]["devices"] == 4
+        assert staged.attrs["grid"]["devices"] == 4
         target = {
             k: jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=s) for k, s in cases.items()
         }

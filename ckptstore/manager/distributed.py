@@ -48,14 +48,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
-
-import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
@@ -76,15 +73,13 @@ from ckptstore.layout.keys import (
 )
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
-from ckptstore.layout.tree import FlatState, escape_key, flatten, join_path, tree_paths
-from ckptstore.manager.checkpoint_manager import read_selected, rebuild_selected
+from ckptstore.layout.tree import FlatState, escape_key, join_path
+from ckptstore.pipeline.restore import request, restore
+from ckptstore.pipeline.root import Root, opened
 from ckptstore.stage import Stager
 from ckptstore.store.base import Store
-from ckptstore.store.registry import open_store
 
 __all__ = ["Collectives", "LocalGroup", "TorchCollectives", "load", "save"]
-
-Root = str | os.PathLike[str] | Store
 
 
 # =========================================================================== collectives
@@ -447,8 +442,8 @@ def save(
         group: a ``torch.distributed`` process group (default: the whole world).
         coordinator: the rank (within the group) that commits.
         comm: collectives to use instead of ``torch.distributed``.
-        **store_options: passed to ``open_store`` with a URL ``root`` (endpoint, credentials,
-            settings), as ``ckptstore.dcp.Writer`` takes them.
+        **store_options: options for a URL ``root`` (endpoint, credentials, settings), as on
+            every face (:mod:`ckptstore.pipeline.root`).
 
     Returns:
         What was committed, the same on every rank.
@@ -465,7 +460,7 @@ def save(
     if not 0 <= coordinator < comm.world:
         raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
     with (
-        _opened(root, store_options) as store,
+        opened(root, store_options) as store,
         _stager() as stager,
         contextlib.ExitStack() as later,
     ):
@@ -756,17 +751,21 @@ def load(
         step: the step; ``None`` takes the newest committed step as the coordinator sees it,
             so every rank loads the same one (a collective: every rank must call).
         keys: leaf paths or prefixes to read; only their byte ranges are fetched.
-        target: what to rebuild the arrays as (see
-            :meth:`~ckptstore.CheckpointManager.restore`); a state given here without
-            ``keys`` also selects what is read: exactly the leaves it holds.
+        target: what to rebuild the arrays as; a state given here without ``keys`` also
+            selects what is read: exactly the leaves it holds, so a rank reads only its own
+            shards. ``keys`` and ``target`` follow the rule of every face (see
+            :meth:`~ckptstore.CheckpointManager.restore`, :mod:`ckptstore.pipeline.restore`).
         group, coordinator, comm: as for :func:`save`; used only when ``step`` is ``None``.
-        **store_options: passed to ``open_store`` with a URL ``root``.
+        **store_options: options for a URL ``root``, as on every face
+            (:mod:`ckptstore.pipeline.root`).
 
     Raises:
-        NotFoundError: nothing committed, no such step, or keys matching nothing.
+        NotFoundError: nothing committed, no such step, or a key (or target leaf) matching
+            nothing; every such key is named.
         CorruptCheckpointError: anything read fails verification.
     """
-    with _opened(root, store_options) as store:
+    asked = request(keys, target)  # bad arguments fail here, before any collective
+    with opened(root, store_options) as store:
         if step is None:
             comm = comm if comm is not None else TorchCollectives(group)
             found: Any = None
@@ -783,40 +782,10 @@ def load(
             if found is None:
                 raise NotFoundError(f"{store.url}: no committed checkpoint")
             step = int(found)
-        if keys is None and target is not None and not isinstance(target, str):
-            keys = _leaf_paths(target)
-            if not keys:
-                raise ValueError("the load target holds no leaves to load")
-        manifest, arrays, accept = background.run(read_selected(store, step, keys))
-        return rebuild_selected(manifest, arrays, accept, target)
-
-
-def _leaf_paths(target: Any) -> list[str]:
-    """Every leaf path of ``target``: arrays of any framework and plain values."""
-
-    def anything(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], None]:
-        return np.empty(0, np.uint8), None
-
-    flat = flatten(target, convert=anything)
-    arrays, values = tree_paths(flat.tree, len(flat.arrays))
-    return [p for p in arrays if p is not None] + values
+        return restore(store, step, asked)
 
 
 # =========================================================================== helpers
-
-
-@contextlib.contextmanager
-def _opened(root: Root, options: dict[str, Any]) -> Iterator[Store]:
-    if isinstance(root, Store):
-        if options:
-            raise TypeError(f"store options {sorted(options)} apply to a URL, not to an open Store")
-        yield root
-        return
-    store = open_store(os.fspath(root), **options)
-    try:
-        yield store
-    finally:
-        background.run(store.close())
 
 
 @contextlib.contextmanager

@@ -31,7 +31,7 @@ from numpy.typing import NDArray
 
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.pool import ALIGNMENT, BufferPool, HostBuffer, align_up
-from ckptstore.stage.tree import Path, iter_leaves, map_leaves
+from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 
 __all__ = ["LEAF_ALIGNMENT", "ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager"]
 
@@ -151,20 +151,6 @@ def kind_named(name: str) -> ArrayKind:
     raise ValueError(f"unknown array framework {name!r}; use 'numpy', 'torch' or 'jax'")
 
 
-class _Staged:
-    """A staged array and its attributes, handed to the format layer's ``flatten``."""
-
-    __slots__ = ("array", "attrs")
-
-    def __init__(self, array: NDArray[Any], attrs: dict[str, Any]) -> None:
-        self.array = array
-        self.attrs = attrs
-
-    @staticmethod
-    def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any]] | None:
-        return (leaf.array, leaf.attrs) if isinstance(leaf, _Staged) else None
-
-
 @dataclass
 class StagedState:
     """A state whose arrays are host copies the writer owns.
@@ -194,11 +180,11 @@ class StagedState:
             UnsupportedLeafError: a leaf that is neither an array nor a plain value.
         """
         if self._flat is None:
-            tree = map_leaves(
-                lambda path, leaf: _Staged(leaf, self.attrs[path]) if path in self.attrs else leaf,
-                self.tree,
-            )
-            self._flat = flatten(tree, convert=_Staged.convert)
+            # The walker's paths are the checkpoint's paths, so each array's attrs are found
+            # by its path in the flat view.
+            flat = flatten(self.tree, expand=expand)
+            flat.attrs = [self.attrs.get(path) for path in flat.paths]
+            self._flat = flat
         return self._flat
 
     def wait_ready(self) -> None:
@@ -427,7 +413,7 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
 
 
 def _show(path: Path) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
+    return path or "<root>"
 
 
 def contiguous_chunks(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -451,16 +437,6 @@ def target_kind(like: Any) -> ArrayKind | None:
     return None
 
 
-def _lookup(target: Any, path: Path) -> Any | None:
-    node = target
-    for key in path:
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return node
-
-
 def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = None) -> Any:
     """Turn the host arrays of a restored state back into the arrays a caller wants.
 
@@ -478,11 +454,12 @@ def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = No
         ValueError: a target leaf's shape differs from the saved one.
     """
     fixed = kind_named(target) if isinstance(target, str) else None
+    likes = dict(iter_leaves(target)) if target is not None and fixed is None else {}
 
     def rebuild(path: Path, leaf: Any) -> Any:
         if not isinstance(leaf, np.ndarray):
             return leaf
-        like = _lookup(target, path) if target is not None and fixed is None else None
+        like = likes.get(path)
         try:
             return rebuild_leaf(leaf, attrs.get(path, {}), fixed, like)
         except ValueError as exc:
