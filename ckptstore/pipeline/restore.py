@@ -205,7 +205,9 @@ def select(manifest: Manifest, where: str, asked: Request) -> Selection:
     if asked.keys is not None:
         missing = _missing(manifest, asked.keys)
         if missing:
-            named = ", ".join(repr(key) for key in missing)
+            named = ", ".join(repr(key) for key in missing[:5])
+            if len(missing) > 5:
+                named += f" and {len(missing) - 5} more"
             known = sorted(manifest.all_paths())
             raise NotFoundError(
                 f"{where}: step {manifest.step} has no leaf {named} (its paths look like "
