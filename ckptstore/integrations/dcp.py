@@ -26,7 +26,6 @@ writer to another process), and reopen it on first use there.
 
 from __future__ import annotations
 
-import asyncio
 import io
 import os
 import uuid
@@ -53,6 +52,7 @@ from torch.futures import Future
 from ckptstore import background
 from ckptstore.errors import (
     AlreadyExistsError,
+    CheckpointFormatError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -72,13 +72,17 @@ from ckptstore.integrations.tensor_objects import (
     served,
     tensor_bytes,
 )
-from ckptstore.layout.commit import commit_manifest, read_manifest
+from ckptstore.layout.commit import commit_manifest
 from ckptstore.layout.keys import (
     attempt_prefix,
     manifest_key,
     new_attempt_id,
     step_prefix,
 )
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.restore import read_leaves
+from ckptstore.pipeline.restore import find_manifest
+from ckptstore.pipeline.root import check_options
 from ckptstore.store.base import Store
 
 __all__ = ["Reader", "Writer"]
@@ -124,6 +128,7 @@ class Writer(StorageWriter):
         super().__init__()
         if pack_threshold < 0 or pack_size <= 0:
             raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
+        check_options(url, options)  # a bad option fails here, as on every face
         self._target = CheckpointTarget(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
@@ -320,8 +325,10 @@ class Reader(StorageReader):
         self, url: str | os.PathLike[str] | Store, *, step: int | None = None, **options: Any
     ) -> None:
         super().__init__()
+        check_options(url, options)  # a bad option fails here, as on every face
         self._target = CheckpointTarget(url, step, options)
         self.load_id = uuid.uuid4().hex
+        self._manifest: Manifest | None = None
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
     @property
@@ -343,6 +350,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self._target.point_at(checkpoint_id)
         self.load_id = uuid.uuid4().hex
+        self._manifest = None
         self._locations = {}
 
     def read_metadata(self, *args: Any, **options: Any) -> Metadata:
@@ -358,13 +366,19 @@ class Reader(StorageReader):
             raise NotFoundError(f"{self.url}: ckptstore writes no per-rank metadata")
         store, step = self._target.store, self._target.step
         try:
-            manifest = background.run(read_manifest(store, step))
+            manifest = background.run(find_manifest(store, step))
         except NotFoundError:
             raise NotFoundError(
                 f"{self.url} holds no committed checkpoint (no manifest for step {step} of "
                 f"{store.url}); the save may not have finished"
             ) from None
+        if not isinstance(manifest.metadata, dict) or "dcp" not in manifest.metadata:
+            raise CheckpointFormatError(
+                f"{self.url}: step {step} of {store.url} is a ckptstore checkpoint, not a DCP "
+                "one; read it with ckptstore.load or CheckpointManager.restore"
+            )
         metadata = read_dcp_metadata(manifest, f"{store.url}/{manifest_key(step)}")
+        self._manifest = manifest
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -378,6 +392,8 @@ class Reader(StorageReader):
             isinstance(loc, ItemLocation) for loc in locations.values()
         ):
             raise TypeError("this Metadata was not read by ckptstore.dcp.Reader.read_metadata")
+        if self._manifest is None:  # DCP handed over metadata another reader read
+            self._manifest = background.run(find_manifest(self._target.store, self._target.step))
         self._locations = locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -395,7 +411,9 @@ class Reader(StorageReader):
         and shape is read straight into the destination; others go through a scratch buffer
         and are narrowed and copied as DCP's plan says.
         """
-        reads = _ReadPlan(self._locations, plan.items, planner)
+        if self._manifest is None:
+            raise RuntimeError("read_data() called before set_up_storage_reader()")
+        reads = _ReadPlan(self._manifest, self._locations, plan.items, planner)
         try:
             background.run(reads.fetch(self._target.store))
         finally:
@@ -412,23 +430,37 @@ class Reader(StorageReader):
 
 
 class _ReadPlan:
-    """The byte ranges one rank reads, and where each lands."""
+    """The manifest leaves one rank's load plan reads, and where each lands.
+
+    DCP's planner decides which items a rank reads and where they go; the reading and the
+    verification are the restore path's (:func:`ckptstore.layout.restore.read_leaves`, as
+    for every face): each item is a leaf of the manifest, read into the destination tensor's
+    own memory where its layout allows, else into a fresh array, and its crc32c checked.
+    """
 
     def __init__(
         self,
+        manifest: Manifest,
         locations: dict[MetadataIndex, ItemLocation],
         items: Iterable[ReadItem],
         planner: LoadPlanner,
     ) -> None:
+        self.manifest = manifest
         self.items = list(items)
         uses: dict[MetadataIndex, int] = {}
         for req in self.items:
             uses[req.storage_index] = uses.get(req.storage_index, 0) + 1
-        # storage index -> (location, destination buffer, destination tensor if direct)
-        self.buffers: dict[MetadataIndex, tuple[ItemLocation, np.ndarray[Any, Any]]] = {}
+        # the leaf of each stored byte range (empty items have no object and are not read)
+        leaf_at = {
+            (manifest.object_key(obj), manifest.leaf_offset[leaf]): leaf
+            for leaf, obj in enumerate(manifest.leaf_object)
+            if obj >= 0
+        }
+        #: storage index -> (location, its leaf or None when empty)
+        self.leaves: dict[MetadataIndex, tuple[ItemLocation, int | None]] = {}
         self.direct: dict[MetadataIndex, torch.Tensor] = {}
-        #: crc32c of each item's bytes as read (items of length 0 are not read).
-        self.crcs: dict[MetadataIndex, int] = {}
+        self.into: dict[int, np.ndarray[Any, Any]] = {}
+        self.arrays: dict[int, np.ndarray[Any, Any]] = {}
         for req in self.items:
             try:
                 loc = locations[req.storage_index]
@@ -437,46 +469,41 @@ class _ReadPlan:
                     f"the manifest has no item {req.storage_index.fqn} at "
                     f"{req.storage_index.offset}"
                 ) from None
-            if req.storage_index in self.buffers:
+            if req.storage_index in self.leaves:
                 continue
+            leaf = leaf_at.get((loc.key, loc.start)) if loc.length else None
+            if loc.length and leaf is None:
+                raise CorruptCheckpointError(
+                    f"{req.storage_index.fqn}: no manifest leaf at {loc.key} byte {loc.start}"
+                )
+            self.leaves[req.storage_index] = (loc, leaf)
             target = None
             if req.type == LoadItemType.TENSOR and uses[req.storage_index] == 1:
                 target = _direct_target(req, loc, planner)
             if target is not None:
                 self.direct[req.storage_index] = target
-                buffer = (
-                    target.reshape(-1).view(torch.uint8).numpy()
-                    if loc.length
-                    else np.empty(0, np.uint8)
-                )
-            else:
-                buffer = np.empty(loc.length, dtype=np.uint8)
-            self.buffers[req.storage_index] = (loc, buffer)
+                if leaf is not None:
+                    raw = target.reshape(-1).view(torch.uint8).numpy()
+                    self.into[leaf] = raw.view(manifest.dtype(leaf)).reshape(loc.shape)
 
     async def fetch(self, store: Store) -> None:
-        """Read every item's bytes, hashing them as they land (no second pass over them)."""
-        per_object: dict[str, list[MetadataIndex]] = {}
-        for index, (loc, _) in self.buffers.items():
-            if loc.length:
-                per_object.setdefault(loc.key, []).append(index)
+        """Read and verify every non-empty item, straight into direct destinations."""
+        wanted = [leaf for _, leaf in self.leaves.values() if leaf is not None]
+        self.arrays = await read_leaves(store, self.manifest, wanted, self.into)
 
-        async def read(key: str, indices: list[MetadataIndex]) -> None:
-            requests = [(self.buffers[i][0].start, self.buffers[i][1]) for i in indices]
-            crcs = await store.read_ranges_into_crc32c(key, requests)
-            self.crcs.update(zip(indices, crcs, strict=True))
-
-        await asyncio.gather(*(read(key, indices) for key, indices in per_object.items()))
+    def _stored(self, index: MetadataIndex) -> np.ndarray[Any, Any]:
+        """The item's bytes as read (empty for an empty item)."""
+        loc, leaf = self.leaves[index]
+        if leaf is None:
+            if loc.crc32c != crc32c(b""):
+                raise CorruptCheckpointError(f"{index.fqn}: an empty item with a non-empty crc32c")
+            return np.empty(0, np.uint8)
+        return self.arrays[leaf].reshape(-1).view(np.uint8)
 
     def deliver(self, planner: LoadPlanner, url: str) -> None:
-        for index, (loc, buffer) in self.buffers.items():
-            crc = self.crcs[index] if loc.length else crc32c(buffer)
-            if crc != loc.crc32c:
-                raise CorruptCheckpointError(
-                    f"{url}/{loc.key}: item {index.fqn} at bytes [{loc.start}, "
-                    f"{loc.start + loc.length}) fails its crc32c check"
-                )
         for req in self.items:
-            loc, buffer = self.buffers[req.storage_index]
+            loc, _ = self.leaves[req.storage_index]
+            buffer = self._stored(req.storage_index)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(buffer.tobytes()))
                 continue
