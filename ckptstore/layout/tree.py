@@ -269,12 +269,14 @@ def map_leaves(
     *,
     expand: Expand | None = None,
     is_leaf: Callable[[Any], bool] | None = None,
+    on_branch: Callable[[str, Any], Any] | None = None,
 ) -> Any:
     """``state`` rebuilt with every leaf replaced by ``fn(path, leaf)``.
 
     Containers keep their kind (see :meth:`Branch.rebuild`): an ``OrderedDict`` stays one and
     other mappings become ``dict``, lists stay lists, tuples, named tuples, dataclasses and
-    registered nodes keep their type.
+    registered nodes keep their type. ``on_branch(path, container)``, if given, sees each
+    rebuilt container and returns what takes its place.
     """
 
     def visit(node: Any, path: str, depth: int) -> Any:
@@ -285,7 +287,8 @@ def map_leaves(
         values = [
             visit(value, child, depth + 1) for value, child in zip(found.values, paths, strict=True)
         ]
-        return found.rebuild(node, values)
+        rebuilt = found.rebuild(node, values)
+        return rebuilt if on_branch is None else on_branch(path, rebuilt)
 
     return visit(state, "", 0)
 
