@@ -52,7 +52,7 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import background
-from ckptstore.errors import CheckpointFormatError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.integrations.tensor_objects import CheckpointTarget
 from ckptstore.layout.commit import delete_step, write_checkpoint
 from ckptstore.layout.keys import manifest_key
@@ -222,11 +222,6 @@ def _load(store: Store, step: int, map_location: Any) -> Any:
     form = meta.get("format") if isinstance(meta, dict) else None
     if form == _FORMAT_V2:
         return _load_v2(selection, source, map_location)
-    if form != FORMAT:
-        raise CheckpointFormatError(
-            f"{source}: not a Lightning checkpoint written by ckptstore (format {form!r}); "
-            "read it with ckptstore.load or CheckpointManager.restore"
-        )
     device = map_location if isinstance(map_location, str | torch.device) else None
 
     def tensor(array: np.ndarray[Any, Any], path: str, attrs: dict[str, Any] | None) -> Any:
@@ -236,7 +231,8 @@ def _load(store: Store, step: int, map_location: Any) -> Any:
         return out.to(device) if device is not None else out
 
     state = rebuild(selection, leaf=tensor)
-    return _decode(state, meta, source)
+    # A checkpoint another face saved is read too; only this plug-in's records typed values.
+    return _decode(state, meta, source) if form == FORMAT else state
 
 
 def _decode(state: Any, meta: dict[str, Any], source: str) -> Any:

@@ -24,11 +24,10 @@ from ckptstore.layout import commit as _commit
 from ckptstore.layout.commit import CommitInfo
 from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.tree import flatten
 from ckptstore.pipeline import restore as _restore
 from ckptstore.pipeline.restore import LeafRestore
 from ckptstore.pipeline.root import Root, aopened
-from ckptstore.stage.tree import expand
+from ckptstore.stage import Stager
 from ckptstore.store.base import Store
 
 __all__ = [
@@ -61,7 +60,8 @@ async def asave(
     Args:
         root: URL, path or Store of the run's checkpoint root.
         state: nested dicts/lists/tuples (named tuples, dataclasses and registered JAX pytree
-            nodes too) of numpy arrays, numpy scalars and JSON values.
+            nodes too) of numpy arrays and scalars, torch tensors, JAX arrays and JSON values;
+            the arrays must not change until the save returns.
         step: the step number (an int >= 0); each step is written once.
         metadata: JSON stored in the manifest (returned by :func:`aread_manifest`).
         **store_options: options for a URL ``root`` (see :mod:`ckptstore.pipeline.root`).
@@ -71,9 +71,19 @@ async def asave(
         UnsupportedLeafError: a leaf that cannot be stored (named by its path).
         TypeError, ValueError: a store option the backend does not know, or a bad value.
     """
-    flat = flatten(state, expand=expand)
     async with aopened(root, store_options) as store:
-        return await _commit.write_checkpoint(store, flat, step=step, metadata=metadata)
+        # The state is written before this returns, so its host arrays go uncopied.
+        stager = Stager()
+        try:
+            staged = stager.stage(state, copy=False)
+            try:
+                staged.wait_ready()
+                flat = staged.flat()
+                return await _commit.write_checkpoint(store, flat, step=step, metadata=metadata)
+            finally:
+                staged.release()
+        finally:
+            stager.close()
 
 
 async def aread_manifest(root: Root, step: int | None = None, **store_options: Any) -> Manifest:
