@@ -134,13 +134,15 @@ class StoreCheckpointIO(CheckpointIO):
         """Load the checkpoint at ``path``, verifying every tensor's crc32c.
 
         Tensors are created on the CPU; a ``map_location`` that is a device (or its name)
-        moves them there.
+        moves them there. A checkpoint another face saved at ``path`` (``ckptstore.save``,
+        ``CheckpointManager``) is read too, if it holds a dict.
         ``weights_only`` is accepted for Lightning's interface and has no effect: nothing
         stored is pickled (see the module docstring).
 
         Raises:
             FileNotFoundError: no committed checkpoint at ``path``.
             CorruptCheckpointError: the manifest or any byte fails verification.
+            CheckpointFormatError: a DCP checkpoint (read it with ``dcp.load``).
         """
         target = CheckpointTarget(path, None, dict(self.options))
         try:
