@@ -263,13 +263,22 @@ def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
     manifest, asked = selection.manifest, selection.asked
     paths, attrs = manifest.paths, manifest.attrs
 
+    kinds: dict[str, ArrayKind] = {}  # by saved framework; a restore runs this per leaf
+
     def restore_leaf(array: Any, index: int, like: Any) -> Any:
         if leaf is not None:
             return leaf(array, paths[index], attrs[index])
-        if like is None:
+        if like is None and asked.likes:
             like = asked.likes.get(paths[index])
+        leaf_attrs = attrs[index] or {}
         try:
-            return rebuild_leaf(array, attrs[index] or {}, asked.kind, like)
+            if like is not None and asked.kind is None:
+                return rebuild_leaf(array, leaf_attrs, None, like)
+            kind = asked.kind
+            if kind is None:  # as saved
+                name = str(leaf_attrs.get("framework", "numpy"))
+                kind = kinds.get(name) or kinds.setdefault(name, kind_named(name))
+            return kind.rebuild(array, leaf_attrs, None)
         except ValueError as exc:
             raise ValueError(
                 f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}: {exc}"
