@@ -319,3 +319,29 @@ def test_options_with_an_open_store_are_the_same_error_on_every_face(tmp_path: P
         assert len(set(messages.values())) == 1, messages
     finally:
         ckptstore.background.run(store.close())
+
+
+# ------------------------------------------------------------------ options three ways
+
+
+@pytest.mark.s3
+def test_store_options_by_keyword_in_the_url_or_in_an_open_store(moto_s3: Any) -> None:
+    """The issue's own example: ckptstore.save("s3://...", state, step=1, endpoint_url=...)
+    was refused while the manager took the same options. Every way works on every face."""
+    from urllib.parse import urlencode
+
+    options = moto_s3.options()
+    root = f"s3://{moto_s3.bucket}/run"
+    state = make_state(False)
+    ckptstore.save(root, state, step=1, **options)  # keywords
+    assert_same(ckptstore.load(f"{root}?{urlencode(options)}", 1), state, "numpy")  # the query
+    store = ckptstore.open_store(root, **options)
+    try:
+        assert ckptstore.list_steps(store) == [1]  # an open Store carries its own
+        with CheckpointManager(store) as mgr:
+            assert_same(mgr.restore(1), state, "saved")
+        assert_same(cd.load(store, 1, comm=local_group()), state, "saved")
+    finally:
+        ckptstore.background.run(store.close())
+    loaded = StoreCheckpointIO(**options).load_checkpoint(f"{root}/1")
+    assert_same(loaded, state, "saved")
