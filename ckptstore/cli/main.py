@@ -43,7 +43,7 @@ from ckptstore.store.registry import open_store
 if TYPE_CHECKING:
     from ckptstore.layout.manifest import Manifest
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "error_message", "main"]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -1005,6 +1005,15 @@ def _setup_error(exc: BaseException) -> str | None:
         if what is not None:
             return f"{what}: {_one_line(exc)}"
     return None
+
+
+def error_message(exc: BaseException) -> str | None:
+    """The one-line message for an error the user can fix (a ckptstore error or a client
+    library's setup error), or None for anything else, which is a bug and keeps its
+    traceback. Other commands (the example jobs) report errors the way ``ckptstore`` does."""
+    if isinstance(exc, CkptStoreError | UsageError):
+        return _one_line(exc)
+    return _setup_error(exc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
