@@ -118,16 +118,27 @@ def start(args: argparse.Namespace) -> int:
         print(f"error: port {port} on 127.0.0.1 is taken; choose another --port", file=sys.stderr)
         return 1
     workdir = Path(args.dir).resolve()
-    server = SeaweedFS(
-        workdir,
-        access_key=args.access_key,
-        secret_key=args.secret_key,
-        tls=args.tls,
-        tie_to_parent=False,
-        s3_port=port,
-    )
+
+    def server_on(port: int | None) -> SeaweedFS:
+        return SeaweedFS(
+            workdir,
+            access_key=args.access_key,
+            secret_key=args.secret_key,
+            tls=args.tls,
+            tie_to_parent=False,
+            s3_port=port,
+        )
+
     print(f"starting SeaweedFS in {workdir} (takes about 10 s)...", file=sys.stderr, flush=True)
-    server.start()
+    server = server_on(port)
+    try:
+        server.start()
+    except ServerError:
+        if args.port is not None or port is None:
+            raise
+        # Another process took the default port between the check and the start.
+        server = server_on(None).start()
+        note = f" (port {DEFAULT_PORT} was taken, so another one)"
     try:
         server.create_bucket(args.bucket)
         state = server.describe()
