@@ -22,39 +22,143 @@ import shutil
 import subprocess
 import sys
 import unicodedata
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from ckptstore.testing.servers import SeaweedFS, free_ports
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
-BLOCK = re.compile(
-    r"(<!-- doc-test: skip \((?P<why>[^)]+)\) -->\s*)?```python\n(?P<code>.*?)```", re.S
-)
+BLOCK = re.compile(r"(?:<!-- doc-test: (?P<spec>[^>]*?) -->\s*)?```python\n(?P<code>.*?)```", re.S)
+#: The endpoint the docs write for a local S3 server; the test server's replaces it.
+DOCS_ENDPOINT = "http://127.0.0.1:8333"
 
 
-def python_blocks(page: Path) -> list[str]:
-    return [m["code"] for m in BLOCK.finditer(page.read_text()) if not m["why"]]
+@dataclass(frozen=True)
+class Block:
+    """A Python block of a page and how the docs test runs it.
+
+    ``<!-- doc-test: skip (reason) -->`` before a block: not run. ``<!-- doc-test: s3 -->``:
+    it needs an S3 server; it runs against the test SeaweedFS (``DOCS_ENDPOINT`` replaced by
+    its endpoint, the buckets it names created first) and must not be needed by the page's
+    other blocks. ``<!-- doc-test: s3, ranks N -->``: a complete script a launcher such as
+    torchrun starts on N ranks; it runs on N processes with torchrun's environment.
+    """
+
+    code: str
+    skip: bool = False
+    s3: bool = False
+    ranks: int = 0
 
 
-@pytest.mark.parametrize(
-    "page",
-    [p for p in PAGES if python_blocks(p)],
-    ids=lambda p: str(p.relative_to(ROOT)),
-)
-def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
-    script = "\n\n".join(python_blocks(page))
-    (tmp_path / "page.py").write_text(script)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    result = subprocess.run(
-        [sys.executable, "page.py"],
-        cwd=tmp_path,
-        env=env,
+def python_blocks(page: Path) -> list[Block]:
+    out = []
+    for m in BLOCK.finditer(page.read_text()):
+        spec = m["spec"] or ""
+        ranks = re.search(r"\branks (\d+)", spec)
+        out.append(
+            Block(
+                m["code"],
+                skip=spec.startswith("skip"),
+                s3=bool(re.match(r"s3\b", spec)),
+                ranks=int(ranks[1]) if ranks else 0,
+            )
+        )
+    return out
+
+
+def run_script(script: str, cwd: Path, name: str = "page.py") -> subprocess.CompletedProcess[str]:
+    (cwd / name).write_text(script)
+    return subprocess.run(
+        [sys.executable, name],
+        cwd=cwd,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+def local_blocks(page: Path) -> list[str]:
+    return [b.code for b in python_blocks(page) if not (b.skip or b.s3)]
+
+
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if local_blocks(p)],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
+    result = run_script("\n\n".join(local_blocks(page)), tmp_path)
     assert result.returncode == 0, f"{page.name}:\n{result.stdout}\n{result.stderr}"
+
+
+def run_ranks(script: str, ranks: int, cwd: Path) -> list[str]:
+    """``script`` on ``ranks`` processes with the environment torchrun gives each rank;
+    returns each rank's output, after asserting that every rank exited 0."""
+    (cwd / "ranks.py").write_text(script)
+    port = free_ports(1)[0]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "ranks.py"],
+            cwd=cwd,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(ROOT),
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(ranks),
+                "LOCAL_WORLD_SIZE": str(ranks),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for rank in range(ranks)
+    ]
+    outputs = []
+    try:
+        for proc in procs:
+            outputs.append(proc.communicate(timeout=300)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    failed = [
+        f"rank {i}:\n{out}"
+        for i, (p, out) in enumerate(zip(procs, outputs, strict=True))
+        if p.returncode
+    ]
+    assert failed == [], "\n".join(failed)
+    return outputs
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize(
+    "page",
+    [p for p in PAGES if any(b.s3 for b in python_blocks(p))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_server_code_blocks_run(page: Path, tmp_path: Path, seaweedfs: SeaweedFS) -> None:
+    """The page's examples that need an S3 server, against the test SeaweedFS, after the
+    page's other blocks (in page order); scripts for several ranks run last."""
+    blocks = [b for b in python_blocks(page) if not b.skip]
+    to_server = {b.code: b.code.replace(DOCS_ENDPOINT, seaweedfs.s3_endpoint) for b in blocks}
+    for code in to_server.values():
+        for bucket in set(re.findall(r"s3://([a-z0-9][a-z0-9.-]+)/", code)):
+            seaweedfs.create_bucket(bucket)
+    assert all(DOCS_ENDPOINT in b.code for b in blocks if b.s3), "an s3 block names no server"
+    session = [to_server[b.code] for b in blocks if not b.ranks]
+    result = run_script("\n\n".join(session), tmp_path)
+    assert result.returncode == 0, f"{page.name}:\n{result.stdout}\n{result.stderr}"
+    for block in (b for b in blocks if b.ranks):
+        run_ranks(to_server[block.code], block.ranks, tmp_path)
 
 
 def test_docs_site_builds_without_warnings(tmp_path: Path) -> None:
