@@ -429,8 +429,8 @@ async def _show(args: argparse.Namespace) -> Outcome:
     lines = [
         f"{url} step {step}",
         f"  committed  {_when(summary.created)} (attempt {summary.attempt})",
-        f"  size       {format_bytes(summary.nbytes)} in {summary.objects} objects, "
-        f"{summary.leaves} arrays, {len(values)} plain values",
+        f"  size       {format_bytes(summary.nbytes)} in {count(summary.objects, 'object')}, "
+        f"{count(summary.leaves, 'array')}, {count(len(values), 'plain value')}",
         f"  metadata   {json.dumps(manifest.metadata)}",
         "",
         render_table(
@@ -745,7 +745,11 @@ async def _tune(args: argparse.Namespace) -> Outcome:
         ),
         "",
         render_table(
-            [f"{args.small_count} objects of {format_bytes(args.small_size)}", "PUT/s", "GET/s"],
+            [
+                f"{count(args.small_count, 'object')} of {format_bytes(args.small_size)}",
+                "PUT/s",
+                "GET/s",
+            ],
             small_rows,
         ),
         "",
