@@ -40,6 +40,15 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     return status, out, err
 
 
+def run_refused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run a command that must fail with status 1 having printed nothing on stdout; returns
+    its stderr."""
+    status, out, err = run(capsys, *argv)
+    assert status == cli.EXIT_ERROR, err
+    assert out == ""
+    return err
+
+
 def assert_one_line_error(err: str, *fragments: str) -> None:
     assert "Traceback" not in err
     lines = err.strip().splitlines()
@@ -79,9 +88,7 @@ def test_bad_command_line_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_unknown_scheme_is_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
-    status, out, err = run(capsys, "tune", "nosuchscheme://bucket/x")
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "tune", "nosuchscheme://bucket/x")
     assert_one_line_error(err, "nosuchscheme://", "no backend")
 
 
@@ -209,9 +216,7 @@ def test_ls_of_an_empty_root(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 
 
 def test_ls_of_a_missing_directory(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    status, out, err = run(capsys, "ls", str(tmp_path / "nope"))
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "ls", str(tmp_path / "nope"))
     assert_one_line_error(err, "no such directory")
 
 
@@ -421,9 +426,7 @@ def test_rm_deletes_steps(capsys: pytest.CaptureFixture[str], run_dir: Path) -> 
 def test_rm_checks_every_step_before_deleting_any(
     capsys: pytest.CaptureFixture[str], run_dir: Path
 ) -> None:
-    status, out, err = run(capsys, "rm", str(run_dir), "5", "100", "10", "7")
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "rm", str(run_dir), "5", "100", "10", "7")
     assert_one_line_error(err, "no steps 100, 7 to delete", "nothing was deleted")
     assert ckptstore.list_steps(run_dir) == [5, 10]
     assert data_files(run_dir, 5)
@@ -505,9 +508,7 @@ def test_counts_are_singular_for_one(capsys: pytest.CaptureFixture[str], tmp_pat
 def test_verify_names_every_missing_step_and_checks_nothing(
     capsys: pytest.CaptureFixture[str], run_dir: Path
 ) -> None:
-    status, out, err = run(capsys, "verify", str(run_dir), "5", "6", "10", "11")
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "verify", str(run_dir), "5", "6", "10", "11")
     assert_one_line_error(err, "steps 6, 11 are not committed", "committed: 5, 10")
 
 
@@ -515,9 +516,7 @@ def test_cp_checks_named_steps_before_copying_any(
     capsys: pytest.CaptureFixture[str], run_dir: Path, tmp_path: Path
 ) -> None:
     dst = tmp_path / "copy"
-    status, out, err = run(capsys, "cp", str(run_dir), str(dst), "--step", "5", "--step", "3")
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "cp", str(run_dir), str(dst), "--step", "5", "--step", "3")
     assert_one_line_error(err, "step 3 is not committed", "nothing was copied")
     assert ckptstore.list_steps(dst) == []
 
@@ -826,9 +825,7 @@ def test_s3_without_credentials_is_one_line_error(
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
     monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # never ask 169.254.169.254
-    status, out, err = run(capsys, "ls", f"s3://{moto_s3.bucket}/run", *s3_options(moto_s3))
-    assert status == cli.EXIT_ERROR
-    assert out == ""
+    err = run_refused(capsys, "ls", f"s3://{moto_s3.bucket}/run", *s3_options(moto_s3))
     assert_one_line_error(err, "credentials")
 
 

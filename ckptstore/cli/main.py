@@ -43,7 +43,16 @@ from ckptstore.store.registry import open_store
 if TYPE_CHECKING:
     from ckptstore.layout.manifest import Manifest
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "error_message", "main"]
+__all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Failure",
+    "error_message",
+    "main",
+    "reporting_errors",
+]
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -1014,10 +1023,37 @@ def _setup_error(exc: BaseException) -> str | None:
 def error_message(exc: BaseException) -> str | None:
     """The one-line message for an error the user can fix (a ckptstore error or a client
     library's setup error), or None for anything else, which is a bug and keeps its
-    traceback. Other commands (the example jobs) report errors the way ``ckptstore`` does."""
+    traceback."""
     if isinstance(exc, CkptStoreError | UsageError):
         return _one_line(exc)
     return _setup_error(exc)
+
+
+@dataclass
+class Failure:
+    """The exit status :func:`reporting_errors` chose, or None if the work succeeded."""
+
+    status: int | None = None
+
+
+@contextlib.contextmanager
+def reporting_errors(prog: str) -> Iterator[Failure]:
+    """Report an error the user can fix as one line ``PROG: error: ...`` on stderr (status
+    1) and an interrupt as ``PROG: interrupted`` (status 130), in the yielded
+    :class:`Failure`; anything else is a bug and propagates with its traceback. Other
+    commands (the example jobs) report errors the way ``ckptstore`` does through it."""
+    failure = Failure()
+    try:
+        yield failure
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        failure.status = 130
+    except Exception as exc:
+        message = error_message(exc)
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        failure.status = EXIT_ERROR
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -1028,21 +1064,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        command: Command = args.func
+    command: Command = args.func
+    with reporting_errors(f"ckptstore {args.command}") as failure:
         outcome = asyncio.run(command(args))
-    except (CkptStoreError, UsageError) as exc:
-        print(f"ckptstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(f"ckptstore {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        message = _setup_error(exc)
-        if message is None:
-            raise
-        print(f"ckptstore {args.command}: error: {message}", file=sys.stderr)
-        return EXIT_ERROR
+    if failure.status is not None:
+        return failure.status
     try:
         if args.json:
             print(json.dumps(outcome.data, indent=2, sort_keys=False))

@@ -11,10 +11,9 @@ is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Callable
 
-from ckptstore.cli.main import error_message
+from ckptstore.cli.main import reporting_errors
 
 __all__ = ["job_parser", "run_job"]
 
@@ -34,14 +33,6 @@ def job_parser(module: str, doc: str | None) -> argparse.ArgumentParser:
 
 def run_job(prog: str, job: Callable[[], int]) -> int:
     """Run ``job`` and return its exit status; a user's error becomes one line and status 1."""
-    try:
+    with reporting_errors(prog) as failure:
         return job()
-    except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        message = error_message(exc)
-        if message is None:
-            raise
-        print(f"{prog}: error: {message}", file=sys.stderr)
-        return 1
+    return failure.status if failure.status is not None else 1
