@@ -555,6 +555,40 @@ def test_cp_copies_the_intact_steps_and_names_the_damaged_one(
     assert report["not_attempted"] == []
 
 
+def test_cp_stops_at_an_error_of_the_destination_and_says_what_it_copied(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    run_dir: Path,
+    tmp_path: Path,
+) -> None:
+    """An error that is not about one step (here every write of step 10 at the destination
+    fails) stops cp: later steps are not attempted, and the report says exactly that."""
+    from ckptstore.store.wrappers import Fault, FaultStore, transient_error
+
+    ckptstore.save(run_dir, make_state(15), step=15)
+    dst = tmp_path / "copy"
+    command = importlib.import_module("ckptstore.cli.main")
+    opened = command.open_store
+
+    def faulty(url: str, **options: Any) -> Any:
+        store = opened(url, **options)
+        if url != str(dst):
+            return store
+        return FaultStore(store, [Fault(frozenset({"put"}), error=transient_error, key="^10/")])
+
+    monkeypatch.setattr(command, "open_store", faulty)
+    status, out, err = run(capsys, "cp", str(run_dir), str(dst), "--json")
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, "step 10 not copied:", "injected fault")
+    assert "copied or already there: step 5; not attempted: 15." in err
+    report = json.loads(out)
+    assert [s["step"] for s in report["steps"]] == [5]
+    assert [f["step"] for f in report["failed"]] == [10]
+    assert report["not_attempted"] == [15]
+    assert ckptstore.list_steps(dst) == [5]
+    assert not (dst / "10").exists() or data_files(dst, 10) == []  # its attempt removed
+
+
 def test_a_refused_cp_leaves_nothing_at_the_destination(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

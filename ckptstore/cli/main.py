@@ -566,7 +566,7 @@ async def _cp(args: argparse.Namespace) -> Outcome:
         total = 2 * sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
         reports: list[CopyReport] = []
         failed: dict[int, str] = {}  # step -> why it was not copied
-        stopped: str | None = None
+        stopped: int | None = None  # the step an error that would fail every step hit
         with progress_bar(args, total, "copy+verify", unit="B") as bar:
             for step, manifest in zip(steps, manifests, strict=True):
                 if isinstance(manifest, CkptStoreError):
@@ -578,7 +578,8 @@ async def _cp(args: argparse.Namespace) -> Outcome:
                     refused(step, _one_line(exc))
                     continue
                 except (CkptStoreError, OSError) as exc:
-                    stopped = _one_line(exc)
+                    failed[step] = _one_line(exc)
+                    stopped = step
                     break
                 reports.append(r)
                 say(
@@ -602,8 +603,11 @@ async def _cp(args: argparse.Namespace) -> Outcome:
     copied = f"copied or already there: {step_list(done)}" if done else "nothing was copied"
     damage = f"'ckptstore verify {args.src} {' '.join(map(str, failed))}' shows the damage"
     if stopped is not None:
+        others = [s for s in failed if s != stopped]
+        also = f" (also not copied: {step_list(others)})" if others else ""
+        rest = f"; not attempted: {', '.join(map(str, untried))}" if untried else ""
         error = (
-            f"{stopped}; {copied}; not attempted: {', '.join(map(str, untried))}. Once fixed, "
+            f"step {stopped} not copied: {failed[stopped]}{also}; {copied}{rest}. Once fixed, "
             "run the same command again: steps already at the destination are skipped"
         )
     else:
