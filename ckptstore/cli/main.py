@@ -25,9 +25,9 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from ckptstore.config import parse_size
 from ckptstore.errors import (
@@ -53,6 +53,8 @@ __all__ = [
     "main",
     "reporting_errors",
 ]
+
+_T = TypeVar("_T")
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -314,13 +316,7 @@ async def _named_steps(store: Store, requested: Sequence[int | None], verb: str)
 
     latest = await _resolve_step(store, None) if None in requested else -1
     steps = list(dict.fromkeys(latest if s is None else s for s in requested))
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
-
-    async def committed(step: int) -> bool:
-        async with slots:
-            return await store.exists(manifest_key(step))
-
-    present = await asyncio.gather(*(committed(step) for step in steps))
+    present = await _per_step(store, steps, lambda step: store.exists(manifest_key(step)))
     missing = [step for step, ok in zip(steps, present, strict=True) if not ok]
     if missing:
         known = await committed_steps(store)  # listed only to say what there is
@@ -338,20 +334,31 @@ async def _named_steps(store: Store, requested: Sequence[int | None], verb: str)
     return steps
 
 
+async def _per_step(
+    store: Store, steps: Sequence[int], request: Callable[[int], Awaitable[_T]]
+) -> list[_T]:
+    """``request(step)`` for every step, at most ``max_concurrency`` at a time (a command
+    may name hundreds of steps), in the order of ``steps``."""
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+
+    async def bounded(step: int) -> _T:
+        async with slots:
+            return await request(step)
+
+    return list(await asyncio.gather(*(bounded(step) for step in steps)))
+
+
 async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | CkptStoreError]:
     """The manifest of each step, or the error that reading it raised (invalid ones)."""
     from ckptstore.manager.functions import aread_manifest
 
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
-
     async def read(step: int) -> Manifest | CkptStoreError:
-        async with slots:
-            try:
-                return await aread_manifest(store, step)
-            except CorruptCheckpointError as exc:
-                return exc
+        try:
+            return await aread_manifest(store, step)
+        except CorruptCheckpointError as exc:
+            return exc
 
-    return list(await asyncio.gather(*(read(step) for step in steps)))
+    return await _per_step(store, steps, read)
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
@@ -660,7 +667,7 @@ async def _rm(args: argparse.Namespace) -> Outcome:
         url = store.url
         # Every named step is checked before any is deleted: a mistyped step must not
         # leave the others half done.
-        listings = await asyncio.gather(*(store.list_keys(step_prefix(s)) for s in steps))
+        listings = await _per_step(store, steps, lambda step: store.list_keys(step_prefix(step)))
         missing = [
             s for s, keys in zip(steps, listings, strict=True) if not any(map(is_own_key, keys))
         ]
@@ -674,15 +681,15 @@ async def _rm(args: argparse.Namespace) -> Outcome:
                 done = f"deleted {step_list(removed)} before it" if removed else "nothing deleted"
                 return Outcome(
                     {"url": url, "removed": removed, "not_removed": rest},
-                    "\n".join(f"removed step {s}" for s in removed),
+                    "",
                     EXIT_ERROR,
                     error=f"step {step}: {_one_line(exc)}; {done}; not deleted: "
                     f"{', '.join(map(str, rest))}",
                 )
             removed.append(step)
-    return Outcome(
-        {"url": url, "removed": removed}, "\n".join(f"removed step {s}" for s in removed)
-    )
+            if not args.json:  # said as each step goes, so an interrupted rm has told
+                print(f"removed step {step}", flush=True)
+    return Outcome({"url": url, "removed": removed}, "")
 
 
 # ----------------------------------------------------------------- tune
