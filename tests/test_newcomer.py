@@ -148,3 +148,20 @@ def test_local_s3_takes_a_free_port_when_8333_is_taken_and_says_so(tmp_path: Pat
         assert "nothing to stop" in nothing.stderr
     finally:
         holder.close()
+
+
+def test_local_s3_needs_nothing_from_the_test_extra(tmp_path: Path) -> None:
+    """The page installs '.[torch,local-s3]', without pytest or hypothesis: the command must
+    not import them (ckptstore.testing's suites do, so the package loads them lazily)."""
+    blocked = "import sys; sys.modules['pytest'] = sys.modules['hypothesis'] = None; "
+    run = "import runpy; runpy.run_module('ckptstore.testing.local_s3', run_name='__main__')"
+    result = subprocess.run(
+        [sys.executable, "-c", blocked + run, "status", "--dir", str(tmp_path / "none")],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1, result.stderr  # 1: not running, and no ImportError
+    assert "not running (no state file at" in result.stdout
+    assert "Error" not in result.stderr
