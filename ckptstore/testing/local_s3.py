@@ -59,6 +59,9 @@ def s3_url(endpoint: str, bucket: str, *, anonymous: bool, prefix: str = _RUN_PR
 
 def _port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        # As the server binds (Go sets SO_REUSEADDR): a port left in TIME_WAIT by the
+        # previous run is free for it, and must not push a restart onto another port.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
