@@ -123,8 +123,9 @@ def test_local_s3_takes_a_free_port_when_8333_is_taken_and_says_so(tmp_path: Pat
 
     command = "python -m ckptstore.testing.local_s3"
     holder = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past a TIME_WAIT
     try:
-        with contextlib.suppress(OSError):  # already taken by someone else: just as good
+        with contextlib.suppress(OSError):  # a listener holds it already: just as good
             holder.bind(("127.0.0.1", DEFAULT_PORT))
             holder.listen()
         started = shell(f"{command} start --dir ./s3 --bucket other", tmp_path, timeout=180)
