@@ -5,7 +5,8 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
 (``s3://b/run/epoch=0-step=100.ckpt`` becomes a prefix, not one file):
 
 * it is an ordinary ckptstore checkpoint, step 0 of the root at that path (or step N if the
-  path ends in a step number), written by :func:`ckptstore.layout.write_checkpoint`: small
+  path ends in a step number), written by the one save pipeline
+  (:func:`ckptstore.pipeline.save.save_flat`), with every dtype the manager stores: small
   tensors packed together, large ones uploaded in parallel parts, every leaf with a crc32c
   that is verified on load, and the manifest written last with one put-if-absent, so a
   checkpoint is visible only once every byte is durable;
@@ -49,11 +50,12 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
-from ckptstore.integrations.tensor_objects import CheckpointTarget, numpy_dtype, torch_dtype
-from ckptstore.layout.commit import delete_step, read_manifest, write_checkpoint
+from ckptstore.integrations.tensor_objects import CheckpointTarget, host_array, torch_dtype
+from ckptstore.layout.commit import delete_step, read_manifest
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState
+from ckptstore.pipeline import save as save_path
 from ckptstore.store.base import Store
 
 __all__ = ["StoreCheckpointIO"]
@@ -162,7 +164,7 @@ class StoreCheckpointIO(CheckpointIO):
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
     tensors: list[torch.Tensor] = []
     blob = json.dumps(_encode(checkpoint, tensors), allow_nan=False).encode()
-    arrays = [_as_numpy(t) for t in tensors]
+    arrays = [host_array(t) for t in tensors]
     arrays.append(np.frombuffer(blob, dtype=np.uint8))
     n = len(tensors)
     flat = FlatState(
@@ -171,17 +173,7 @@ def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
         arrays=arrays,
         attrs=[None] * (n + 1),
     )
-    background.run(write_checkpoint(store, flat, step=step, metadata={"format": FORMAT}))
-
-
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-    """A numpy view of a CPU copy-free version of ``tensor``, bfloat16 and float8 included."""
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    dtype = numpy_dtype(tensor.dtype)
-    if tensor.numel() == 0:
-        return np.empty(tuple(tensor.shape), dtype=dtype)
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return raw.view(dtype).reshape(tuple(tensor.shape))
+    background.run(save_path.save_flat(store, flat, step=step, metadata={"format": FORMAT}))
 
 
 def _encode(value: Any, tensors: list[torch.Tensor], where: str = "checkpoint") -> Any:

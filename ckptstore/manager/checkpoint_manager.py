@@ -38,16 +38,12 @@ import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import NotFoundError
-from ckptstore.layout.commit import (
-    committed_steps,
-    delete_step,
-    read_manifest,
-    write_checkpoint,
-)
+from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
-from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
+from ckptstore.layout.tree import flatten, select_paths, unflatten
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
+from ckptstore.pipeline import save as save_path
 from ckptstore.stage import StagedState, Stager
 from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
 from ckptstore.store.base import Store
@@ -116,7 +112,9 @@ class CheckpointManager:
             self._store, self._owns_store = url, False
         else:
             self._store, self._owns_store = open_store(url, **store_options), True
-        self._stager = stager if stager is not None else Stager()
+        if stager is None:
+            stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
+        self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
         self._closed = False
@@ -175,19 +173,13 @@ class CheckpointManager:
             json.dumps(document)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
-        flats: list[FlatState] = []
 
         def stage() -> StagedState:
-            staged = self._stager.stage(state)
-            try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
-                flats.append(staged.flat())
-            except BaseException:
-                staged.release()
-                raise
-            return staged
+            # in the caller's thread, so an unstorable leaf fails this call, not a later one
+            return save_path.stage(self._stager, state)
 
         async def write(staged: StagedState) -> None:
-            await write_checkpoint(self._store, flats[0], step=step, metadata=document)
+            await save_path.save_staged(self._store, staged, step=step, metadata=document)
             self._info[step] = (manager_meta["time"], metrics)
             await self._retain()
 

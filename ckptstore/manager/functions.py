@@ -27,6 +27,7 @@ from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import flatten, select_paths, unflatten
+from ckptstore.pipeline import save as save_path
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 
@@ -79,9 +80,9 @@ async def asave(root: Root, state: Any, *, step: int, metadata: Any = None) -> C
         CommitConflictError: ``step`` is already committed (by this or another writer).
         UnsupportedLeafError: a leaf that cannot be stored (named by its path).
     """
-    flat = flatten(state)
+    flat = flatten(state)  # refuses an unstorable leaf before the store is opened
     async with _opened(root) as store:
-        return await _commit.write_checkpoint(store, flat, step=step, metadata=metadata)
+        return await save_path.save_flat(store, flat, step=step, metadata=metadata)
 
 
 async def aread_manifest(root: Root, step: int | None = None) -> Manifest:
