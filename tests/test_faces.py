@@ -76,7 +76,7 @@ def make_state(extended: bool) -> dict[str, Any]:
         "done": False,
         "nothing": None,
     }
-    if extended:  # the dtypes the manager stores and DCP's dtype table does not (yet) know
+    if extended:  # the dtypes DCP's and Lightning's own dtype tables used to refuse
         state["model"]["c32"] = torch.randn(3, dtype=torch.complex64, generator=g).to(
             torch.complex32
         )
@@ -166,19 +166,8 @@ def cells() -> list[Any]:
     for extended in (False, True):
         for saver in FACES:
             for loader in FACES:
-                marks = []
-                if extended and saver == "dcp":
-                    marks.append(
-                        pytest.mark.xfail(
-                            strict=True,
-                            raises=CheckpointException,  # DCP wraps the writer's TypeError
-                            reason="complex32 and float8_e8m0fnu: the DCP writer's dtype table "
-                            "(integrations/tensor_objects.py) is not yet the stager's one; the "
-                            "dtype-table unification of issue 16 fixes it",
-                        )
-                    )
                 name = f"{saver}-to-{loader}{'-extended-dtypes' if extended else ''}"
-                out.append(pytest.param(saver, loader, extended, marks=marks, id=name))
+                out.append(pytest.param(saver, loader, extended, id=name))
     return out
 
 

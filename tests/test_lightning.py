@@ -321,3 +321,30 @@ def test_checkpoints_of_the_earlier_format_still_load(tmp_path: Path) -> None:
 def test_store_options_are_checked_when_the_plugin_is_built() -> None:
     with pytest.raises(ValueError, match="cannot parse size"):
         StoreCheckpointIO(part_size="lots")
+
+
+def every_stored_dtype() -> list[Any]:
+    from ckptstore.stage.torch import dtype_table
+
+    return list(dtype_table())
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("dtype", every_stored_dtype(), ids=str)
+def test_every_dtype_the_manager_stores_round_trips_bit_exact(dtype: Any, tmp_path: Path) -> None:
+    # One dtype table for every face: complex32, float8_e8m0fnu, bfloat16, each float8...
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for numel in (24, 4096):  # packed, and an object of its own
+        if dtype == torch.bool:
+            tensors.append(torch.randint(0, 2, (numel,), generator=g).to(torch.bool))
+        else:  # random bytes: NaN payloads and all
+            raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+            tensors.append(raw.view(dtype))
+    io = StoreCheckpointIO(pack_threshold=1024)
+    path = str(tmp_path / "ck")
+    io.save_checkpoint({"state_dict": {"small": tensors[0], "large": tensors[1]}}, path)
+    loaded = io.load_checkpoint(path)["state_dict"]
+    for key, expected in zip(("small", "large"), tensors, strict=True):
+        assert loaded[key].dtype == dtype
+        assert torch.equal(loaded[key].view(torch.uint8), expected.view(torch.uint8)), key

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ckptstore.stage import BufferPool, Stager, rebuild_state
-from ckptstore.stage.pool import ALIGNMENT
+from ckptstore.store.buffers import PAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_pool_reuses_a_released_arena() -> None:
     pool = BufferPool()
     first = pool.acquire(10_000)
     assert first.capacity >= 10_000
-    assert first.data.ctypes.data % ALIGNMENT == 0
+    assert first.data.ctypes.data % PAGE == 0
     address = first.data.ctypes.data
     first.release()
     first.release()  # idempotent
@@ -55,6 +55,28 @@ def test_pool_does_not_lend_an_arena_much_larger_than_asked() -> None:
     # the big arena was dropped rather than kept beside the new one
     assert pool.stats().allocations == 2
     assert pool.stats().idle_bytes == 0
+
+
+def test_pool_allocates_pinned_arenas_with_the_callers_allocator() -> None:
+    # The pool lives in store/ and knows no framework: page-locked memory comes from the
+    # allocator the caller passes (the stager passes torch's).
+    calls: list[int] = []
+
+    def pin(capacity: int) -> tuple[np.ndarray, Any]:
+        calls.append(capacity)
+        owner = np.empty(capacity, np.uint8)
+        return owner, owner
+
+    pool = BufferPool()
+    pinned = pool.acquire(5000, pin=pin)
+    assert pinned.pinned
+    assert calls == [pinned.capacity]
+    pinned.release()
+    pageable = pool.acquire(5000)  # a pageable request never gets the pinned arena
+    assert not pageable.pinned
+    assert pageable is not pinned
+    assert pool.acquire(5000, pin=pin) is pinned  # a pinned one does, without allocating
+    assert len(calls) == 1
 
 
 def test_pool_view_rejects_ranges_outside_the_arena() -> None:
@@ -418,7 +440,10 @@ def test_importing_ckptstore_imports_neither_torch_nor_jax() -> None:
 
 
 def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> None:
-    from ckptstore.stage.stager import LEAF_ALIGNMENT, PAGE_ALIGN_MIN
+    from ckptstore.config import default_settings
+    from ckptstore.stage.stager import PAGE_ALIGN_MIN
+
+    leaf_alignment = default_settings().leaf_alignment
 
     state = {
         "tiny": np.arange(3, dtype=np.int8),
@@ -428,10 +453,10 @@ def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> Non
     }
     staged = Stager().stage(state)
     for key in ("big", "big2"):
-        assert staged.tree[key].ctypes.data % ALIGNMENT == 0, key
+        assert staged.tree[key].ctypes.data % PAGE == 0, key
         assert bits(staged.tree[key]) == bits(state[key])
     for key in ("tiny", "odd"):
-        assert staged.tree[key].ctypes.data % LEAF_ALIGNMENT == 0, key
+        assert staged.tree[key].ctypes.data % leaf_alignment == 0, key
         assert bits(staged.tree[key]) == bits(state[key])
 
 

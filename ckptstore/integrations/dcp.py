@@ -5,7 +5,8 @@ on any ckptstore URL, and ``dcp.load(state, storage_reader=Reader(...))`` reads 
 DCP's planning and resharding unchanged. What this layer adds to DCP's own file writers:
 
 * **Commit.** Every rank writes its objects under one fresh attempt prefix
-  (``<url>/<attempt>/r<rank>-<n>``), chosen by the coordinator in ``prepare_global_plan``.
+  (``<url>/<attempt>/r<rank>-pack-<n>``, ``...-leaf-<n>``), drawn by the coordinator in
+  ``prepare_global_plan``.
   DCP gathers every rank's write results to the coordinator, whose ``finish`` writes
   ``<url>/manifest.json`` with one put-if-absent, after every object is durable. A checkpoint
   is visible if and only if that manifest exists; a rank that fails or dies makes DCP skip
@@ -13,9 +14,12 @@ DCP's planning and resharding unchanged. What this layer adds to DCP's own file 
   No rename is involved, so this is as safe on S3 and GCS as on a local disk.
 * **No pickle from storage.** DCP's ``Metadata`` goes into the manifest as JSON
   (:mod:`ckptstore.integrations.dcp_manifest`) and is validated before any data read.
-* **Packing.** Items under ``pack_threshold`` bytes are copied into pack objects of up to
-  ``pack_size`` bytes, so thousands of small tensors cost a handful of PUTs; larger tensors are
-  written straight from their memory, one object each, as parallel multipart uploads.
+* **One save path.** Items are planned, packed, written and committed by the same pipeline
+  as every other save (:mod:`ckptstore.pipeline.save`): items under ``pack_threshold`` bytes
+  are copied into pooled pack objects of up to ``pack_size`` bytes at
+  ``Settings.leaf_alignment``, so thousands of small tensors cost a handful of PUTs; larger
+  tensors are written straight from their memory, one object each, as parallel multipart
+  uploads. Every dtype the manager stores is accepted (bfloat16, complex32, each float8).
 * **Verified parallel reads.** Each rank fetches just the items its load plan names, as ranged
   reads merged per object and issued in parallel, straight into the destination tensors where
   their layout allows, and checks every item's crc32c.
@@ -26,7 +30,10 @@ writer to another process), and reopen it on first use there.
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import io
+import math
 import os
 import uuid
 from collections.abc import Iterable
@@ -53,6 +60,7 @@ from ckptstore import background
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointFormatError,
+    CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -63,27 +71,18 @@ from ckptstore.integrations.dcp_manifest import (
     dtype_name,
     read_dcp_metadata,
 )
-from ckptstore.integrations.tensor_objects import (
-    CheckpointTarget,
-    Packer,
-    Placed,
-    UploadBatch,
-    crc32c,
-    served,
-    tensor_bytes,
-)
-from ckptstore.layout.commit import commit_manifest
-from ckptstore.layout.keys import (
-    attempt_prefix,
-    manifest_key,
-    new_attempt_id,
-    step_prefix,
-)
+from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, served
+from ckptstore.layout.keys import manifest_key, step_prefix
 from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.restore import read_leaves
+from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest
 from ckptstore.pipeline.root import check_options
+from ckptstore.pipeline.save import Attempt, Written
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.fanout import gather_all
 
 __all__ = ["Reader", "Writer"]
 
@@ -92,7 +91,7 @@ __all__ = ["Reader", "Writer"]
 class _AttemptPrefix:
     """What the coordinator hands each rank in ``SavePlan.storage_data``."""
 
-    attempt: str
+    attempt: Attempt
     rank: int
 
 
@@ -135,7 +134,7 @@ class Writer(StorageWriter):
         self.save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
-        self._attempt: str | None = None
+        self._attempt: Attempt | None = None
 
     @property
     def url(self) -> str:
@@ -181,12 +180,13 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # docstring inherited
         store, step = self._target.store, self._target.step
-        if background.run(store.exists(manifest_key(step))):
+        try:
+            attempt = background.run(save_path.begin(store, step))
+        except CommitConflictError:
             raise AlreadyExistsError(
                 f"{self.url} already holds a committed checkpoint (step {step} of "
                 f"{store.url}); save to a new URL (checkpoints are immutable)"
-            )
-        attempt = new_attempt_id()
+            ) from None
         return [
             SavePlan(
                 items=plan.items,
@@ -198,71 +198,113 @@ class Writer(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Resolve every item, pack the small ones, and upload in the background.
+        """Plan, pack and write this rank's items with the one save pipeline
+        (:mod:`ckptstore.pipeline.save`).
 
-        Returns a future that completes, with one ``WriteResult`` per item, once every object
-        of this rank is durable.
+        Tensor items are planned from DCP's metadata before any is resolved; each object is
+        written on the background loop as soon as its items are resolved, so the first
+        uploads overlap the resolution (device copies, serialisation) of the rest. Returns a
+        future that completes, with one ``WriteResult`` per item, once every object of this
+        rank is durable. On a failure this rank's objects are removed (best effort).
         """
-        prefix = plan.storage_data
-        if not isinstance(prefix, _AttemptPrefix):
+        given = plan.storage_data
+        if not isinstance(given, _AttemptPrefix):
             raise TypeError(
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
-        self._attempt = prefix.attempt
-        batch = UploadBatch(
-            self._target.store, f"{attempt_prefix(self._target.step, prefix.attempt)}r{prefix.rank}"
-        )
-        packer: Packer[WriteItem] = Packer(batch, self.pack_size)
-        placed: list[Placed[WriteItem]] = []
-        for item in plan.items:
-            data, keep = _resolve(planner, item)
-            if len(data) >= self.pack_threshold:
-                placed.append(batch.single(item, data, keep))
+        self._attempt = given.attempt
+        store, handle, coordinator = self._target.store, self._target.handle, self._is_coordinator
+        prefix = f"{given.attempt.prefix}r{given.rank}-"
+        items = list(plan.items)
+        arrays: list[Any] = [None] * len(items)
+        keep: list[object] = []  # owners of the arrays' memory, alive until the writes end
+        lengths = []
+        for leaf, item in enumerate(items):
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                arrays[leaf], owner = _resolve(planner, item)  # serialised now: sized by it
+                keep.append(owner)
+                lengths.append(arrays[leaf].nbytes)
             else:
-                placed.extend(packer.add(item, data))
-        placed.extend(packer.flush())
-        results = [_result(p) for p in placed]
+                lengths.append(_planned_bytes(item))
+        packing = save_path.plan(
+            store,
+            lengths,
+            [item.index.fqn for item in items],
+            pack_threshold=self.pack_threshold,
+            pack_size=self.pack_size,
+        )
+        writer = save_path.object_writer(store, packing, prefix, arrays)
+        writes: list[concurrent.futures.Future[None]] = []
+
+        async def abandon() -> None:
+            # wait for the writes already started (a write cannot be stopped halfway), then
+            # remove what they wrote
+            await asyncio.gather(*(asyncio.wrap_future(w) for w in writes), return_exceptions=True)
+            await save_path.discard(store, prefix)
+            await handle.arelease()
+
+        async def settle_writes() -> list[WriteResult]:
+            try:
+                await gather_all((asyncio.wrap_future(w) for w in writes), cancel=False)
+            except BaseException:
+                await abandon()
+                raise
+            if not coordinator:  # the coordinator commits in finish(), with the same store
+                await handle.arelease()
+            return _results(items, packing, writer.written, prefix)
+
+        try:
+            for number, obj in enumerate(packing.objects):
+                for leaf in obj.leaves:
+                    if arrays[leaf] is None:
+                        arrays[leaf], owner = _resolve(planner, items[leaf], lengths[leaf])
+                        keep.append(owner)
+                writes.append(background.submit(writer.write(number)))
+        except BaseException:
+            background.submit(abandon())
+            raise
 
         future: Future[list[WriteResult]] = Future()
 
-        def settle(error: BaseException | None) -> None:
+        def settle(done: concurrent.futures.Future[list[WriteResult]]) -> None:
+            keep.clear()
+            error = done.exception()
             if error is None:
-                future.set_result(results)
+                future.set_result(done.result())
             else:
                 future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
 
-        handle, coordinator = self._target.handle, self._is_coordinator
-
-        async def cleanup(error: BaseException | None) -> None:
-            if error is not None or not coordinator:  # the coordinator commits in finish()
-                await handle.arelease()
-
-        batch.when_done(settle, cleanup)
+        background.submit(settle_writes()).add_done_callback(settle)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit: write the manifest with one put-if-absent (coordinator only).
+        """Commit: write the manifest with one put-if-absent (coordinator only), through the
+        pipeline's commit (:func:`ckptstore.pipeline.save.commit`).
 
         A retry that finds the manifest of its own attempt succeeds; a manifest of another
         attempt raises :class:`~ckptstore.errors.CommitConflictError`.
         """
         if self._attempt is None:
             raise RuntimeError("finish() called before write_data()")
+        attempt = self._attempt
         locations: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:
             for result in rank_results:
                 if not isinstance(result.storage_data, ItemLocation):
                     raise TypeError(f"write result of {result.index.fqn} was not written here")
                 locations[result.index] = result.storage_data
-        step = self._target.step
         # DCP's planners leave storage_meta to the writer (its FileSystemWriter sets it here
         # too); without it a reader cannot tell which save it loads.
         metadata.storage_meta = self.storage_meta()
         manifest = build_manifest(
-            step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
+            attempt.step,
+            attempt.id,
+            metadata,
+            locations,
+            object_prefix=step_prefix(attempt.step),
         )
         try:
-            background.run(commit_manifest(self._target.store, manifest))
+            background.run(save_path.commit(self._target.store, attempt, manifest))
         finally:
             self._target.handle.release()
         metadata.storage_data = locations
@@ -273,8 +315,22 @@ class Writer(StorageWriter):
         return served(checkpoint_id)
 
 
-def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]:
-    """The bytes of one item, and the object that must stay alive while they upload."""
+def _planned_bytes(item: WriteItem) -> int:
+    """The bytes of a tensor item, from DCP's metadata (its dtype checked against the table)."""
+    assert item.tensor_data is not None
+    dtype = item.tensor_data.properties.dtype
+    dtype_name(dtype)  # refuses a dtype outside the table before anything is written
+    return math.prod(item.tensor_data.chunk.sizes) * dtype.itemsize
+
+
+def _resolve(
+    planner: SavePlanner, item: WriteItem, planned: int | None = None
+) -> tuple[np.ndarray[Any, Any], object]:
+    """The bytes of one item as a flat ``uint8`` array, and the object that owns them.
+
+    Raises:
+        ValueError: the planner resolved a tensor of another size than ``planned``.
+    """
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
@@ -282,31 +338,48 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]
                 f"{item.index.fqn}: planner returned {type(data).__name__}, not BytesIO"
             )
         raw = data.getvalue()
-        return memoryview(raw), raw
+        return np.frombuffer(raw, dtype=np.uint8), raw
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{item.index.fqn}: planner returned {type(data).__name__}, not a tensor")
-    tensor, view = tensor_bytes(data)
-    return view, tensor
+    tensor, array = host_bytes(data)
+    if planned is not None and array.nbytes != planned:
+        raise ValueError(
+            f"{item.index.fqn}: the planner resolved {array.nbytes} bytes of tensor data; its "
+            f"write item describes {planned}"
+        )
+    return array, tensor
+
+
+def _results(
+    items: list[WriteItem], plan: PackPlan, written: Written, prefix: str
+) -> list[WriteResult]:
+    """DCP's write results: where each item landed, in one pass over the plan."""
+    objects = plan.objects
+    results = []
+    for leaf, item in enumerate(items):
+        number = plan.leaf_object[leaf]
+        if number < 0:  # an empty item takes no object
+            key, object_size, object_crc = "", 0, 0
+        else:
+            key = prefix + objects[number].name
+            object_size, object_crc = objects[number].size, written.object_crc[number]
+        loc = ItemLocation(
+            key,
+            plan.leaf_offset[leaf],
+            plan.leaf_length[leaf],
+            written.leaf_crc[leaf],
+            object_size,
+            object_crc,
+            *_typeinfo(item),
+        )
+        results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+    return results
 
 
 def _typeinfo(item: WriteItem) -> tuple[str | None, tuple[int, ...] | None]:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return None, None
     return dtype_name(item.tensor_data.properties.dtype), tuple(item.tensor_data.chunk.sizes)
-
-
-def _result(placed: Placed[WriteItem]) -> WriteResult:
-    item = placed.token
-    loc = ItemLocation(
-        placed.key,
-        placed.start,
-        placed.length,
-        placed.crc32c,
-        placed.object_size,
-        placed.object_crc32c,
-        *_typeinfo(item),
-    )
-    return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
 
 
 # =========================================================================== reader

@@ -5,7 +5,8 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
 (``s3://b/run/epoch=0-step=100.ckpt`` becomes a prefix, not one file):
 
 * it is an ordinary ckptstore checkpoint, step 0 of the root at that path (or step N if the
-  path ends in a step number): the checkpoint dict is staged and flattened like any state
+  path ends in a step number), written by the one save pipeline
+  (:mod:`ckptstore.pipeline.save`): the checkpoint dict is staged and flattened like any state
   (:mod:`ckptstore.stage`, :mod:`ckptstore.layout.tree`, the one codec every face uses), so
   every tensor is a leaf named by its path (``state_dict/layer.weight``), small tensors are
   packed together, large ones uploaded in parallel parts, every leaf has a crc32c that is
@@ -54,9 +55,10 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.integrations.tensor_objects import CheckpointTarget
-from ckptstore.layout.commit import delete_step, write_checkpoint
+from ckptstore.layout.commit import delete_step
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.tree import map_leaves
+from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import Selection, read, rebuild, request
 from ckptstore.pipeline.root import check_options
 from ckptstore.stage import Stager
@@ -173,14 +175,13 @@ class StoreCheckpointIO(CheckpointIO):
 
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
     plain, extras = _encode(checkpoint)
-    stager = Stager()
+    stager = Stager(leaf_alignment=store.settings.leaf_alignment)
     try:
         # copy=False: CPU tensors are written from their own memory, as the save blocks
-        staged = stager.stage(plain, copy=False)
+        staged = save_path.stage(stager, plain, copy=False)
         try:
-            staged.wait_ready()
             metadata = {"format": FORMAT, **extras}
-            background.run(write_checkpoint(store, staged.flat(), step=step, metadata=metadata))
+            background.run(save_path.save_staged(store, staged, step=step, metadata=metadata))
         finally:
             staged.release()
     finally:

@@ -36,14 +36,9 @@ from typing import Any, Literal, Self
 
 from ckptstore import background
 from ckptstore.errors import NotFoundError
-from ckptstore.layout.commit import (
-    committed_steps,
-    delete_step,
-    read_manifest,
-    write_checkpoint,
-)
-from ckptstore.layout.tree import FlatState
+from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
+from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import request, restore
 from ckptstore.pipeline.root import open_root
 from ckptstore.stage import StagedState, Stager
@@ -108,7 +103,9 @@ class CheckpointManager:
         self.best_mode = best_mode
         self.async_save = async_save
         self._store, self._owns_store = open_root(url, store_options)
-        self._stager = stager if stager is not None else Stager()
+        if stager is None:
+            stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
+        self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
         self._closed = False
@@ -167,19 +164,13 @@ class CheckpointManager:
             json.dumps(document)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
-        flats: list[FlatState] = []
 
         def stage() -> StagedState:
-            staged = self._stager.stage(state)
-            try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
-                flats.append(staged.flat())
-            except BaseException:
-                staged.release()
-                raise
-            return staged
+            # in the caller's thread, so an unstorable leaf fails this call, not a later one
+            return save_path.stage(self._stager, state)
 
         async def write(staged: StagedState) -> None:
-            await write_checkpoint(self._store, flats[0], step=step, metadata=document)
+            await save_path.save_staged(self._store, staged, step=step, metadata=document)
             self._info[step] = (manager_meta["time"], metrics)
             await self._retain()
 

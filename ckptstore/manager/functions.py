@@ -25,6 +25,7 @@ from ckptstore.layout.commit import CommitInfo
 from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.layout.manifest import Manifest
 from ckptstore.pipeline import restore as _restore
+from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import LeafRestore
 from ckptstore.pipeline.root import Root, aopened
 from ckptstore.stage import Stager
@@ -71,19 +72,18 @@ async def asave(
         UnsupportedLeafError: a leaf that cannot be stored (named by its path).
         TypeError, ValueError: a store option the backend does not know, or a bad value.
     """
-    async with aopened(root, store_options) as store:
-        # The state is written before this returns, so its host arrays go uncopied.
-        stager = Stager()
+    stager = Stager()
+    try:
+        # Refuses an unstorable leaf before the store is opened. The state is written
+        # before this returns, so its host arrays go uncopied.
+        staged = save_path.stage(stager, state, copy=False)
         try:
-            staged = stager.stage(state, copy=False)
-            try:
-                staged.wait_ready()
-                flat = staged.flat()
-                return await _commit.write_checkpoint(store, flat, step=step, metadata=metadata)
-            finally:
-                staged.release()
+            async with aopened(root, store_options) as store:
+                return await save_path.save_staged(store, staged, step=step, metadata=metadata)
         finally:
-            stager.close()
+            staged.release()
+    finally:
+        stager.close()
 
 
 async def aread_manifest(root: Root, step: int | None = None, **store_options: Any) -> Manifest:
