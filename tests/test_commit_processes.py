@@ -25,6 +25,7 @@ from ckptstore.store.local import LocalStore
 from ckptstore.store.nfs import NFSStore
 from ckptstore.testing import assert_same_state
 from ckptstore.testing.servers import FuseMount
+from tests.racers import SAVE_RACER, one_winner, race
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -217,56 +218,11 @@ def test_sigkill_at_each_phase(where: Where, phase: str, visible: list[int]) -> 
     assert_same_state(ckptstore.load(root), _state(visible[-1]))
 
 
-RACER = textwrap.dedent(
-    """
-    import sys
-    import numpy as np
-    import ckptstore
-    root, who = sys.argv[1], int(sys.argv[2])
-    state = {"who": who, "data": np.full(200_000, who, np.int64), "small": np.arange(who + 1)}
-    print("ready", flush=True)
-    sys.stdin.readline()
-    try:
-        info = ckptstore.save(root, state, step=7)
-    except ckptstore.CommitConflictError:
-        print("conflict", flush=True)
-    else:
-        print("ok", info.attempt, flush=True)
-    """
-)
-
-
 def test_racing_processes_one_commits(where: Where) -> None:
     root = where.url
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     clients = where.client_urls()  # on the network filesystem, racers use two mounts
-    racers = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, clients[i % len(clients)], str(i)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(4)
-    ]
-    try:
-        for racer in racers:
-            assert racer.stdout is not None
-            assert racer.stdout.readline().strip() == "ready"
-        for racer in racers:  # release them together
-            assert racer.stdin is not None
-            racer.stdin.write("go\n")
-            racer.stdin.flush()
-        outputs = [racer.communicate(timeout=120)[0].split() for racer in racers]
-    finally:
-        for racer in racers:
-            if racer.poll() is None:
-                racer.kill()
-    winners = [(i, out) for i, out in enumerate(outputs) if out[0] == "ok"]
-    assert len(winners) == 1, outputs
-    assert sum(out == ["conflict"] for out in outputs) == len(racers) - 1, outputs
-    who, (_ok, attempt) = winners[0]
+    outputs = race(SAVE_RACER, [[clients[i % len(clients)], str(i)] for i in range(4)])
+    who, attempt = one_winner(outputs)
     assert ckptstore.read_manifest(root, 7).attempt == attempt
     loaded = ckptstore.load(root, step=7)
     assert loaded["who"] == who
