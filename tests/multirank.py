@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,15 +46,22 @@ def run_ranks(
     *args: str,
     logs: Path,
     env: dict[str, str] | None = None,
+    during: Callable[[list[subprocess.Popen[bytes]], list[Path]], None] | None = None,
 ) -> list[RankOutcome]:
     """Run one scenario of ``worker`` on ``world`` processes; return each rank's exit code
-    and results."""
+    and results.
+
+    ``during``, if given, is called with the rank processes and their log files once all
+    are started, while they run (to signal one of them from outside, say); each rank then
+    has 240 s to exit before it is killed and the test fails.
+    """
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     files = []
+    paths = [logs / f"{scenario}-{world}-rank{rank}.log" for rank in range(world)]
     for rank in range(world):
-        log = open(logs / f"{scenario}-{world}-rank{rank}.log", "w+")  # noqa: SIM115
+        log = open(paths[rank], "w+")  # noqa: SIM115
         files.append(log)
         rank_env = {
             **os.environ,
@@ -76,6 +84,8 @@ def run_ranks(
         )
     outcomes = []
     try:
+        if during is not None:
+            during(procs, paths)
         for proc, log in zip(procs, files, strict=True):
             proc.wait(timeout=240)
             log.seek(0)
