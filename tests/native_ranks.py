@@ -27,9 +27,7 @@ from ckptstore import background
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
-
-#: what rank 1 prints when it is ready to be SIGKILLed mid-save
-KILL_ME = "KILL ME"
+from tests.multirank import KILL_ME
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 SHARD = 256 * 1024  # float32 elements: 1 MiB

@@ -7,19 +7,19 @@ Each test starts N copies of tests/native_ranks.py; see tests/multirank.py.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
-from tests.multirank import TARGETS_AND_WORLDS, Target, assert_all_ok, run_ranks
-from tests.native_ranks import KILL_ME
+from tests.multirank import (
+    TARGETS_AND_WORLDS,
+    Target,
+    assert_all_ok,
+    run_and_sigkill,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -82,45 +82,13 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
 
 
-def _sigkill_when_ready(victim: int) -> Callable[[list[subprocess.Popen[bytes]], list[Path]], None]:
-    """A ``during`` for run_ranks: wait (up to 120 s) until rank ``victim`` prints that it is
-    mid-save, then SIGKILL it from outside."""
-
-    def during(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
-        deadline = time.monotonic() + 120
-        while KILL_ME not in logs[victim].read_text():
-            assert procs[victim].poll() is None, "the rank exited before it could be killed"
-            assert time.monotonic() < deadline, f"rank {victim} never reached mid-save"
-            time.sleep(0.05)
-        os.kill(procs[victim].pid, signal.SIGKILL)
-
-    return during
-
-
 def _run_and_sigkill(target: Target, world: int, tmp_path: Path) -> list[str]:
     """Run the 'sigkill' scenario, check what must hold whatever the survivors were told,
     and return the error each survivor got."""
     logs, env = tmp_path / "logs", target.env()
-    outcomes = run_ranks(
-        WORKER,
-        world,
-        "sigkill",
-        target.base,
-        logs=logs,
-        env=env,
-        during=_sigkill_when_ready(FAILING_RANK),
+    errors = run_and_sigkill(
+        WORKER, world, "sigkill", target.base, victim=FAILING_RANK, logs=logs, env=env
     )
-    errors = []
-    for rank, outcome in enumerate(outcomes):
-        if rank == FAILING_RANK:
-            assert outcome.returncode == -signal.SIGKILL, outcome.log[-4000:]
-            continue
-        # every survivor, coordinator or not, returns with an error instead of hanging
-        assert outcome.returncode == 0, f"rank {rank}:\n{outcome.log[-4000:]}"
-        assert outcome.results, f"rank {rank}:\n{outcome.log[-4000:]}"
-        assert outcome.results[-1]["killed"] != "succeeded", f"rank {rank}"
-        errors.append(outcome.results[-1]["killed"])
-
     assert target.steps() == [1]  # step 2 never became visible
     keys = target.keys(target.base)
     # the killed rank had stored data; every survivor removed its own objects of step 2
@@ -140,8 +108,6 @@ def test_rank_sigkilled_from_outside_mid_save_leaves_no_checkpoint(
     """The test process SIGKILLs rank 1 once it has stored an object of step 2: no step 2
     becomes visible, every survivor returns with an error within run_ranks' timeout and
     removes its own objects, and step 1 still loads on the same world."""
-    if world == 4 and "://" in target.base:
-        pytest.skip("4-rank runs use the local target only (CI time); 2 ranks cover S3")
     for error in _run_and_sigkill(target, world, tmp_path):
         # what the survivors learn today comes from the transport (see the xfail below)
         assert "closed" in error or "rank 1" in error, error

@@ -1,4 +1,7 @@
-"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite.
+"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite,
+and what they run against: real servers (:mod:`~ckptstore.testing.servers`,
+:mod:`~ckptstore.testing.fakegcs`) and an HTTP fault proxy for S3 and GCS
+(:mod:`~ckptstore.testing.proxy`).
 
 Importing this package needs pytest and hypothesis; nothing else in ckptstore imports it.
 """
