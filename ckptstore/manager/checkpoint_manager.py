@@ -49,7 +49,7 @@ from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.stage import StagedState, Stager
-from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
+from ckptstore.stage.stager import kind_named, leaf_error, rebuild_leaf, target_kind
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 
@@ -406,7 +406,7 @@ def rebuild_selected(
         try:
             rebuilt[index] = rebuild_leaf(array, attrs, fixed, likes.get(path))
         except ValueError as exc:
-            raise ValueError(f"step {manifest.step}, leaf {path!r}: {exc}") from None
+            raise leaf_error(exc, f"step {manifest.step}, leaf {path!r}") from None
     return unflatten(manifest.tree, rebuilt, selected=accept)
 
 
