@@ -6,7 +6,9 @@ The commit protocol (DESIGN.md, "layout/" invariants 1-4):
    :class:`~ckptstore.errors.CommitConflictError`, before writing any data.
 2. Every data object is written under a fresh ``<step>/<attempt-id>/`` prefix. Nothing there
    is ever rewritten; a failed or crashed attempt leaves only invisible garbage for
-   :mod:`ckptstore.layout.gc`.
+   :mod:`ckptstore.layout.gc`. While it writes and commits, the save holds a lease on the
+   prefix that garbage collection honours (:mod:`ckptstore.layout.lease`), and it does not
+   commit if the lease lapsed.
 3. Only after every data ``put`` has returned (and a put returns only once its object is
    durable: fsynced files and directories on POSIX, a completed upload on S3/GCS) is the
    manifest written, with one ``put(mode="create")``: an atomic put-if-absent, so of N
@@ -34,7 +36,6 @@ import numpy as np
 
 from ckptstore.errors import (
     AlreadyExistsError,
-    CkptStoreError,
     CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
@@ -51,6 +52,7 @@ from ckptstore.layout.keys import (
     parse_step,
     step_prefix,
 )
+from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan, pack_buffers
 from ckptstore.layout.tree import FlatState
@@ -188,55 +190,52 @@ async def write_checkpoint(
     prefix = attempt_prefix(step, attempt)
     leaf_crc = [0] * n
     object_crc = [0] * len(plan.objects)
-    try:
-        await write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
-    except Exception:
-        # The attempt is invisible without a manifest; removing its objects now only spares
-        # garbage collection the work, so a failure to remove them is not reported.
-        with contextlib.suppress(Exception):
-            await store.delete_prefix(prefix)
-        raise
+    # The lease keeps garbage collection off this attempt while it writes and commits,
+    # whatever grace period a collector in another process uses (ckptstore.layout.lease).
+    async with held_lease(store, step, attempt) as lease:
+        try:
+            await write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
+        except Exception:
+            # The attempt is invisible without a manifest; removing its objects now only spares
+            # garbage collection the work, so a failure to remove them is not reported.
+            with contextlib.suppress(Exception):
+                await store.delete_prefix(prefix)
+            raise
 
-    elapsed = time.time() - started
-    if elapsed > settings.gc_grace_seconds / 2:
-        raise CkptStoreError(
-            f"{store.url}/{prefix}: the data took {elapsed:.0f} s to write, over half of the "
-            f"garbage-collection grace period ({settings.gc_grace_seconds} s), so a concurrent "
-            "gc may have removed it; not committing. Raise Settings.gc_grace_seconds."
+        lease.check()  # no gc can have removed the data, nor can before the manifest lands
+        manifest = Manifest(
+            step=step,
+            attempt=attempt,
+            created=time.time(),
+            metadata=metadata,
+            tree=flat.tree,
+            object_keys=[f"{attempt}/{obj.name}" for obj in plan.objects],
+            object_lengths=[obj.size for obj in plan.objects],
+            object_crcs=object_crc,
+            paths=flat.paths,
+            dtypes=dtypes,
+            shapes=[list(a.shape) for a in flat.arrays],
+            leaf_object=plan.leaf_object,
+            leaf_offset=plan.leaf_offset,
+            leaf_length=plan.leaf_length,
+            leaf_crc=leaf_crc,
+            attrs=flat.attrs,
         )
-    manifest = Manifest(
-        step=step,
-        attempt=attempt,
-        created=time.time(),
-        metadata=metadata,
-        tree=flat.tree,
-        object_keys=[f"{attempt}/{obj.name}" for obj in plan.objects],
-        object_lengths=[obj.size for obj in plan.objects],
-        object_crcs=object_crc,
-        paths=flat.paths,
-        dtypes=dtypes,
-        shapes=[list(a.shape) for a in flat.arrays],
-        leaf_object=plan.leaf_object,
-        leaf_offset=plan.leaf_offset,
-        leaf_length=plan.leaf_length,
-        leaf_crc=leaf_crc,
-        attrs=flat.attrs,
-    )
-    data = manifest.encode()
-    if len(data) > settings.manifest_max_bytes:
-        raise ValueError(
-            f"the manifest of step {step} is {len(data)} bytes, over "
-            f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
-            "fewer, larger arrays"
-        )
-    try:
-        await commit_manifest(store, manifest, encoded=data)
-    except CommitConflictError:
-        # Another attempt's manifest is in place, so this attempt's objects can never become
-        # visible: remove them now rather than leave them to garbage collection.
-        with contextlib.suppress(Exception):
-            await store.delete_prefix(prefix)
-        raise
+        data = manifest.encode()
+        if len(data) > settings.manifest_max_bytes:
+            raise ValueError(
+                f"the manifest of step {step} is {len(data)} bytes, over "
+                f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
+                "fewer, larger arrays"
+            )
+        try:
+            await commit_manifest(store, manifest, encoded=data)
+        except CommitConflictError:
+            # Another attempt's manifest is in place, so this attempt's objects can never become
+            # visible: remove them now rather than leave them to garbage collection.
+            with contextlib.suppress(Exception):
+                await store.delete_prefix(prefix)
+            raise
     return CommitInfo(step, attempt, len(plan.objects), plan.total_bytes, len(data))
 
 
