@@ -10,6 +10,9 @@ DCP's planning and resharding unchanged. What this layer adds to DCP's own file 
   ``<url>/manifest.json`` with one put-if-absent, after every object is durable. A checkpoint
   is visible if and only if that manifest exists; a rank that fails or dies makes DCP skip
   ``finish``, so nothing becomes visible and the attempt's objects are garbage for ``gc``.
+  From ``prepare_global_plan`` to ``finish`` the coordinator holds a lease on the attempt
+  that ``gc`` honours (:mod:`ckptstore.layout.lease`), and ``finish`` does not commit if
+  it lapsed.
   No rename is involved, so this is as safe on S3 and GCS as on a local disk.
 * **No pickle from storage.** DCP's ``Metadata`` goes into the manifest as JSON
   (:mod:`ckptstore.integrations.dcp_manifest`) and is validated before any data read.
@@ -79,6 +82,7 @@ from ckptstore.layout.keys import (
     new_attempt_id,
     step_prefix,
 )
+from ckptstore.layout.lease import SaveLease
 from ckptstore.store.base import Store
 
 __all__ = ["Reader", "Writer"]
@@ -131,6 +135,8 @@ class Writer(StorageWriter):
         self._is_coordinator = False
         self._rank = 0
         self._attempt: str | None = None
+        #: The coordinator's lease on the attempt, from prepare_global_plan to finish.
+        self._lease: SaveLease | None = None
 
     @property
     def url(self) -> str:
@@ -154,6 +160,12 @@ class Writer(StorageWriter):
             self._target.point_at(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._attempt = None
+        self._release_lease()  # a save that never reached finish() (a rank failed)
+
+    def _release_lease(self) -> None:
+        if self._lease is not None:
+            lease, self._lease = self._lease, None
+            background.run(lease.release())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
@@ -182,6 +194,10 @@ class Writer(StorageWriter):
                 f"{store.url}); save to a new URL (checkpoints are immutable)"
             )
         attempt = new_attempt_id()
+        # Held until finish(): gc in another process leaves the attempt alone while the ranks
+        # write (ckptstore.layout.lease).
+        self._release_lease()
+        self._lease = background.run(SaveLease.take(store, step, attempt))
         return [
             SavePlan(
                 items=plan.items,
@@ -257,8 +273,11 @@ class Writer(StorageWriter):
             step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
         )
         try:
+            if self._lease is not None:
+                self._lease.check()
             background.run(commit_manifest(self._target.store, manifest))
         finally:
+            self._release_lease()
             self._target.handle.release()
         metadata.storage_data = locations
 

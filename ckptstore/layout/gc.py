@@ -86,35 +86,15 @@ async def collect_garbage(
         ]
         if not attempts:
             continue
-        keep = await _committed_attempt(store, step)
-        if keep is _INVALID:
-            report.invalid_steps.append(step)
-            continue
         doomed: dict[str, list[str]] = {}
-        for attempt_dir in attempts:
-            attempt = attempt_dir[len(prefix) :].rstrip("/")
-            if attempt == keep:
-                continue
-            started = attempt_time(attempt)
-            assert started is not None  # matched ATTEMPT_RE
-            objects = [meta async for meta in store.list(attempt_dir)]
-            if not objects:
-                continue  # nothing to delete: see GCReport.removed
-            signs = [started, *(m.last_modified for m in objects if m.last_modified is not None)]
-            lease_key = attempt_dir + LEASE_NAME
-            if any(meta.key == lease_key for meta in objects):
-                expires = await lease_expiry(store, lease_key)
-                signs += [] if expires is None else [expires]
-            if max(signs) > cutoff:
-                report.kept_recent.append(attempt_dir)
-                oldest_kept = min(oldest_kept, started)
-                continue
-            doomed[attempt_dir] = [meta.key for meta in objects]
-        if not doomed:
-            continue
-        # A save that committed while this step was looked at has dropped its lease by now,
-        # and its manifest is in place: read it again so its data is never deleted.
         keep = await _committed_attempt(store, step)
+        if keep is not _INVALID:
+            doomed, kept_start = await _idle_attempts(store, prefix, attempts, keep, cutoff, report)
+            oldest_kept = min(oldest_kept, kept_start)
+            if doomed:
+                # A save that committed while its attempt was looked at has dropped its lease
+                # by now, and its manifest is in place: read it again so its data stays.
+                keep = await _committed_attempt(store, step)
         if keep is _INVALID:
             report.invalid_steps.append(step)
             continue
@@ -131,6 +111,41 @@ async def collect_garbage(
     older_than = min(cutoff, oldest_kept - margin)
     report.stale_writes = await store.remove_stale_writes("", older_than=older_than)
     return report
+
+
+async def _idle_attempts(
+    store: Store,
+    prefix: str,
+    attempts: list[str],
+    keep: str | None,
+    cutoff: float,
+    report: GCReport,
+) -> tuple[dict[str, list[str]], float]:
+    """The attempts under the step ``prefix`` idle since before ``cutoff``, with the keys to
+    delete of each, and the start of the oldest attempt kept as a possible save in progress
+    (those are added to ``report.kept_recent``)."""
+    doomed: dict[str, list[str]] = {}
+    oldest_kept = math.inf
+    for attempt_dir in attempts:
+        attempt = attempt_dir[len(prefix) :].rstrip("/")
+        if attempt == keep:
+            continue
+        started = attempt_time(attempt)
+        assert started is not None  # matched ATTEMPT_RE
+        objects = [meta async for meta in store.list(attempt_dir)]
+        if not objects:
+            continue  # nothing to delete: see GCReport.removed
+        signs = [started, *(m.last_modified for m in objects if m.last_modified is not None)]
+        lease_key = attempt_dir + LEASE_NAME
+        if any(meta.key == lease_key for meta in objects):
+            expires = await lease_expiry(store, lease_key)
+            signs += [] if expires is None else [expires]
+        if max(signs) > cutoff:
+            report.kept_recent.append(attempt_dir)
+            oldest_kept = min(oldest_kept, started)
+            continue
+        doomed[attempt_dir] = [meta.key for meta in objects]
+    return doomed, oldest_kept
 
 
 #: :func:`_committed_attempt` of a step whose manifest fails validation.

@@ -74,6 +74,7 @@ from ckptstore.layout.keys import (
     new_attempt_id,
     step_prefix,
 )
+from ckptstore.layout.lease import SaveLease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState, escape_key, flatten, join_path, tree_paths
@@ -472,6 +473,7 @@ def save(
         # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
         error: BaseException | None = None
+        lease: SaveLease | None = None
         try:
             check_step(step)
             staged = stager.stage(state, copy=False)
@@ -481,6 +483,11 @@ def save(
             part = _describe(flat, step)
             if rank == coordinator:
                 part = _begin(store, part, metadata)
+                # Held from before any rank writes until the outcome is known: gc in another
+                # process leaves the attempt alone meanwhile (ckptstore.layout.lease).
+                assert part.attempt is not None
+                lease = background.run(SaveLease.take(store, step, part.attempt))
+                later.callback(lambda: background.run(lease.release()))
             shared: Any = part
         except Exception as exc:
             error, shared = exc, _Failure.of(rank, exc)
@@ -489,7 +496,7 @@ def save(
         steps = {p.step for p in parts}
         if len(steps) > 1:
             raise ValueError(f"the ranks save different steps: {sorted(steps)}")
-        attempt, started = parts[coordinator].attempt, parts[coordinator].started
+        attempt = parts[coordinator].attempt
         assert flat is not None
         assert attempt is not None
         tree, leaves = merge_parts(parts)
@@ -508,8 +515,9 @@ def save(
         outcome: _Outcome | None = None
         if reports is not None:
             try:
+                assert lease is not None  # reports are gathered at the coordinator only
                 outcome = background.run(
-                    _commit(store, reports, tree, leaves, step, attempt, started, metadata)
+                    _commit(store, reports, tree, leaves, step, attempt, lease, metadata)
                 )
             except Exception as exc:  # unforeseen: keep the data, the manifest may exist
                 outcome = _Outcome(None, _Failure.of(rank, exc), remove=False)
@@ -615,7 +623,7 @@ async def _commit(
     leaves: list[_Leaf],
     step: int,
     attempt: str,
-    started: float,
+    lease: SaveLease,
     metadata: Any,
 ) -> _Outcome:
     failures = [r for r in reports if isinstance(r, _Failure)]
@@ -655,19 +663,10 @@ async def _commit(
                 "root (a local path must be a filesystem every rank mounts)?",
             ),
         )
-    grace = store.settings.gc_grace_seconds
-    elapsed = time.time() - started
-    if elapsed > grace / 2:
-        return _Outcome(
-            None,
-            _Failure(
-                -1,
-                "CkptStoreError",
-                f"the data took {elapsed:.0f} s to write, over half of the garbage-collection "
-                f"grace period ({grace} s), so a concurrent gc may have removed it; not "
-                "committing. Raise Settings.gc_grace_seconds.",
-            ),
-        )
+    try:
+        lease.check()
+    except CkptStoreError as exc:
+        return _Outcome(None, _Failure.of(-1, exc))
     manifest = Manifest(
         step=step,
         attempt=attempt,

@@ -59,7 +59,7 @@ import numpy as np
 
 import ckptstore
 from benchlib import Context, Result, Suite, Timing, evict, interleave, leaves_of
-from benchlib.workloads import WORKLOADS, as_torch
+from benchlib.workloads import WORKLOADS, as_torch, map_leaves
 
 CKPT = "ckptstore"
 TORCH = "torch.save (+fsync)"
@@ -77,13 +77,7 @@ def _arrays(state: Any) -> list[np.ndarray]:
 def _empty_like(state: Any) -> Any:
     import torch
 
-    if isinstance(state, torch.Tensor):
-        return torch.empty_like(state)
-    if isinstance(state, dict):
-        return {k: _empty_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_empty_like(v) for v in state]
-    return state
+    return map_leaves(state, torch.Tensor, torch.empty_like)
 
 
 # ---------------------------------------------------------------------------- raw I/O

@@ -20,6 +20,7 @@ the suites that save torch states.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ __all__ = [
     "as_torch",
     "big",
     "big_shape",
+    "map_leaves",
     "small",
     "small_count",
     "transformer",
@@ -115,14 +117,19 @@ WORKLOADS = {
 }
 
 
+def map_leaves(state: Any, kind: type, fn: Callable[[Any], Any]) -> Any:
+    """``state`` with every leaf of type ``kind`` replaced by ``fn(leaf)``."""
+    if isinstance(state, kind):
+        return fn(state)
+    if isinstance(state, dict):
+        return {k: map_leaves(v, kind, fn) for k, v in state.items()}
+    if isinstance(state, list):
+        return [map_leaves(v, kind, fn) for v in state]
+    return state
+
+
 def as_torch(state: Any) -> Any:
     """``state`` with every numpy array replaced by a CPU tensor over the same memory."""
     import torch
 
-    if isinstance(state, np.ndarray):
-        return torch.from_numpy(state)
-    if isinstance(state, dict):
-        return {k: as_torch(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [as_torch(v) for v in state]
-    return state
+    return map_leaves(state, np.ndarray, torch.from_numpy)
