@@ -75,7 +75,7 @@ from ckptstore.integrations.tensor_objects import (
     served,
     tensor_bytes,
 )
-from ckptstore.layout.commit import commit_manifest, read_manifest
+from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import (
     attempt_prefix,
     manifest_key,
@@ -83,6 +83,7 @@ from ckptstore.layout.keys import (
     step_prefix,
 )
 from ckptstore.layout.lease import SaveLease
+from ckptstore.layout.restore import check_object_size
 from ckptstore.store.base import Store
 
 __all__ = ["Reader", "Writer"]
@@ -414,9 +415,20 @@ class Reader(StorageReader):
         and shape is read straight into the destination; others go through a scratch buffer
         and are narrowed and copied as DCP's plan says.
         """
-        reads = _ReadPlan(self._locations, plan.items, planner)
+        # The manifest's sizes are claims: check the objects' real sizes before _ReadPlan
+        # allocates a buffer per item (ckptstore.layout.restore).
+        sizes = {
+            loc.key: loc.object_size
+            for loc in (self._locations.get(req.storage_index) for req in plan.items)
+            if loc is not None and loc.length
+        }
+        store = self._target.store
         try:
-            background.run(reads.fetch(self._target.store))
+            background.run(
+                gather_all(check_object_size(store, key, size) for key, size in sizes.items())
+            )
+            reads = _ReadPlan(self._locations, plan.items, planner)
+            background.run(reads.fetch(store))
         finally:
             self._target.handle.release()
         reads.deliver(planner, self.url)

@@ -54,7 +54,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 
-__all__ = ["read_leaves"]
+__all__ = ["check_object_size", "read_leaves"]
 
 
 #: Fresh arrays at least this large start on a page boundary, so stores that read with
@@ -129,9 +129,7 @@ async def read_leaves(
         length = manifest.object_lengths[obj]
         try:
             # Nothing is allocated for an object before its real size is known (see above).
-            size = (await store.head(key)).size
-            if size != length:
-                raise corrupt(obj, None, f"is {size} bytes, but the manifest says {length}")
+            await check_object_size(store, key, length)
             if len(wanted) == members[obj] == 1 and manifest.leaf_length[wanted[0]] == length:
                 await read_single(obj, key, wanted[0])
             elif len(wanted) == members[obj] and not any(leaf in into for leaf in wanted):
@@ -191,6 +189,21 @@ async def read_leaves(
 
     await gather_all(read_object(obj, wanted) for obj, wanted in by_object.items())
     return out
+
+
+async def check_object_size(store: Store, key: str, length: int) -> None:
+    """Raise unless object ``key`` is exactly ``length`` bytes, as its manifest says (one
+    ``head``). Every reader calls this before it allocates anything for the object.
+
+    Raises:
+        CorruptCheckpointError: the object has another size.
+        NotFoundError: it is missing.
+    """
+    size = (await store.head(key)).size
+    if size != length:
+        raise CorruptCheckpointError(
+            f"{store.url}: object {key!r} is {size} bytes, but the manifest says {length}"
+        )
 
 
 def _mismatch(recorded: int, read: int) -> str:
