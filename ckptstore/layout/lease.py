@@ -126,6 +126,14 @@ class SaveLease:
                 "raise Settings.save_lease_seconds."
             )
 
+    def stop(self) -> None:
+        """Stop renewing (the lease then expires); for an attempt abandoned without
+        :meth:`release`. Safe from any thread."""
+        task = self._task
+        if task is not None and not task.done():
+            with contextlib.suppress(RuntimeError):  # its loop is closed: nothing renews
+                task.get_loop().call_soon_threadsafe(task.cancel)
+
     async def release(self) -> None:
         """Stop renewing and delete the lease (best effort: an expired lease is harmless)."""
         if self._task is not None:

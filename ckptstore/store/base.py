@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from ckptstore.errors import (
     NotSupportedError,
 )
 from ckptstore.store.checksum import acrc32c, crc32c_combine
+from ckptstore.store.fanout import gather_all as _gather_all
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -684,19 +684,3 @@ def _writable_view(out: Buffer, key: str) -> memoryview:
     if not view.c_contiguous:
         raise ValueError(f"read of {key!r}: the destination buffer is not C-contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-async def _gather_all(coros: Iterable[Any]) -> None:
-    """Run coroutines concurrently; on the first failure cancel the rest, wait for them to
-    stop, and raise that failure (``asyncio.gather`` would leave them running)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        raise
