@@ -489,6 +489,21 @@ def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = No
     return map_leaves(rebuild, tree)
 
 
+def saved_kind(attrs: dict[str, Any]) -> ArrayKind:
+    """The array kind a leaf was saved from, by its manifest attributes.
+
+    Raises:
+        CorruptCheckpointError: the attributes name no array framework (they come from the
+            manifest, not from the caller).
+    """
+    framework = attrs.get("framework", "numpy")
+    if framework not in ("numpy", "torch", "jax"):
+        raise CorruptCheckpointError(
+            f"leaf attribute framework={str(framework)[:80]!r} names no array framework"
+        )
+    return kind_named(framework)
+
+
 def leaf_error(exc: ValueError, where: str) -> ValueError:
     """``exc`` with the leaf ``where`` named in front of its message; a damaged
     checkpoint's :class:`~ckptstore.errors.CorruptCheckpointError` stays one."""
@@ -511,12 +526,7 @@ def rebuild_leaf(
         return kind.rebuild(array, attrs, None)
     like_kind = target_kind(like) if like is not None else None
     if like_kind is None:
-        framework = attrs.get("framework", "numpy")
-        if framework not in ("numpy", "torch", "jax"):  # from the manifest, not the caller
-            raise CorruptCheckpointError(
-                f"leaf attribute framework={str(framework)[:80]!r} names no array framework"
-            )
-        return kind_named(framework).rebuild(array, attrs, None)
+        return saved_kind(attrs).rebuild(array, attrs, None)
     like_shape = getattr(like, "shape", None)
     shape = array.shape if like_shape is None else tuple(like_shape)
     if shape != array.shape:
