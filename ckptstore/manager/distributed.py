@@ -471,7 +471,10 @@ def save(
             shared: Any = part
         except Exception as exc:
             error, shared = exc, _Failure.of(rank, exc)
-        parts = comm.all_gather(shared)
+        try:
+            parts = comm.all_gather(shared)
+        except Exception as exc:
+            raise _lost_rank(store, step, "sharing the ranks' parts", exc) from exc
         _raise_first(parts, error, store, step)
         steps = {p.step for p in parts}
         if len(steps) > 1:
@@ -490,8 +493,10 @@ def save(
             error, written = exc, _Failure.of(rank, exc)
         try:
             reports = comm.gather(written, coordinator)
-        except BaseException:
+        except BaseException as exc:
             _remove(store, prefix)  # a rank died before the commit: nothing is committed
+            if isinstance(exc, Exception):
+                raise _lost_rank(store, step, "gathering the written objects", exc) from exc
             raise
         outcome: _Outcome | None = None
         if reports is not None:
@@ -503,11 +508,15 @@ def save(
         # already, so the objects stay (gc removes them if it did not).
         try:
             outcome = comm.broadcast(outcome, coordinator)
-        except Exception:
+        except Exception as exc:
             # The coordinator knows the outcome without hearing it: a committed step is
             # committed, whatever became of the ranks it was telling.
             if reports is None or outcome is None or outcome.info is None:
-                raise
+                raise CkptStoreError(
+                    f"{store.url}: the outcome of step {step} is unknown to rank {rank}: "
+                    f"hearing it from the coordinator failed ({type(exc).__name__}: {exc}); "
+                    "the step is committed only if it is listed"
+                ) from exc
         assert outcome is not None
         if outcome.info is not None:
             return outcome.info
@@ -525,6 +534,15 @@ def save(
 def _release_lease(attempt: Attempt) -> None:
     if attempt.lease is not None:
         background.run(attempt.lease.release())
+
+
+def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:
+    """The error a surviving rank raises when a collective fails, which is how a rank learns
+    that another one died (torch.distributed raises its transport's RuntimeError then)."""
+    return CkptStoreError(
+        f"{store.url}: step {step} was not saved: {what} failed, most likely because another "
+        f"rank died ({type(exc).__name__}: {exc})"
+    )
 
 
 def _describe(flat: FlatState, step: int) -> _Part:
