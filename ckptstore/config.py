@@ -67,8 +67,11 @@ class Settings:
             is what ``O_DIRECT`` needs of a buffer, a property of the machine, not a setting.)
         manifest_max_bytes: a manifest larger than this is refused before it is read.
         gc_grace_seconds: garbage collection leaves an uncommitted save attempt alone until it
-            has been idle this many seconds; a save whose attempt grew older than half of
-            this refuses to commit, so collection can never delete data a manifest names.
+            has been idle this many seconds (a running save's lease counts as activity).
+        save_lease_seconds: a running save renews a lease on its attempt every quarter of
+            this many seconds, and garbage collection never removes an attempt whose lease
+            has not expired, whatever its grace period; a save whose lease lapsed refuses to
+            commit (see ``ckptstore.layout.lease``).
     """
 
     part_size: int = 32 << 20
@@ -85,6 +88,7 @@ class Settings:
     leaf_alignment: int = 64
     manifest_max_bytes: int = 256 << 20
     gc_grace_seconds: int = 6 * 3600
+    save_lease_seconds: int = 120
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -99,6 +103,10 @@ class Settings:
             raise ValueError("Settings.max_inflight_bytes must be at least one part_size")
         if self.pack_size <= 0 or self.leaf_alignment <= 0:
             raise ValueError("Settings.pack_size and Settings.leaf_alignment must be > 0")
+        if self.save_lease_seconds < 4:
+            raise ValueError(
+                f"Settings.save_lease_seconds must be at least 4, got {self.save_lease_seconds}"
+            )
         if self.leaf_alignment & (self.leaf_alignment - 1):
             raise ValueError(
                 f"Settings.leaf_alignment must be a power of two, got {self.leaf_alignment}"

@@ -204,6 +204,22 @@ def test_corrupt_data_fails_crc_check(tmp_path: Path) -> None:
         dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptstore.dcp.Reader(url))
 
 
+@pytest.mark.parametrize("change", [-4, 4096])
+def test_object_of_another_size_is_refused_before_any_read(tmp_path: Path, change: int) -> None:
+    """The manifest's sizes are claims; the reader checks the real ones before allocating."""
+    url = str(tmp_path / "ckpt")
+    dcp.save({"w": torch.arange(1000.0)}, storage_writer=ckptstore.dcp.Writer(url))
+    manifest = ckptstore.read_manifest(url, 0)
+    data_file = tmp_path / "ckpt" / manifest.object_key(0)
+    raw = data_file.read_bytes()
+    data_file.write_bytes(raw[:change] if change < 0 else raw + bytes(change))
+    counting = CountingStore(open_store(url))
+    message = f"is {len(raw) + change} bytes, but the manifest says {len(raw)}"
+    with pytest.raises(CheckpointException, match=f"CorruptCheckpointError: .*{message}"):
+        dcp.load({"w": torch.zeros(1000)}, storage_reader=ckptstore.dcp.Reader(counting))
+    assert counting.requests["read"] == 0
+
+
 def _tamper_dcp(metadata: dict[str, Any], how: str) -> None:
     entry = metadata["dcp"]["state_dict_metadata"]["w"]
     if how == "dtype":

@@ -357,7 +357,8 @@ CHILD = textwrap.dedent(
     if phase == "mid-save":      # data of step 3 crawls: the parent kills us while it writes
         faults = [Fault(ops=frozenset({{"put", "put_part"}}), latency=60, key=r"^3/attempt")]
     elif phase == "retention":   # deletes crawl: killed after step 3 committed, before cleanup
-        faults = [Fault(ops=frozenset({{"delete"}}), latency=60)]
+        # (retention deletes a step's manifest first; a save's own lease delete runs freely)
+        faults = [Fault(ops=frozenset({{"delete"}}), latency=60, key="manifest.json")]
     store = FaultStore(open_store(root), faults)
     mgr = CheckpointManager(store, max_to_keep=2)
     for step in (1, 2):
@@ -436,7 +437,15 @@ def test_crash_between_commit_and_retention_is_cleaned_up_by_the_next_save(
 def test_failed_retention_is_reported_and_keeps_the_new_step() -> None:
     store = FaultStore(
         memory_store("ret"),
-        [Fault(ops=frozenset({"delete"}), error=StoreError("delete refused"), times=1)],
+        # retention's first delete (a step's manifest); a save's own lease delete runs freely
+        [
+            Fault(
+                ops=frozenset({"delete"}),
+                error=StoreError("delete refused"),
+                times=1,
+                key="manifest.json",
+            )
+        ],
     )
     with CheckpointManager(store, max_to_keep=1) as mgr:
         mgr.save(1, {"x": np.ones(1)})

@@ -98,7 +98,38 @@ class _AttemptPrefix:
 # =========================================================================== writer
 
 
-class Writer(StorageWriter):
+class _AtCheckpoint:
+    """What the writer and the reader share: the one checkpoint URL they work on."""
+
+    _target: CheckpointTarget
+
+    def _aim(
+        self, url: str | os.PathLike[str] | Store, step: int | None, options: dict[str, Any]
+    ) -> None:
+        check_options(url, options)  # a bad option fails here, as on every face
+        self._target = CheckpointTarget(url, step, options)
+
+    def _follow(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
+        """Point at the ``checkpoint_id`` DCP passes to ``reset``, if any."""
+        if checkpoint_id is not None:
+            self._target.point_at(checkpoint_id)
+
+    @property
+    def url(self) -> str:
+        """The checkpoint URL this object saves to or loads from."""
+        return self._target.url
+
+    @property
+    def checkpoint_id(self) -> str:
+        """The checkpoint URL (DCP logs it under this name)."""
+        return self._target.url
+
+    def close(self) -> None:
+        """Close the store this object opened (it reopens on next use)."""
+        self._target.handle.close()
+
+
+class Writer(_AtCheckpoint, StorageWriter):
     """A DCP ``StorageWriter`` that stores one checkpoint at a ckptstore URL.
 
     Args:
@@ -127,37 +158,26 @@ class Writer(StorageWriter):
         super().__init__()
         if pack_threshold < 0 or pack_size <= 0:
             raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
-        check_options(url, options)  # a bad option fails here, as on every face
-        self._target = CheckpointTarget(url, step, options)
+        self._aim(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
         self.save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
         self._attempt: Attempt | None = None
-
-    @property
-    def url(self) -> str:
-        """The checkpoint URL this writer saves to."""
-        return self._target.url
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint URL (DCP logs it under this name)."""
-        return self._target.url
-
-    def close(self) -> None:
-        """Close the store this writer opened (it reopens on next use)."""
-        self._target.handle.close()
+        #: The attempt this coordinator began, with its lease (ckptstore.layout.lease).
+        self._begun: Attempt | None = None
 
     # ------------------------------------------------------------- DCP's calls, in order
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # docstring inherited
-        if checkpoint_id is not None:
-            self._target.point_at(checkpoint_id)
+        self._follow(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._attempt = None
+        if self._begun is not None and self._begun.lease is not None:
+            background.run(self._begun.lease.release())  # a save that never reached finish()
+        self._begun = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
@@ -182,6 +202,7 @@ class Writer(StorageWriter):
         store, step = self._target.store, self._target.step
         try:
             attempt = background.run(save_path.begin(store, step))
+            self._begun = attempt  # it holds the attempt's lease; what ranks get does not
         except CommitConflictError:
             raise AlreadyExistsError(
                 f"{self.url} already holds a committed checkpoint (step {step} of "
@@ -212,7 +233,9 @@ class Writer(StorageWriter):
             raise TypeError(
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
-        self._attempt = given.attempt
+        begun = self._begun
+        mine = begun is not None and begun.id == given.attempt.id
+        self._attempt = begun if mine else given.attempt
         store, handle, coordinator = self._target.store, self._target.handle, self._is_coordinator
         prefix = f"{given.attempt.prefix}r{given.rank}-"
         items = list(plan.items)
@@ -385,7 +408,7 @@ def _typeinfo(item: WriteItem) -> tuple[str | None, tuple[int, ...] | None]:
 # =========================================================================== reader
 
 
-class Reader(StorageReader):
+class Reader(_AtCheckpoint, StorageReader):
     """A DCP ``StorageReader`` for checkpoints written by :class:`Writer`.
 
     Args:
@@ -398,30 +421,14 @@ class Reader(StorageReader):
         self, url: str | os.PathLike[str] | Store, *, step: int | None = None, **options: Any
     ) -> None:
         super().__init__()
-        check_options(url, options)  # a bad option fails here, as on every face
-        self._target = CheckpointTarget(url, step, options)
+        self._aim(url, step, options)
         self.load_id = uuid.uuid4().hex
         self._manifest: Manifest | None = None
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
-    @property
-    def url(self) -> str:
-        """The checkpoint URL this reader loads from."""
-        return self._target.url
-
-    @property
-    def checkpoint_id(self) -> str:
-        """The checkpoint URL (DCP logs it under this name)."""
-        return self._target.url
-
-    def close(self) -> None:
-        """Close the store this reader opened (it reopens on next use)."""
-        self._target.handle.close()
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         # docstring inherited
-        if checkpoint_id is not None:
-            self._target.point_at(checkpoint_id)
+        self._follow(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self._manifest = None
         self._locations = {}

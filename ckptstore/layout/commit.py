@@ -6,7 +6,9 @@ The commit protocol (DESIGN.md, "layout/" invariants 1-4):
    :class:`~ckptstore.errors.CommitConflictError`, before writing any data.
 2. Every data object is written under a fresh ``<step>/<attempt-id>/`` prefix. Nothing there
    is ever rewritten; a failed or crashed attempt leaves only invisible garbage for
-   :mod:`ckptstore.layout.gc`.
+   :mod:`ckptstore.layout.gc`. From :func:`begin_attempt` to :func:`commit_attempt` the
+   committing writer holds a lease on the prefix that garbage collection honours
+   (:mod:`ckptstore.layout.lease`), and it does not commit if the lease lapsed.
 3. Only after every data ``put`` has returned (and a put returns only once its object is
    durable: fsynced files and directories on POSIX, a completed upload on S3/GCS) is the
    manifest written, with one ``put(mode="create")``: an atomic put-if-absent, so of N
@@ -26,15 +28,15 @@ import asyncio
 import contextlib
 import json
 import time
+import weakref
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from ckptstore.errors import (
     AlreadyExistsError,
-    CkptStoreError,
     CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
@@ -51,6 +53,7 @@ from ckptstore.layout.keys import (
     parse_step,
     step_prefix,
 )
+from ckptstore.layout.lease import SaveLease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
@@ -111,20 +114,26 @@ def check_metadata(metadata: Any) -> None:
         ) from None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, weakref_slot=True)
 class Attempt:
     """One try at committing a step: its id, drawn when it began, names its objects' prefix.
 
     Attributes:
         step: the step it commits.
         id: the attempt id (``attempt-<millis>-<random>``, :func:`new_attempt_id`).
-        started: when it began, seconds since the epoch (its data must be committed within
-            half of ``Settings.gc_grace_seconds`` of this).
+        started: when it began, seconds since the epoch.
     """
 
     step: int
     id: str
     started: float
+    #: The lease that keeps garbage collection off this attempt (ckptstore.layout.lease),
+    #: held by the one writer that will commit it; not sent to other writers.
+    lease: SaveLease | None = field(default=None, compare=False, repr=False)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Other writers (ranks) get the attempt without the committing writer's lease.
+        return (Attempt, (self.step, self.id, self.started))
 
     @property
     def prefix(self) -> str:
@@ -158,7 +167,14 @@ async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attemp
     if await store.exists(mkey):
         raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
     started = time.time()
-    return Attempt(step, new_attempt_id(started), started)
+    attempt_id = new_attempt_id(started)
+    # Taken before any data is written: gc in another process leaves the attempt alone,
+    # whatever its grace period, until commit_attempt releases the lease. An attempt that
+    # never gets there stops renewing once it is dropped, and its lease then expires.
+    lease = await SaveLease.take(store, step, attempt_id)
+    attempt = Attempt(step, attempt_id, started, lease)
+    weakref.finalize(attempt, lease.stop)
+    return attempt
 
 
 async def write_checkpoint(
@@ -219,6 +235,8 @@ async def write_checkpoint(
         # The attempt is invisible without a manifest; removing its objects now only spares
         # garbage collection the work, so a failure to remove them is not reported.
         await remove_objects(store, prefix)
+        if attempt.lease is not None:
+            await attempt.lease.release()
         raise
 
     manifest = Manifest(
@@ -379,27 +397,29 @@ async def remove_objects(store: Store, prefix: str) -> None:
 async def commit_attempt(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
     """The last steps of the protocol, once every object ``manifest`` names is durable.
 
-    Refuses to commit data older than half of ``Settings.gc_grace_seconds`` (a concurrent
-    garbage collection may have removed it) and a manifest over
+    Refuses to commit if the attempt's lease lapsed (a concurrent garbage collection may
+    have removed its data; :mod:`ckptstore.layout.lease`) and a manifest over
     ``Settings.manifest_max_bytes``; then :func:`commit_manifest`. An attempt that loses the
     step to another removes its objects.
 
     Raises:
-        CkptStoreError: the data took too long to write; nothing is committed.
+        CkptStoreError: the attempt's lease lapsed; nothing is committed.
         ValueError: the manifest is too large; nothing is committed.
         CommitConflictError: another attempt committed the step first.
         StoreError: every try of the manifest put failed; the step may or may not be
             committed, so the data is left in place.
     """
+    try:
+        return await _commit_leased(store, attempt, manifest)
+    finally:
+        if attempt.lease is not None:
+            await attempt.lease.release()
+
+
+async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
     settings = store.settings
-    elapsed = time.time() - attempt.started
-    if elapsed > settings.gc_grace_seconds / 2:
-        raise CkptStoreError(
-            f"{store.url}/{attempt.prefix}: the data took {elapsed:.0f} s to write, over half "
-            f"of the garbage-collection grace period ({settings.gc_grace_seconds} s), so a "
-            "concurrent gc may have removed it; not committing. Raise "
-            "Settings.gc_grace_seconds."
-        )
+    if attempt.lease is not None:
+        attempt.lease.check()  # no gc can have removed the data, nor can before the commit
     data = manifest.encode()
     if len(data) > settings.manifest_max_bytes:
         raise ValueError(

@@ -5,27 +5,32 @@ A save that crashed, failed or lost the commit race leaves objects under its
 only through its manifest) but hold storage. :func:`collect_garbage` removes such an attempt
 prefix when all of these hold:
 
-* its step has no manifest, or the step's manifest names a different attempt;
-* the attempt is older than the grace period, by its id's start time *and* by the newest of
-  its objects, so a slow save still writing is left alone (and a save refuses to commit once
-  its attempt is older than half the grace period; see :mod:`ckptstore.layout.commit`).
+* its step has no manifest, or the step's manifest names a different attempt (read again
+  right before deleting, so an attempt that committed meanwhile is kept);
+* it has been idle for longer than the grace period: its id's start time, the newest of its
+  objects and the expiry of its save's lease (:mod:`ckptstore.layout.lease`) are all older.
+  A running save renews its lease, so its attempt is never removed, whatever grace period the
+  collector was given, and a save whose lease lapsed refuses to commit.
 
 It never touches the attempt a valid manifest names (so never the newest committed step),
 never a step whose manifest fails validation (it cannot know what that manifest names; the
 step is reported instead), and never a key whose shape ckptstore does not write. Finally it
 asks the store to drop abandoned in-progress writes older than the grace period
 (:meth:`~ckptstore.store.base.Store.remove_stale_writes`: temp files of dead writers on
-local and NFS stores; the S3 backend can abort stale multipart uploads there).
+local and NFS stores; the S3 backend can abort stale multipart uploads there), except writes
+begun after the oldest attempt it kept began, which may belong to that running save.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.layout.commit import read_manifest
 from ckptstore.layout.keys import ATTEMPT_RE, attempt_time, parse_step, step_prefix
+from ckptstore.layout.lease import LEASE_NAME, lease_expiry
 from ckptstore.store.base import Store
 
 __all__ = ["GCReport", "collect_garbage"]
@@ -36,10 +41,13 @@ class GCReport:
     """What one garbage collection did.
 
     Attributes:
-        removed: attempt prefixes removed (``<step>/<attempt-id>/``).
+        removed: attempt prefixes whose objects were deleted (``<step>/<attempt-id>/``); an
+            attempt with nothing left to delete (a failed save removed its own objects, and
+            at most temp files of a dead writer remain, counted in ``stale_writes``) is not
+            listed.
         removed_objects: objects deleted under them.
         kept_recent: uncommitted attempt prefixes left because they are within the grace
-            period (possibly saves in progress).
+            period or their save's lease has not expired (saves in progress).
         invalid_steps: steps whose manifest fails validation, left untouched.
         stale_writes: abandoned in-progress writes the store removed.
     """
@@ -67,6 +75,7 @@ async def collect_garbage(
     now = time.time() if now is None else now
     cutoff = now - grace
     report = GCReport()
+    oldest_kept = math.inf  # start of the oldest attempt kept, as a save in progress
     steps = sorted(s for s in map(parse_step, await store.list_prefixes("")) if s is not None)
     for step in steps:
         prefix = step_prefix(step)
@@ -77,28 +86,78 @@ async def collect_garbage(
         ]
         if not attempts:
             continue
-        try:
-            keep: str | None = (await read_manifest(store, step)).attempt
-        except NotFoundError:
-            keep = None
-        except CorruptCheckpointError:
+        doomed: dict[str, list[str]] = {}
+        keep = await _committed_attempt(store, step)
+        if keep is not _INVALID:
+            doomed, kept_start = await _idle_attempts(store, prefix, attempts, keep, cutoff, report)
+            oldest_kept = min(oldest_kept, kept_start)
+            if doomed:
+                # A save that committed while its attempt was looked at has dropped its lease
+                # by now, and its manifest is in place: read it again so its data stays.
+                keep = await _committed_attempt(store, step)
+        if keep is _INVALID:
             report.invalid_steps.append(step)
             continue
-        for attempt_dir in attempts:
-            attempt = attempt_dir[len(prefix) :].rstrip("/")
-            if attempt == keep:
+        for attempt_dir, keys in doomed.items():
+            if keep == attempt_dir[len(prefix) :].rstrip("/"):
                 continue
-            started = attempt_time(attempt)
-            assert started is not None  # matched ATTEMPT_RE
-            objects = [meta async for meta in store.list(attempt_dir)]
-            newest = max(
-                [started, *(m.last_modified for m in objects if m.last_modified is not None)]
-            )
-            if newest > cutoff:
-                report.kept_recent.append(attempt_dir)
-                continue
-            await store.delete(meta.key for meta in objects)
+            await store.delete(keys)
             report.removed.append(attempt_dir)
-            report.removed_objects += len(objects)
-    report.stale_writes = await store.remove_stale_writes("", older_than=cutoff)
+            report.removed_objects += len(keys)
+    # In-progress writes of kept attempts (an S3 multipart upload of a running save, say)
+    # began after their attempt did: leave everything that young alone, with a quarter of a
+    # lease period for clocks that disagree (see ckptstore.layout.lease).
+    margin = store.settings.save_lease_seconds / 4
+    older_than = min(cutoff, oldest_kept - margin)
+    report.stale_writes = await store.remove_stale_writes("", older_than=older_than)
     return report
+
+
+async def _idle_attempts(
+    store: Store,
+    prefix: str,
+    attempts: list[str],
+    keep: str | None,
+    cutoff: float,
+    report: GCReport,
+) -> tuple[dict[str, list[str]], float]:
+    """The attempts under the step ``prefix`` idle since before ``cutoff``, with the keys to
+    delete of each, and the start of the oldest attempt kept as a possible save in progress
+    (those are added to ``report.kept_recent``)."""
+    doomed: dict[str, list[str]] = {}
+    oldest_kept = math.inf
+    for attempt_dir in attempts:
+        attempt = attempt_dir[len(prefix) :].rstrip("/")
+        if attempt == keep:
+            continue
+        started = attempt_time(attempt)
+        assert started is not None  # matched ATTEMPT_RE
+        objects = [meta async for meta in store.list(attempt_dir)]
+        if not objects:
+            continue  # nothing to delete: see GCReport.removed
+        signs = [started, *(m.last_modified for m in objects if m.last_modified is not None)]
+        lease_key = attempt_dir + LEASE_NAME
+        if any(meta.key == lease_key for meta in objects):
+            expires = await lease_expiry(store, lease_key)
+            signs += [] if expires is None else [expires]
+        if max(signs) > cutoff:
+            report.kept_recent.append(attempt_dir)
+            oldest_kept = min(oldest_kept, started)
+            continue
+        doomed[attempt_dir] = [meta.key for meta in objects]
+    return doomed, oldest_kept
+
+
+#: :func:`_committed_attempt` of a step whose manifest fails validation.
+_INVALID = "<invalid manifest>"
+
+
+async def _committed_attempt(store: Store, step: int) -> str | None:
+    """The attempt the step's manifest names; ``None`` if there is none, :data:`_INVALID` if
+    it fails validation (then nothing of the step may be touched)."""
+    try:
+        return (await read_manifest(store, step)).attempt
+    except NotFoundError:
+        return None
+    except CorruptCheckpointError:
+        return _INVALID

@@ -20,9 +20,9 @@ the destination with the commit protocol of :mod:`ckptstore.layout.commit`:
    any save in progress), each object streamed in parallel parts, its crc32c computed on the
    way and compared with the manifest: damaged source bytes are never committed;
 3. the copied objects are read back and verified at the destination;
-4. the manifest, rewritten to name the new attempt, is put with put-if-absent. A copy whose
-   data took over half the destination's garbage-collection grace period is not committed,
-   exactly as a save is not.
+4. the manifest, rewritten to name the new attempt, is put with put-if-absent. Like a save,
+   a copy holds a lease on its attempt from the first object to the commit
+   (:mod:`ckptstore.layout.lease`), and does not commit if the lease lapsed.
 
 On any failure before step 4 the new attempt prefix is deleted once every write under it has
 ended (or left for gc if the delete fails), so a refused copy leaves nothing behind.
@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.errors import (
-    CkptStoreError,
     CommitConflictError,
     CorruptCheckpointError,
     InvalidRangeError,
@@ -49,6 +48,7 @@ from ckptstore.errors import (
 )
 from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
+from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
@@ -398,22 +398,17 @@ async def copy_step(
         attempt=attempt,
         object_keys=[f"{attempt}/{key.split('/', 1)[1]}" for key in manifest.object_keys],
     )
-    try:
-        await _copy_objects(src, dst, manifest, copied, progress)
-        await _check_copy(dst, copied, progress)
-    except BaseException:
-        with contextlib.suppress(Exception):
-            await asyncio.shield(dst.delete_prefix(prefix))
-        raise
-    elapsed = time.time() - started
-    grace = dst.settings.gc_grace_seconds
-    if elapsed > grace / 2:
-        raise CkptStoreError(
-            f"{dst.url}/{prefix}: the copy took {elapsed:.0f} s, over half of the destination's "
-            f"garbage-collection grace period ({grace} s), so a concurrent gc may have removed "
-            "data; not committing. Raise gc_grace_seconds for the destination."
-        )
-    await commit_manifest(dst, copied)
+    # A copy is a save attempt at the destination: it holds the same lease a save does.
+    async with held_lease(dst, step, attempt) as lease:
+        try:
+            await _copy_objects(src, dst, manifest, copied, progress)
+            await _check_copy(dst, copied, progress)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(dst.delete_prefix(prefix))
+            raise
+        lease.check()
+        await commit_manifest(dst, copied)
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
 
 

@@ -20,8 +20,9 @@ index into the object table, ``-1`` for an empty leaf.
 
 :meth:`Manifest.parse` validates all of it before the caller reads any data: keys stay under
 the attempt prefix of their own step, every leaf lies inside its object and no two leaves
-overlap, ``prod(shape) * itemsize == length`` (in Python integers, so nothing overflows),
-dtypes come from the allow-list, the tree places every array exactly once and agrees with
+overlap, ``prod(shape) * itemsize == length`` (in Python integers, so nothing overflows) and
+no shape, not even an empty one, claims more than :data:`MAX_LEAF_BYTES`, dtypes come from the
+allow-list, the tree places every array exactly once and agrees with
 the paths, and the whole document is under ``Settings.manifest_max_bytes``.
 """
 
@@ -284,10 +285,14 @@ class Manifest:
             # a dimension numpy cannot hold is refused even where a zero dimension hides it
             if len(shape) > 64 or any(d < 0 or d >= 1 << 63 for d in shape):
                 raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is invalid")
-            if math.prod(shape) * itemsizes[dtypes[i]] != llen[i]:
+            itemsize = itemsizes[dtypes[i]]
+            if math.prod(shape) * itemsize != llen[i]:
                 raise _Invalid(
                     f"leaf {paths[i]!r}: shape {shape} of {dtypes[i]} is not {llen[i]} bytes"
                 )
+            if not llen[i] and math.prod(d for d in shape if d) * itemsize > MAX_LEAF_BYTES:
+                # An empty shape such as [0, 2**62]: numpy refuses to allocate it at all.
+                raise _Invalid(f"leaf {paths[i]!r}: shape {shape} is too large for any array")
 
         _check_extents(paths, lobj, loff, llen, olen)
 

@@ -456,6 +456,7 @@ def save(
         # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
         error: BaseException | None = None
+        begun: Attempt | None = None
         try:
             check_step(step)
             staged = save_path.stage(stager, state, copy=False)
@@ -464,8 +465,9 @@ def save(
             flat = staged.flat()
             part = _describe(flat, step)
             if rank == coordinator:
-                attempt = background.run(save_path.begin(store, step, metadata))
-                part = dataclasses.replace(part, attempt=attempt.id, started=attempt.started)
+                begun = background.run(save_path.begin(store, step, metadata))
+                later.callback(_release_lease, begun)  # committed or not, when this returns
+                part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
             shared: Any = part
         except Exception as exc:
             error, shared = exc, _Failure.of(rank, exc)
@@ -479,7 +481,8 @@ def save(
             raise ValueError(f"the ranks save different steps: {sorted(steps)}")
         assert flat is not None
         assert parts[coordinator].attempt is not None
-        attempt = Attempt(step, parts[coordinator].attempt, parts[coordinator].started)
+        # The coordinator keeps the attempt it began: it holds the attempt's lease.
+        attempt = begun or Attempt(step, parts[coordinator].attempt, parts[coordinator].started)
         tree, leaves = merge_parts(parts)
 
         # 2. write what this rank owns, then tell the coordinator
@@ -526,6 +529,11 @@ def save(
         if failure.kind == CommitConflictError.__name__:
             raise CommitConflictError(failure.message)
         raise CkptStoreError(f"{store.url}: step {step} was not saved: {failure.describe()}")
+
+
+def _release_lease(attempt: Attempt) -> None:
+    if attempt.lease is not None:
+        background.run(attempt.lease.release())
 
 
 def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:

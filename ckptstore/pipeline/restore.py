@@ -49,7 +49,14 @@ from ckptstore.layout.commit import latest_step, read_manifest
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import flatten, iter_leaves, select_paths, unflatten
-from ckptstore.stage.stager import ArrayKind, kind_named, rebuild_leaf, target_kind
+from ckptstore.stage.stager import (
+    ArrayKind,
+    kind_named,
+    leaf_error,
+    rebuild_leaf,
+    saved_kind,
+    target_kind,
+)
 from ckptstore.stage.tree import expand
 from ckptstore.store.base import Store
 
@@ -276,13 +283,13 @@ def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
                 return rebuild_leaf(array, leaf_attrs, None, like)
             kind = asked.kind
             if kind is None:  # as saved
-                name = str(leaf_attrs.get("framework", "numpy"))
-                kind = kinds.get(name) or kinds.setdefault(name, kind_named(name))
+                name = leaf_attrs.get("framework", "numpy")
+                known = kinds.get(name) if isinstance(name, str) else None
+                kind = known or kinds.setdefault(str(name), saved_kind(leaf_attrs))
             return kind.rebuild(array, leaf_attrs, None)
-        except ValueError as exc:
-            raise ValueError(
-                f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}: {exc}"
-            ) from None
+        except ValueError as exc:  # a damaged checkpoint's error stays a CorruptCheckpointError
+            where = f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}"
+            raise leaf_error(exc, where) from None
 
     if asked.like is not None:
         return unflatten(

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from numpy.typing import NDArray
 
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.stage.numpy import check_dtype
 from ckptstore.stage.stager import ArrayKind, CopyTask, LeafSpec
 
@@ -85,11 +86,24 @@ class JaxKind(ArrayKind):
 
     def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
         if like is None:
+            if attrs.get("framework") == self.name and not _jax_holds(array.dtype):
+                # An array saved by JAX always has a dtype JAX has: the manifest lies.
+                raise CorruptCheckpointError(f"a leaf saved as a JAX array has dtype {array.dtype}")
             return jax.device_put(array)
         if np.dtype(like.dtype) != array.dtype:
             array = array.astype(like.dtype)
         sharding = getattr(like, "sharding", None)
         return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+
+
+@functools.cache
+def _jax_holds(dtype: np.dtype[Any]) -> bool:
+    """Whether JAX has arrays of ``dtype`` (asked once per dtype, with an empty array)."""
+    try:
+        jax.device_put(np.empty(0, dtype))
+    except (TypeError, jax.errors.JaxRuntimeError):
+        return False
+    return True
 
 
 def is_jax_target(like: Any) -> bool:

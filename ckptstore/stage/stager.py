@@ -30,6 +30,7 @@ import numpy as np
 from numpy.typing import NDArray
 
 from ckptstore.config import default_settings
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
@@ -483,9 +484,31 @@ def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = No
         try:
             return rebuild_leaf(leaf, attrs.get(path, {}), fixed, like)
         except ValueError as exc:
-            raise ValueError(f"{_show(path)}: {exc}") from None
+            raise leaf_error(exc, _show(path)) from None
 
     return map_leaves(rebuild, tree)
+
+
+def saved_kind(attrs: dict[str, Any]) -> ArrayKind:
+    """The array kind a leaf was saved from, by its manifest attributes.
+
+    Raises:
+        CorruptCheckpointError: the attributes name no array framework (they come from the
+            manifest, not from the caller).
+    """
+    framework = attrs.get("framework", "numpy")
+    if framework not in ("numpy", "torch", "jax"):
+        raise CorruptCheckpointError(
+            f"leaf attribute framework={str(framework)[:80]!r} names no array framework"
+        )
+    return kind_named(framework)
+
+
+def leaf_error(exc: ValueError, where: str) -> ValueError:
+    """``exc`` with the leaf ``where`` named in front of its message; a damaged
+    checkpoint's :class:`~ckptstore.errors.CorruptCheckpointError` stays one."""
+    error = CorruptCheckpointError if isinstance(exc, CorruptCheckpointError) else ValueError
+    return error(f"{where}: {exc}")
 
 
 def rebuild_leaf(
@@ -503,7 +526,7 @@ def rebuild_leaf(
         return kind.rebuild(array, attrs, None)
     like_kind = target_kind(like) if like is not None else None
     if like_kind is None:
-        return kind_named(str(attrs.get("framework", "numpy"))).rebuild(array, attrs, None)
+        return saved_kind(attrs).rebuild(array, attrs, None)
     like_shape = getattr(like, "shape", None)
     shape = array.shape if like_shape is None else tuple(like_shape)
     if shape != array.shape:

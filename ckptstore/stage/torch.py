@@ -13,7 +13,10 @@ they cannot change what is written.
 
 Each leaf records its torch dtype, device and ``requires_grad`` (and whether it was an
 ``nn.Parameter``) so a restore without a target puts it back as it was; a device this machine
-does not have (a CUDA checkpoint restored on a CPU host) falls back to the CPU.
+does not have (a CUDA checkpoint restored on a CPU host) falls back to the CPU. Those
+attributes are read from the manifest and checked before torch sees them: a device string
+torch cannot parse, a flag that is not a boolean, or ``requires_grad`` on an integer tensor is
+a :class:`~ckptstore.errors.CorruptCheckpointError`.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import numpy as np
 import torch
 from numpy.typing import NDArray
 
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.stage.stager import ArrayKind, CopyTask, LeafSpec, contiguous_chunks
 
 __all__ = ["TorchKind", "dtype_table", "numpy_dtype", "tensor_from_numpy", "torch_dtype"]
@@ -133,6 +137,36 @@ def _device_available(device: torch.device) -> bool:
     return bool(is_available()) if callable(is_available) else False
 
 
+def _saved_placement(attrs: dict[str, Any], dtype: torch.dtype) -> tuple[torch.device, bool, bool]:
+    """Device, ``requires_grad`` and ``parameter`` of a leaf as its manifest attributes say it
+    was saved. They come from the checkpoint, so they are checked like any manifest field
+    before torch sees them: a bad one is a :class:`~ckptstore.errors.CorruptCheckpointError`,
+    never a ``RuntimeError`` from deep inside torch. A device this machine lacks is the CPU.
+    """
+    name = attrs.get("device", "cpu")
+    bad_device = CorruptCheckpointError(
+        f"leaf attribute device={str(name)[:80]!r} is not a torch device"
+    )
+    if type(name) is not str or len(name) > 64:
+        raise bad_device
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise bad_device from None
+    flags = {flag: attrs.get(flag, False) for flag in ("requires_grad", "parameter")}
+    for flag, value in flags.items():
+        if type(value) is not bool:
+            raise CorruptCheckpointError(f"leaf attribute {flag}={value!r} is not a boolean")
+    if flags["requires_grad"] and not (dtype.is_floating_point or dtype.is_complex):
+        raise CorruptCheckpointError(
+            f"leaf attribute requires_grad=true on a {dtype} tensor (only floating-point and "
+            "complex tensors can require gradients)"
+        )
+    if not _device_available(device):
+        device = torch.device("cpu")
+    return device, flags["requires_grad"], flags["parameter"]
+
+
 class TorchKind(ArrayKind):
     """``torch.Tensor`` and ``torch.nn.Parameter`` leaves (dense, strided layout)."""
 
@@ -213,20 +247,23 @@ class TorchKind(ArrayKind):
         return array.view(numpy_dtype(tensor.dtype)).reshape(tuple(tensor.shape))
 
     def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
-        tensor = tensor_from_numpy(array)
+        try:
+            tensor = tensor_from_numpy(array)
+        except TypeError as exc:
+            if attrs.get("framework") != self.name:
+                raise  # a caller asked for torch; not the checkpoint's fault
+            # A tensor saved by torch always has a dtype torch has: the manifest lies.
+            raise CorruptCheckpointError(f"a leaf saved as a torch tensor: {exc}") from None
         if like is not None:
             target: torch.Tensor = like
             if tensor.dtype != target.dtype:
                 tensor = tensor.to(target.dtype)
             device, requires_grad = target.device, target.requires_grad
             parameter = isinstance(target, torch.nn.Parameter)
+        elif attrs.get("framework") == self.name:
+            device, requires_grad, parameter = _saved_placement(attrs, tensor.dtype)
         else:
-            saved = attrs.get("framework") == "torch"
-            device = torch.device(attrs.get("device", "cpu") if saved else "cpu")
-            if not _device_available(device):
-                device = torch.device("cpu")
-            requires_grad = bool(attrs.get("requires_grad", False))
-            parameter = bool(attrs.get("parameter", False))
+            device, requires_grad, parameter = torch.device("cpu"), False, False
         if device.type != "cpu":
             tensor = tensor.to(device)
         if parameter:

@@ -247,7 +247,7 @@ class CheckpointTests:
         nbytes = self.small_leaves * 4096
         objects = counting.requests["put"] + counting.requests["complete_multipart"]
         assert info.objects == -(-nbytes // store.settings.pack_size)
-        assert objects == info.objects + 1  # the packs and the manifest
+        assert objects == info.objects + 2  # the packs, the save's lease and the manifest
         assert_same_state(await aload(store, step=3), state)
 
     async def test_keys_reads_only_their_ranges(self, store: Store) -> None:

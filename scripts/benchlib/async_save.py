@@ -50,9 +50,9 @@ fsync), ``dcp`` (``torch.distributed.checkpoint.async_save`` with its default st
 does), ``orbax`` (``AsyncCheckpointer(PyTreeCheckpointHandler)`` over the tensors as numpy
 views, if orbax-checkpoint is installed).
 
-Workloads: ``1GiB``: 16 float32 tensors of 64 MiB; ``transformer``: a 4-layer, d=768
-transformer (35M parameters) with Adam's two moments and step counters, about 400 MiB in 200
-tensors of 4 B to 24 MiB.
+Workloads (:mod:`benchlib.workloads`, the same every suite uses, as torch tensors): ``1GiB``:
+16 float32 tensors of 64 MiB; ``transformer``: the transformer-like state with Adam's two
+moments and step counters, 456 MiB in 496 tensors.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchlib import Context, Result, Suite, torch_tensors
+from benchlib import Context, Result, Suite, torch_tensors, workloads
+from benchlib.workloads import as_torch
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parent.parent.parent
@@ -89,43 +90,9 @@ def _rss() -> int:
 
 
 def _state(workload: str, quick: bool) -> dict[str, Any]:
-    import torch
-
-    if workload == "1GiB":
-        n = 4 if quick else 16
-        return {f"t{i:02d}": torch.full((16 << 20,), float(i)) for i in range(n)}
-    d, layers, vocab = (256, 2, 4096) if quick else (768, 4, 8192)
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (vocab, d)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        shapes |= {
-            p + "ln1.weight": (d,),
-            p + "ln1.bias": (d,),
-            p + "attn.qkv.weight": (3 * d, d),
-            p + "attn.qkv.bias": (3 * d,),
-            p + "attn.out.weight": (d, d),
-            p + "attn.out.bias": (d,),
-            p + "ln2.weight": (d,),
-            p + "ln2.bias": (d,),
-            p + "mlp.up.weight": (4 * d, d),
-            p + "mlp.up.bias": (4 * d,),
-            p + "mlp.down.weight": (d, 4 * d),
-            p + "mlp.down.bias": (d,),
-        }
-    shapes["ln_f.weight"] = (d,)
-    model = {k: torch.full(s, 0.5) for k, s in shapes.items()}
-    optim = {
-        "state": {
-            i: {
-                "step": torch.tensor(10.0),
-                "exp_avg": torch.full(s, 0.1),
-                "exp_avg_sq": torch.full(s, 0.01),
-            }
-            for i, s in enumerate(shapes.values())
-        },
-        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(shapes)))}],
-    }
-    return {"model": model, "optim": optim}
+    """The named workload of :mod:`benchlib.workloads`, as torch tensors."""
+    make = {"1GiB": workloads.big, "transformer": workloads.transformer}[workload]
+    return as_torch(make(quick))
 
 
 def _numpy_tree(tree: Any) -> Any:

@@ -1,15 +1,16 @@
 """cli-ops: what ``ckptstore verify`` and ``ckptstore cp`` cost against plain file I/O.
 
-A 1 GiB checkpoint (16 arrays of 64 MiB, saved durably with ``ckptstore.save``) on the local
-disk. Verify: ``verify_step`` (re-read every byte, crc32c of every object and leaf) against a
-plain sequential read of the same files into one reused buffer, which checks nothing; the
-ratio is the price of checking. Copy: ``copy_step`` to another local directory (stream every
-object with its crc32c, read the copy back and verify it, commit its manifest) against a plain
-copy of the same files (read, write, fsync each file, fsync the directory), which verifies
-nothing. ``copy_step`` reads every byte twice by design (the source from the disk, then the
-copy it verifies, mostly from the page cache) and hashes it twice. Before every run the
-source files are dropped from the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)``) and the
-copy destinations removed; runs alternate (``interleave``) after an untimed warm-up.
+A 1 GiB checkpoint (the big workload of :mod:`benchlib.workloads`: 16 arrays of 64 MiB, saved
+durably with ``ckptstore.save``) on the local disk. Verify: ``verify_step`` (re-read every
+byte, crc32c of every object and leaf) against a plain sequential read of the same files into
+one reused buffer, which checks nothing; the ratio is the price of checking. Copy:
+``copy_step`` to another local directory (stream every object with its crc32c, read the copy
+back and verify it, commit its manifest) against a plain copy of the same files (read, write,
+fsync each file, fsync the directory), which verifies nothing. ``copy_step`` reads every byte
+twice by design (the source from the disk, then the copy it verifies, mostly from the page
+cache) and hashes it twice. Before every run the source files are dropped from the page cache
+(``posix_fadvise(POSIX_FADV_DONTNEED)``) and the copy destinations removed; runs alternate
+(``interleave``) after an untimed warm-up.
 """
 
 from __future__ import annotations
@@ -19,10 +20,8 @@ import os
 import shutil
 from pathlib import Path
 
-import numpy as np
-
 import ckptstore
-from benchlib import Context, Result, Suite, Timing, evict, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave, workloads
 from ckptstore.layout.maintenance import copy_step, verify_step
 
 VERIFY = "ckptstore verify"
@@ -61,9 +60,8 @@ def _plain_copy(paths: list[Path], dst: Path, buf: bytearray) -> None:
 
 
 def run(ctx: Context) -> list[Result]:
-    count, size = (4, 8 << 20) if ctx.quick else (16, 64 << 20)
-    rng = np.random.default_rng(0)
-    state = {f"w{i:02d}": rng.integers(0, 256, size, dtype=np.uint8) for i in range(count)}
+    count, size = workloads.big_shape(ctx.quick)
+    state = workloads.big(ctx.quick)
     src = ctx.workdir / "src"
     ckptstore.save(src, state, step=1)
     del state

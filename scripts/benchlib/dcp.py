@@ -18,8 +18,9 @@ ckptstore's own checkpoint, and the raw transport ceiling, in one interleaved ru
 
 All of them write to and read from one bucket of one ``weed mini`` S3 gateway on 127.0.0.1
 over plain HTTP with signed requests (access key configured), with the same credentials.
-Workloads: 1 GiB as 16 float32 tensors of 64 MiB, and a transformer-like state (12 layers of
-d=1024 with Adam moments, about 0.6 GiB in 150 tensors plus small ones). Every save goes to a
+Workloads (:mod:`benchlib.workloads`, the same every suite uses): 1 GiB as 16 float32 tensors
+of 64 MiB, and the transformer-like state with its Adam state (456 MiB in 496 tensors), as
+torch tensors. Every save goes to a
 fresh checkpoint prefix (a fresh step; a fresh key for the ceiling); loads read what the last
 save of that system wrote. What ckptstore's own load and the ceiling read back is compared
 with the saved tensors after the timed runs. Runs alternate between systems (``interleave``)
@@ -41,45 +42,15 @@ from typing import Any
 
 import numpy as np
 
-from benchlib import Context, Result, Suite, interleave, torch_tensors
+from benchlib import Context, Result, Suite, interleave, torch_tensors, workloads
 from benchlib.s3 import ACCESS_KEY, CEILING, PART, SECRET_KEY, raw_client, raw_get, raw_put
+from benchlib.workloads import as_torch
 
 BUCKET = "dcp-bench"
 NATIVE = "ckptstore asave / aload"
 DCP_OURS = "ckptstore.dcp"
 FSSPEC = "DCP FsspecWriter (s3fs)"
 S3TC = "s3torchconnector"
-
-
-def _big(quick: bool) -> dict[str, Any]:
-    import torch
-
-    count = 4 if quick else 16
-    return {f"t{i}": torch.randn(16 << 20) for i in range(count)}  # 64 MiB each
-
-
-def _transformer(quick: bool) -> dict[str, Any]:
-    import torch
-
-    d, layers = 1024, 3 if quick else 12
-    model: dict[str, Any] = {"embed": torch.randn(8192, d)}
-    for i in range(layers):
-        for name, shape in (
-            ("qkv", (3 * d, d)),
-            ("proj", (d, d)),
-            ("fc1", (4 * d, d)),
-            ("fc2", (d, 4 * d)),
-            ("ln1", (d,)),
-            ("ln2", (d,)),
-            ("qkv_bias", (3 * d,)),
-            ("fc1_bias", (4 * d,)),
-        ):
-            model[f"layer{i}.{name}"] = torch.randn(*shape)
-    optim = {
-        name: {"exp_avg": torch.randn_like(t), "exp_avg_sq": torch.rand_like(t), "step": 10}
-        for name, t in model.items()
-    }
-    return {"model": model, "optim": optim}
 
 
 def _nbytes(state: Any) -> int:
@@ -289,10 +260,10 @@ def run(ctx: Context) -> list[Result]:
         counter = itertools.count()
         try:
             for workload, make in (
-                ("1 GiB, 64 MiB tensors", _big),
-                ("transformer + Adam", _transformer),
+                ("1 GiB as 16 x 64 MiB", workloads.big),
+                ("transformer + Adam (~400 MiB)", workloads.transformer),
             ):
-                state = make(ctx.quick)
+                state = as_torch(make(ctx.quick))
                 target = _zeros_like(state)  # the DCP loads' target, shared, allocated untimed
                 systems = {
                     name: _dcp_system(state, target, writers[name], readers[name], counter)

@@ -1,9 +1,9 @@
 """format: whole checkpoints saved and loaded: ckptstore vs torch.save, DCP, Orbax and raw I/O.
 
-Three workloads: 1 GiB as 16 arrays of 64 MiB; 20,000 arrays of 4 KiB (80 MiB); and a
-transformer-like state (10 layers of width 512, embeddings, biases and norms, plus an
-Adam-like optimizer state with two moment copies and a 0-d ``step`` per parameter: 456 MiB
-in 496 arrays, 370 of them under 1 MiB). Each is saved to and loaded from two targets:
+The three workloads of :mod:`benchlib.workloads`, the same every suite uses: 1 GiB as 16
+arrays of 64 MiB; 20,000 arrays of 4 KiB (80 MiB); and the transformer-like state with its
+Adam state (456 MiB in 496 arrays, 370 of them under 1 MiB). Each is saved to and loaded
+from two targets:
 
 * local directory: ckptstore (``ckptstore.save``/``load``, durable: every file and directory
   fsynced before the manifest), ``torch.save`` of the same tensors (zero-copy
@@ -59,6 +59,7 @@ import numpy as np
 
 import ckptstore
 from benchlib import Context, Result, Suite, Timing, evict, interleave, leaves_of
+from benchlib.workloads import WORKLOADS, as_torch, map_leaves
 
 CKPT = "ckptstore"
 TORCH = "torch.save (+fsync)"
@@ -69,92 +70,14 @@ CEILING = "write+fsync ceiling"
 MEMCPY = "memcpy ceiling"
 
 
-# ---------------------------------------------------------------------------- workloads
-
-
-def _big(quick: bool) -> dict[str, Any]:
-    count, size = (4, 16 << 20) if quick else (16, 64 << 20)
-    rng = np.random.default_rng(0)
-    return {f"w{i:02d}": rng.standard_normal(size // 4, dtype=np.float32) for i in range(count)}
-
-
-def _small(quick: bool) -> dict[str, Any]:
-    count = 2000 if quick else 20_000
-    rng = np.random.default_rng(1)
-    block = rng.standard_normal((count, 1024), dtype=np.float32)
-    return {f"t{i:05d}": block[i].copy() for i in range(count)}
-
-
-def _transformer(quick: bool) -> dict[str, Any]:
-    layers, width, vocab = (2, 256, 2048) if quick else (10, 512, 8192)
-    rng = np.random.default_rng(2)
-
-    def mat(*shape: int) -> np.ndarray:
-        return rng.standard_normal(shape, dtype=np.float32)
-
-    model: dict[str, np.ndarray] = {"embed.weight": mat(vocab, width)}
-    for i in range(layers):
-        p = f"layers.{i}."
-        model |= {
-            p + "attn.qkv.weight": mat(3 * width, width),
-            p + "attn.qkv.bias": mat(3 * width),
-            p + "attn.out.weight": mat(width, width),
-            p + "attn.out.bias": mat(width),
-            p + "mlp.fc1.weight": mat(4 * width, width),
-            p + "mlp.fc1.bias": mat(4 * width),
-            p + "mlp.fc2.weight": mat(width, 4 * width),
-            p + "mlp.fc2.bias": mat(width),
-            p + "norm1.weight": mat(width),
-            p + "norm1.bias": mat(width),
-            p + "norm2.weight": mat(width),
-            p + "norm2.bias": mat(width),
-        }
-    model |= {"norm.weight": mat(width), "norm.bias": mat(width), "head.weight": mat(vocab, width)}
-    state = {
-        str(i): {
-            "step": np.array(1000.0, np.float32),
-            "exp_avg": mat(*p.shape),
-            "exp_avg_sq": np.abs(mat(*p.shape)),
-        }
-        for i, p in enumerate(model.values())
-    }
-    groups = [{"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "params": list(range(len(model)))}]
-    return {"model": model, "optim": {"state": state, "param_groups": groups}, "epoch": 3}
-
-
-WORKLOADS: dict[str, Callable[[bool], dict[str, Any]]] = {
-    "1 GiB as 16 x 64 MiB": _big,
-    "20,000 x 4 KiB": _small,
-    "transformer + Adam (~400 MiB)": _transformer,
-}
-
-
 def _arrays(state: Any) -> list[np.ndarray]:
     return leaves_of(state, np.ndarray)
-
-
-def _to_torch(state: Any) -> Any:
-    import torch
-
-    if isinstance(state, np.ndarray):
-        return torch.from_numpy(state)
-    if isinstance(state, dict):
-        return {k: _to_torch(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_to_torch(v) for v in state]
-    return state
 
 
 def _empty_like(state: Any) -> Any:
     import torch
 
-    if isinstance(state, torch.Tensor):
-        return torch.empty_like(state)
-    if isinstance(state, dict):
-        return {k: _empty_like(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_empty_like(v) for v in state]
-    return state
+    return map_leaves(state, torch.Tensor, torch.empty_like)
 
 
 # ---------------------------------------------------------------------------- raw I/O
@@ -261,7 +184,7 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray, orbax: bool) -
 
     base = ctx.workdir / "local"
     dirs = {CKPT: base / "ckpt", TORCH: base / "torch", DCP: base / "dcp", CEILING: base / "raw"}
-    tstate = _to_torch(state)
+    tstate = as_torch(state)
     jax_saves: dict[str, Callable[[], Any]] = {}
     jax_loads: dict[str, Callable[[], Any]] = {}
     peer = None
@@ -335,7 +258,7 @@ def _memory(ctx: Context, state: dict[str, Any], blob: np.ndarray, tag: str) -> 
     import torch
 
     url = f"memory://bench-format-{tag}"
-    tstate = _to_torch(state)
+    tstate = as_torch(state)
     out = np.empty_like(blob)
     buffers: dict[str, io.BytesIO] = {}
     steps = itertools.count(1)

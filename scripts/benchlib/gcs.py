@@ -6,14 +6,15 @@ one, else under the work directory): with its data on this machine's disk one 4 
 about 15 ms, on tmpfs about 1.4 ms (its memory backend grew past 10 GB over the 1 GiB
 workload and was OOM-killed). The emulator shares the 2 cores
 with the client, so absolute figures are the emulator's; the ratios and the client CPU are
-what to read. Workloads: 1 GiB as 16 objects of 64 MiB, all
-written (then read) concurrently; and 20,000 objects of 4 KiB, written (then read)
-concurrently. Systems: ``GCSStore.put`` (64 MiB objects go as two 32 MiB parts uploaded in
-parallel as temporary objects and joined by one ``compose``) and ``GCSStore`` with multipart
-off (one multipart/related upload request per object), against gcsfs's own ``_pipe`` (objects
-of 50 MiB and more as a resumable upload of sequential 50 MiB chunks, smaller ones as one
-request) and ``_cat``. Reads: ``GCSStore.read_into`` into preallocated buffers (32 MiB ranged
-GETs in parallel) or ``get`` for the small objects, against gcsfs ``_cat`` of the same keys.
+what to read. Workloads (the bytes of :mod:`benchlib.workloads`' big and small states): 1 GiB
+as 16 objects of 64 MiB, all written (then read) concurrently; and 20,000 objects of 4 KiB,
+written (then read) concurrently. Systems: ``GCSStore.put`` (64 MiB objects go as two 32 MiB
+parts uploaded in parallel as temporary objects and joined by one ``compose``) and ``GCSStore``
+with multipart off (one multipart/related upload request per object), against gcsfs's own
+``_pipe`` (objects of 50 MiB and more as a resumable upload of sequential 50 MiB chunks,
+smaller ones as one request) and ``_cat``. Reads: ``GCSStore.read_into`` into preallocated
+buffers (32 MiB ranged GETs in parallel) or ``get`` for the small objects, against gcsfs
+``_cat`` of the same keys.
 Checkpoint level: ``asave`` of the same bytes as a state (16 leaves of 64 MiB; 20,000
 float32 leaves of 4 KiB, which the format packs into a few objects) and ``aload`` of it
 (``into=`` preallocated arrays for the large state), each run a new step. Every byte read
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import Context, Result, Suite, Timing, interleave
+from benchlib import Context, Result, Suite, Timing, interleave, workloads
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -50,19 +51,19 @@ def run(ctx: Context) -> list[Result]:
     from ckptstore.store.gcs import GCSStore
     from ckptstore.testing.fakegcs import FakeGCS
 
-    big_count, big_size = (4, 64 << 20) if ctx.quick else (16, 64 << 20)
-    small_count, small_size = (2_000, 4096) if ctx.quick else (20_000, 4096)
-    rng = np.random.default_rng(0)
-    big = [rng.integers(0, 256, big_size, dtype=np.uint8) for _ in range(big_count)]
+    # The big and small workloads of benchlib.workloads, as the bytes of their leaves.
+    big_count, big_size = workloads.big_shape(ctx.quick)
+    small_count, small_size = workloads.small_count(ctx.quick), workloads.SMALL_LEAF_BYTES
+    big = [a.view(np.uint8) for a in workloads.big(ctx.quick).values()]
     big_bytes = [b.tobytes() for b in big]  # gcsfs's pipe wants bytes; made untimed
     outs = {
         name: [np.empty(big_size, dtype=np.uint8) for _ in range(big_count)]
         for name in (PARTS, SINGLE)
     }
-    small = rng.integers(0, 256, small_count * small_size, dtype=np.uint8)
-    small_bytes = [
-        small[i * small_size : (i + 1) * small_size].tobytes() for i in range(small_count)
-    ]
+    small_leaves = list(workloads.small(ctx.quick).values())
+    small = np.concatenate(small_leaves).view(np.uint8)
+    small_bytes = [a.tobytes() for a in small_leaves]
+    del small_leaves
     rows: list[Result] = []
     loop = asyncio.new_event_loop()
     warnings.filterwarnings("ignore", "Sending a large body", ResourceWarning)

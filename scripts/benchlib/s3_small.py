@@ -1,9 +1,10 @@
 """s3-small: 20,000 tensors of 4 KiB on a local SeaweedFS, packed checkpoint vs one object each.
 
-The workload a model's biases, norms and optimizer scalars make: 20,000 float32 arrays of
-1,024 values (4 KiB each, 78 MiB in all), already in memory. ``CKPTSTORE_BENCH_SMALL_COUNT``
-sets another count: through s3fs each tensor costs a request both ways (about 1.8 ms to
-write and 2.7 ms to read one on this 2-core machine), so the full count takes 1.5 minutes a run.
+The workload a model's biases, norms and optimizer scalars make, the small workload of
+:mod:`benchlib.workloads`: 20,000 float32 arrays of 1,024 values (4 KiB each, 78 MiB in all),
+already in memory. ``CKPTSTORE_BENCH_SMALL_COUNT`` runs on its first N arrays only: through
+s3fs each tensor costs a request both ways (about 1.8 ms to write and 2.7 ms to read one on
+this 2-core machine), so the full count takes 1.5 minutes a run.
 
 * **ckptstore save / load**: ``ckptstore.asave`` of the state to an ``S3Store`` (the format
   packs the small arrays into a few objects of up to 8 MiB, written in parallel, then one
@@ -27,9 +28,7 @@ import asyncio
 import os
 from typing import Any
 
-import numpy as np
-
-from benchlib import Context, Result, Suite, interleave
+from benchlib import Context, Result, Suite, interleave, workloads
 from benchlib.s3 import ACCESS_KEY, SECRET_KEY
 from ckptstore.manager.functions import adelete_step, aload, asave
 from ckptstore.store.s3 import S3Store
@@ -43,9 +42,11 @@ BUCKET = "bench-small"
 def run(ctx: Context) -> list[Result]:
     import s3fs
 
-    count = 500 if ctx.quick else int(os.environ.get("CKPTSTORE_BENCH_SMALL_COUNT", 20_000))
-    rng = np.random.default_rng(0)
-    state = {f"t{i:05d}": rng.standard_normal(1024).astype(np.float32) for i in range(count)}
+    # The small workload of benchlib.workloads (CKPTSTORE_BENCH_SMALL_COUNT runs a shorter one).
+    state = workloads.small(ctx.quick)
+    if "CKPTSTORE_BENCH_SMALL_COUNT" in os.environ:
+        state = dict(list(state.items())[: int(os.environ["CKPTSTORE_BENCH_SMALL_COUNT"])])
+    count = len(state)
     payload = {name: array.tobytes() for name, array in state.items()}
     nbytes = sum(len(b) for b in payload.values())
     workload = f"{count:,} x 4 KiB"

@@ -1,6 +1,7 @@
 """store-local: the local backend against plain POSIX I/O of the same bytes.
 
-Write: ckptstore's ``LocalStore`` puts 16 objects of 64 MiB (1 GiB; durable: each file and its
+Write: ckptstore's ``LocalStore`` puts 16 objects of 64 MiB (1 GiB, the bytes of the big
+workload of :mod:`benchlib.workloads`; durable: each file and its
 directory fsynced, published with a rename) concurrently, as a checkpoint writer does, against
 the ceiling a careful program reaches with plain calls: for each file ``open``, ``write`` the
 whole buffer, ``fsync``, ``close``, then one ``fsync`` of the directory. Read: ``read_into``
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchlib import Context, Result, Suite, Timing, evict, interleave
+from benchlib import Context, Result, Suite, Timing, evict, interleave, workloads
 from ckptstore.config import Settings
 from ckptstore.store.local import LocalStore
 
@@ -83,10 +84,9 @@ def _plain_read(paths: list[Path], outs: list[np.ndarray], pool: ThreadPoolExecu
 
 
 def run(ctx: Context) -> list[Result]:
-    count, size = (4, 8 << 20) if ctx.quick else (16, 64 << 20)
+    count, size = workloads.big_shape(ctx.quick)
     total = count * size
-    rng = np.random.default_rng(0)
-    buffers = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(count)]
+    buffers = [a.view(np.uint8) for a in workloads.big(ctx.quick).values()]
     outs = [np.empty(size, dtype=np.uint8) for _ in range(count)]
     dirs = {
         STORE: ctx.workdir / "store",
