@@ -14,10 +14,9 @@ copy against a recorded checksum without reading anything twice.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 
-from ckptstore.store.base import PutMode, Store
+from ckptstore.store.base import PutMode, Store, gather_all
 from ckptstore.store.checksum import acrc32c, crc32c_combine
 
 __all__ = ["BufferPool", "copy_object"]
@@ -114,15 +113,7 @@ async def copy_object(
             if progress is not None:
                 progress(length)
 
-        tasks = [asyncio.ensure_future(copy_part(i)) for i in range(count)]
-        try:
-            await asyncio.gather(*tasks)
-        except BaseException:
-            for task in tasks:
-                task.cancel()
-            with contextlib.suppress(BaseException):
-                await asyncio.gather(*tasks, return_exceptions=True)
-            raise
+        await gather_all(copy_part(i) for i in range(count))
         await upload.complete()
 
     crc = crcs[0]
