@@ -196,7 +196,14 @@ class GCSStore(base.Store):
             fs_options["project"] = project
         # The core class, not gcsfs's exported one: the experimental zonal-bucket subclass
         # probes every bucket over gRPC, and nothing here goes through its upload paths.
-        self._fs = gcsfs.core.GCSFileSystem(**fs_options)
+        try:
+            self._fs = gcsfs.core.GCSFileSystem(**fs_options)
+        except Exception as exc:  # gcsfs checks a token string with Google, and echoes it
+            raise errors.StoreError(
+                f"{self.url}: gcsfs could not use the credentials given as token= "
+                f"({type(exc).__name__}: {transport.redact(str(exc))}); give a service-account "
+                "file, 'anon', 'google_default' or leave token unset"
+            ) from None
         self._session: aiohttp.ClientSession | None = None
         self._transport = transport.Transport(lambda: self.settings, self._fs._location, _log)
 

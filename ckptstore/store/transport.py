@@ -60,6 +60,7 @@ __all__ = [
     "check_endpoint_url",
     "is_secret_name",
     "redact",
+    "redact_data",
     "redact_url",
     "remember_secrets",
     "store_logger",
@@ -72,11 +73,12 @@ _T = TypeVar("_T")
 
 #: Option and query-parameter names whose values are credentials. Matched against the name
 #: lowered, with '-' read as '_': ``secret_access_key``, ``token``, ``X-Amz-Signature``,
-#: ``X-Amz-Credential``, ``session_token``, ``password``, ``sig`` (Azure SAS), ``key`` and
-#: ``secret`` (s3fs), ``api_key``, ``client_secret``, ``private_key``...
+#: ``X-Amz-Credential``, ``session_token``, ``password``, ``sig`` (Azure SAS), ``secret``
+#: (s3fs), ``api_key``, ``client_secret``, ``private_key``... A bare ``key`` is not among
+#: them: it names object keys throughout ckptstore's own messages and output.
 _SECRET_NAME = re.compile(
     r"(secret|token|passw|pwd|credential|signature|private|auth|cookie|session|"
-    r"(^|_)key$|^key_|api_?key|access_?key|^sig$|^sas$)"
+    r"api_?key|access_?key|account_?key|^sig$|^sas$)"
 )
 _SHOWN = "***"
 #: Values shorter than this are not scrubbed as literals: "1" or "abc" would blank out
@@ -85,9 +87,11 @@ _MIN_LITERAL = 6
 _known: set[str] = set()
 _known_lock = threading.Lock()
 #: ``name=value`` and ``name: value`` pairs in free text (query strings, option dumps,
-#: ``repr`` of a dict), the value up to a separator or a closing quote.
+#: ``repr`` of a dict), the value up to a separator or a closing quote; ``scheme://`` is
+#: not a pair, so a URL's query is still searched.
 _PAIR = re.compile(
-    r"""(?P<name>[A-Za-z][\w.-]*)(?P<sep>['"]?\s*[=:]\s*['"]?)(?P<value>[^\s&'",;)}\]]+)"""
+    r"""(?P<name>[A-Za-z][\w.-]*)(?P<sep>['"]?\s*(?:=|:(?!//))\s*['"]?)"""
+    r"""(?P<value>[^\s&'",;)}\]]+)"""
 )
 _USERINFO = re.compile(r"(?P<scheme>[A-Za-z][\w+.-]*://)(?P<user>[^/@\s:]*):(?P<pw>[^/@\s]*)@")
 
@@ -122,13 +126,16 @@ def redact_url(url: str) -> str:
         parts = urlsplit(url)
     except ValueError:
         return redact(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        userinfo, _, host = netloc.rpartition("@")
+    shown = url
+    if "@" in parts.netloc:
+        userinfo, _, host = parts.netloc.rpartition("@")
         user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:{_SHOWN}@{host}" if colon else f"{userinfo}@{host}"
-    query = "&".join(_redact_field(field) for field in parts.query.split("&"))
-    return _scrub_literals(parts._replace(netloc=netloc, query=query).geturl())
+        if colon:
+            shown = shown.replace(parts.netloc, f"{user}:{_SHOWN}@{host}", 1)
+    if parts.query:
+        query = "&".join(_redact_field(field) for field in parts.query.split("&"))
+        shown = shown.replace(f"?{parts.query}", f"?{query}", 1)
+    return _scrub_literals(shown)
 
 
 def _redact_field(field: str) -> str:
@@ -147,6 +154,21 @@ def redact(text: str) -> str:
         lambda m: f"{m['name']}{m['sep']}{_SHOWN}" if is_secret_name(m["name"]) else m[0], text
     )
     return _scrub_literals(text)
+
+
+def redact_data(value: Any) -> Any:
+    """A copy of JSON-like ``value`` with :func:`redact` applied to every string in it and the
+    value of every secret-named key hidden (for ``--json`` output)."""
+    if isinstance(value, str):
+        return redact(value)
+    if isinstance(value, Mapping):
+        return {
+            k: _SHOWN if isinstance(k, str) and is_secret_name(k) else redact_data(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact_data(v) for v in value]
+    return value
 
 
 def _scrub_literals(text: str) -> str:
@@ -196,6 +218,11 @@ def check_endpoint_url(value: object, option: str = "endpoint_url") -> str:
         raise InvalidURLError(
             f"{option}={redact_url(text)!r} is not an http(s) URL; give it as "
             "http://host:port or https://host"
+        )
+    if parts.query or parts.fragment:
+        raise InvalidURLError(
+            f"{option}={redact_url(text)!r} takes no ?query or #fragment; give it as "
+            "http://host:port"
         )
     if parts.username is not None or parts.password is not None:
         raise InvalidURLError(
