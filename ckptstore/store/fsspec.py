@@ -300,6 +300,7 @@ class FsspecStore(base.Store):
         blocking method in the thread pool."""
         if self._async:
             if not self._session_ready:
+                transport.guard_client_loggers()
                 setter = getattr(self.fs, "set_session", None)
                 if setter is not None:
                     await setter()

@@ -285,6 +285,7 @@ class GCSStore(base.Store):
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            transport.guard_client_loggers()
             self._session = await self._fs._set_session()
         return self._session
 

@@ -508,6 +508,7 @@ class S3Store(base.Store):
         return client
 
     async def _open_client(self) -> Any:
+        transport.guard_client_loggers()
         session = AioSession(profile=self.profile) if self.profile else AioSession()
         kwargs: dict[str, Any] = {"config": self._config()}
         if self.endpoint_url:

@@ -58,6 +58,7 @@ __all__ = [
     "WireFailure",
     "attempts_made",
     "check_endpoint_url",
+    "guard_client_loggers",
     "is_secret_name",
     "redact",
     "redact_data",
@@ -199,6 +200,23 @@ def store_logger(name: str) -> logging.Logger:
     if _FILTER not in logger.filters:
         logger.addFilter(_FILTER)
     return logger
+
+
+#: The loggers of the client libraries the backends drive. At DEBUG, botocore logs every
+#: request's canonical form, session token header included, and the drivers log their
+#: parameters; :func:`guard_client_loggers` redacts what they emit too.
+CLIENT_LOGGERS = ("botocore", "aiobotocore", "s3fs", "gcsfs", "fsspec", "aiohttp", "urllib3")
+
+
+def guard_client_loggers(prefixes: Iterable[str] = CLIENT_LOGGERS) -> None:
+    """Redact every record of the client libraries' loggers that exist now (called when a
+    backend opens its client, by which time the library has made its loggers)."""
+    roots = tuple(prefixes)
+    for name in list(logging.Logger.manager.loggerDict):
+        if name.split(".", 1)[0] in roots:
+            store_logger(name)
+    for name in roots:
+        store_logger(name)
 
 
 def check_endpoint_url(value: object, option: str = "endpoint_url") -> str:
