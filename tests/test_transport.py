@@ -51,6 +51,17 @@ def s3_url(bucket: str) -> str:
     return f"s3://{bucket}/t-{uuid.uuid4().hex[:12]}"
 
 
+def moto_via(proxy: FaultProxy, moto: MotoS3, attempts: int) -> Store:
+    """A store on moto, through ``proxy``, making ``attempts`` attempts per request."""
+    return open_store(
+        s3_url(moto.bucket),
+        endpoint_url=proxy.endpoint,
+        region=moto.region,
+        retry_attempts=attempts,
+        retry_delay=0.01,
+    )
+
+
 # ---------------------------------------------------------------------- one set of knobs
 
 
@@ -148,14 +159,7 @@ async def test_refused_first_contact_fails_without_retrying(scheme: str) -> None
 async def test_refused_connection_after_contact_is_retried(moto_s3: MotoS3) -> None:
     proxy = FaultProxy(moto_s3.endpoint).start()
     try:
-        store = open_store(
-            s3_url(moto_s3.bucket),
-            endpoint_url=proxy.endpoint,
-            region=moto_s3.region,
-            retry_attempts=3,
-            retry_delay=0.01,
-        )
-        async with store:
+        async with moto_via(proxy, moto_s3, 3) as store:
             await store.put("k", b"v")  # the server answered: a later refusal is transient
             proxy.stop()
             with pytest.raises(StoreError, match=r"failed after 3 attempt\(s\)") as info:
@@ -198,14 +202,7 @@ def test_cli_ls_against_a_closed_port_fails_at_once_in_one_line(tmp_path: Path) 
 
 async def test_s3_reset_mid_upload_says_so(moto_s3: MotoS3) -> None:
     with FaultProxy(moto_s3.endpoint, [ProxyFault("reset", ops=frozenset({"put_object"}))]) as px:
-        store = open_store(
-            s3_url(moto_s3.bucket),
-            endpoint_url=px.endpoint,
-            region=moto_s3.region,
-            retry_attempts=2,
-            retry_delay=0.01,
-        )
-        async with store:
+        async with moto_via(px, moto_s3, 2) as store:
             await store.list_keys()  # first contact made
             with pytest.raises(StoreError) as info:
                 await store.put("k", b"x" * 100_000)

@@ -63,15 +63,14 @@ _BYTES_ONLY_PROTOCOLS = frozenset({"s3", "s3a"})
 _FORCE_PREFIX = "fsspec+"
 _log = transport.store_logger("ckptstore.fsspec")
 
-#: Exception class name (nearest in the MRO) or HTTP status -> (exception, what to tell).
+#: Exception class name (nearest in the MRO) or HTTP status -> (exception, what to tell),
+#: over the statuses every HTTP store shares.
 _ERROR_TABLE = transport.ErrorTable(
     {
         "FileNotFoundError": (errors.NotFoundError, "does not exist"),
         "NotADirectoryError": (errors.NotFoundError, "does not exist"),
         "IsADirectoryError": (errors.NotFoundError, "does not exist (it is a directory)"),
-        "404": (errors.NotFoundError, "does not exist"),
         "FileExistsError": (errors.AlreadyExistsError, "already exists"),
-        "416": (errors.InvalidRangeError, "the byte range lies past the end of the object"),
         "PermissionError": (
             errors.StoreError,
             "permission denied; check the credentials given as storage options or in the "
@@ -81,7 +80,8 @@ _ERROR_TABLE = transport.ErrorTable(
             errors.StoreError,
             "no credentials found; pass them as storage options or through the environment",
         ),
-    }
+    },
+    extends=transport.HTTP_ERRORS,
 )
 
 

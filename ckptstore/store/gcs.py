@@ -72,23 +72,14 @@ _GCS_MAX_OBJECT = 5 << 40
 _BOUNDARY = "==ckptstore-part=="
 
 
-#: HTTP status -> (exception class, what to tell the user).
+_CREDENTIALS_HINT = "check the credentials given as token= or in GOOGLE_APPLICATION_CREDENTIALS"
+#: HTTP status -> (exception class, what to tell the user), over the shared statuses.
 _ERROR_TABLE = transport.ErrorTable(
     {
-        "404": (errors.NotFoundError, "not found"),
-        "412": (errors.AlreadyExistsError, "the object already exists (HTTP 412)"),
-        "416": (errors.InvalidRangeError, "the range lies past the end of the object"),
-        "401": (
-            errors.StoreError,
-            "permission denied (HTTP 401); check the credentials given as token= or in "
-            "GOOGLE_APPLICATION_CREDENTIALS",
-        ),
-        "403": (
-            errors.StoreError,
-            "permission denied (HTTP 403); check the credentials given as token= or in "
-            "GOOGLE_APPLICATION_CREDENTIALS",
-        ),
-    }
+        "401": (errors.StoreError, f"not authenticated (HTTP 401); {_CREDENTIALS_HINT}"),
+        "403": (errors.StoreError, f"permission denied (HTTP 403); {_CREDENTIALS_HINT}"),
+    },
+    extends=transport.HTTP_ERRORS,
 )
 
 

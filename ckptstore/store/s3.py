@@ -142,11 +142,11 @@ class _ViewBody(aiohttp.payload.Payload):
 
 # ---------------------------------------------------------------------------- errors
 
-#: Error code (or HTTP status as a string) -> (exception class, what to tell the user).
+#: Error code (or HTTP status as a string) -> (exception class, what to tell the user), over
+#: the statuses every HTTP store shares.
 _ERROR_TABLE = transport.ErrorTable(
     {
         "NoSuchKey": (errors.NotFoundError, "does not exist"),
-        "404": (errors.NotFoundError, "does not exist"),
         "NotFound": (errors.NotFoundError, "does not exist"),
         "NoSuchBucket": (
             errors.NotFoundError,
@@ -157,12 +157,10 @@ _ERROR_TABLE = transport.ErrorTable(
             "the multipart upload was aborted or already completed",
         ),
         "PreconditionFailed": (errors.AlreadyExistsError, "already exists"),
-        "412": (errors.AlreadyExistsError, "already exists"),
         "InvalidRange": (
             errors.InvalidRangeError,
             "the byte range lies past the end of the object",
         ),
-        "416": (errors.InvalidRangeError, "the byte range lies past the end of the object"),
         "AccessDenied": (
             errors.StoreError,
             "access denied; check the credentials (options, AWS_* environment, profile) and the "
@@ -194,7 +192,8 @@ _ERROR_TABLE = transport.ErrorTable(
             errors.StoreError,
             "a concurrent conditional write kept conflicting (409) after every retry",
         ),
-    }
+    },
+    extends=transport.HTTP_ERRORS,
 )
 
 #: Error codes worth another attempt: throttling, timeouts and internal errors (the codes

@@ -46,12 +46,13 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
+from ckptstore import errors
 from ckptstore.config import Settings
-from ckptstore.errors import CkptStoreError, InvalidURLError, StoreError
 
 __all__ = [
     "ByteBudget",
     "ErrorEntry",
+    "HTTP_ERRORS",
     "ErrorTable",
     "Transport",
     "Unreachable",
@@ -224,26 +225,26 @@ def check_endpoint_url(value: object, option: str = "endpoint_url") -> str:
     credentials in it. Returns it without a trailing ``/``.
 
     Raises:
-        InvalidURLError: anything else, with the value redacted.
+        errors.InvalidURLError: anything else, with the value redacted.
     """
     text = str(value).strip()
     try:
         parts = urlsplit(text)
         port = parts.port  # raises for a port that is not a number or out of range
     except ValueError as exc:
-        raise InvalidURLError(f"{option}={redact_url(text)!r} is not a URL: {exc}") from None
+        raise errors.InvalidURLError(f"{option}={redact_url(text)!r} is not a URL: {exc}") from None
     if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
-        raise InvalidURLError(
+        raise errors.InvalidURLError(
             f"{option}={redact_url(text)!r} is not an http(s) URL; give it as "
             "http://host:port or https://host"
         )
     if parts.query or parts.fragment:
-        raise InvalidURLError(
+        raise errors.InvalidURLError(
             f"{option}={redact_url(text)!r} takes no ?query or #fragment; give it as "
             "http://host:port"
         )
     if parts.username is not None or parts.password is not None:
-        raise InvalidURLError(
+        raise errors.InvalidURLError(
             f"{option}={redact_url(text)!r} carries credentials; pass them as options or "
             "through the environment instead, never inside the URL"
         )
@@ -258,16 +259,30 @@ def check_endpoint_url(value: object, option: str = "endpoint_url") -> str:
 class ErrorEntry:
     """What one client error becomes: the ckptstore error class and what to tell the user."""
 
-    error: type[CkptStoreError]
+    error: type[errors.CkptStoreError]
     hint: str
 
 
 class ErrorTable:
     """A backend's translation of its client's errors: keys are error codes, HTTP statuses
-    (as strings) or exception class names, looked up in the order a backend gives them."""
+    (as strings) or exception class names, looked up in the order a backend gives them.
 
-    def __init__(self, entries: Mapping[str, tuple[type[CkptStoreError], str]]) -> None:
-        self._entries = {key: ErrorEntry(*value) for key, value in entries.items()}
+    Args:
+        entries: key -> (ckptstore error class, what to tell the user).
+        extends: a table whose entries this one inherits unless it names the same key
+            (:data:`HTTP_ERRORS`, for the statuses every HTTP store shares).
+    """
+
+    def __init__(
+        self,
+        entries: Mapping[str, tuple[type[errors.CkptStoreError], str]],
+        *,
+        extends: ErrorTable | None = None,
+    ) -> None:
+        inherited = dict(extends._entries) if extends is not None else {}
+        self._entries: dict[str, ErrorEntry] = inherited | {
+            key: ErrorEntry(*value) for key, value in entries.items()
+        }
 
     def lookup(self, *keys: object) -> ErrorEntry | None:
         """The entry of the first of ``keys`` the table knows (empty keys are skipped)."""
@@ -279,6 +294,21 @@ class ErrorTable:
     def lookup_exception(self, exc: BaseException) -> ErrorEntry | None:
         """The entry of the nearest class in ``exc``'s MRO that the table names."""
         return self.lookup(*(cls.__name__ for cls in type(exc).__mro__))
+
+
+#: The HTTP statuses every object store means the same by.
+HTTP_ERRORS = ErrorTable(
+    {
+        "404": (errors.NotFoundError, "does not exist"),
+        "412": (errors.AlreadyExistsError, "already exists"),
+        "416": (errors.InvalidRangeError, "the byte range lies past the end of the object"),
+        "401": (errors.StoreError, "not authenticated; check the credentials"),
+        "403": (
+            errors.StoreError,
+            "permission denied; check the credentials and the access policy",
+        ),
+    }
+)
 
 
 # ---------------------------------------------------------------------------- the wire
@@ -359,7 +389,7 @@ def wire_failure(exc: BaseException) -> WireFailure | None:
     return found
 
 
-class Unreachable(StoreError):
+class Unreachable(errors.StoreError):
     """A store's first request found no server: nothing listens at the endpoint, or its host
     name does not resolve. Raised at once, without retries."""
 
