@@ -41,8 +41,35 @@ def test_torch_main_job_checkpoints_restores_and_resumes(tmp_path: Path) -> None
 @pytest.mark.torch
 def test_torch_main_job_fails_loudly_on_a_bad_url(tmp_path: Path) -> None:
     result = run("ckptstore.examples.train", "--url", "nosuchscheme://x", cwd=tmp_path)
-    assert result.returncode != 0
+    assert result.returncode == 1
     assert "nosuchscheme" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.torch
+def test_torch_main_job_help_names_the_command_and_shows_defaults(tmp_path: Path) -> None:
+    result = run("ckptstore.examples.train", "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: python -m ckptstore.examples.train ")
+    assert "train.py" not in result.stdout
+    for default in ("(default: ./checkpoints)", "(default: 100)", "(default: 20)"):
+        assert default in result.stdout
+
+
+@pytest.mark.torch
+@pytest.mark.s3
+def test_torch_main_job_reports_an_unreachable_s3_in_one_line(tmp_path: Path) -> None:
+    from ckptstore.testing.servers import free_ports
+
+    (port,) = free_ports(1)  # nothing listens there
+    url = f"s3://ckpt/run1?endpoint_url=http://127.0.0.1:{port}&anonymous=true&max_attempts=1"
+    result = run("ckptstore.examples.train", "--url", url, "--steps", "2", cwd=tmp_path)
+    assert result.returncode == 1
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("python -m ckptstore.examples.train: error: ")
+    assert f"127.0.0.1:{port}" in lines[0]
 
 
 @pytest.mark.jax

@@ -25,12 +25,18 @@ import json
 import os
 import sys
 import textwrap
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
 
 from ckptstore.config import parse_size
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import (
+    CkptStoreError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    InvalidURLError,
+    NotFoundError,
+)
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.transport import redact, redact_data, redact_url
@@ -38,7 +44,18 @@ from ckptstore.store.transport import redact, redact_data, redact_url
 if TYPE_CHECKING:
     from ckptstore.layout.manifest import Manifest
 
-__all__ = ["EXIT_DAMAGED", "EXIT_ERROR", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = [
+    "EXIT_DAMAGED",
+    "EXIT_ERROR",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "Failure",
+    "error_message",
+    "main",
+    "reporting_errors",
+]
+
+_T = TypeVar("_T")
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -61,11 +78,17 @@ class UsageError(Exception):
 
 @dataclass
 class Outcome:
-    """What a command produced: a JSON-able document, its text rendering and an exit status."""
+    """What a command produced: a JSON-able document, its text rendering and an exit status.
+
+    A command that did part of its work and then failed returns its report of what it did
+    with ``error`` set (and status 1): the report is printed, then ``error`` as the one-line
+    error, so the user learns exactly what was done before the failure.
+    """
 
     data: Any
     text: str
     status: int = EXIT_OK
+    error: str | None = None
 
 
 class Progress(Protocol):
@@ -124,12 +147,14 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-def _size_name(n: int) -> str:
-    """A size as a ``Settings`` value: ``33554432`` -> ``"32MiB"``."""
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift}{unit}"
-    return str(n)
+def count(n: int, noun: str, plural: str | None = None) -> str:
+    """``count(1, "step")`` -> ``"1 step"``, ``count(2, "step")`` -> ``"2 steps"``."""
+    return f"{n} {noun if n == 1 else plural or noun + 's'}"
+
+
+def step_list(steps: Sequence[int]) -> str:
+    """``[5]`` -> ``"step 5"``, ``[5, 10]`` -> ``"steps 5, 10"``."""
+    return f"step {steps[0]}" if len(steps) == 1 else "steps " + ", ".join(map(str, steps))
 
 
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -220,8 +245,29 @@ async def cli_store(
         root = getattr(store, "root", None)
         local = store.capabilities.local_path and isinstance(root, str)
         if must_exist and local and not await asyncio.to_thread(os.path.isdir, str(root)):
-            raise NotFoundError(f"{store.url}: no such directory")
+            raise await asyncio.to_thread(_not_a_root, store.url, str(root))
         yield store
+
+
+def _not_a_root(url: str, path: str) -> CkptStoreError:
+    """The error for a local checkpoint root that is not a directory."""
+    if os.path.exists(path):
+        return InvalidURLError(
+            f"{url}: is a file, not a checkpoint root (give the directory that holds the "
+            "numbered step folders)"
+        )
+    return NotFoundError(f"{url}: no such directory")
+
+
+def _is_memory(store: Store) -> bool:
+    return store.url.startswith("memory://")
+
+
+#: Said wherever a memory:// store matters to a command run from a shell.
+_MEMORY_NOTE = (
+    "a memory:// store lives inside one process: this command starts with an empty one and "
+    "its contents are gone when the command exits"
+)
 
 
 # ----------------------------------------------------------------- steps
@@ -262,20 +308,58 @@ async def _resolve_step(store: Store, step: int | None) -> int:
     return steps[-1]
 
 
+async def _named_steps(store: Store, requested: Sequence[int | None], verb: str) -> list[int]:
+    """The committed steps ``requested`` names (``None`` is the latest), in order, without
+    repeats. Raises naming *every* one that is not committed, before the command does any
+    work, so one mistyped step never leaves a multi-step command half done."""
+    from ckptstore.layout.commit import committed_steps
+    from ckptstore.layout.keys import manifest_key
+
+    latest = await _resolve_step(store, None) if None in requested else -1
+    steps = list(dict.fromkeys(latest if s is None else s for s in requested))
+    present = await _per_step(store, steps, lambda step: store.exists(manifest_key(step)))
+    missing = [step for step, ok in zip(steps, present, strict=True) if not ok]
+    if missing:
+        known = await committed_steps(store)  # listed only to say what there is
+        there = (
+            "none"
+            if not known
+            else ", ".join(map(str, known))
+            if len(known) <= 6
+            else f"{len(known)}, the latest {', '.join(map(str, known[-3:]))}"
+        )
+        raise NotFoundError(
+            f"{store.url}: {step_list(missing)} {'is' if len(missing) == 1 else 'are'} not "
+            f"committed (committed: {there}); nothing was {verb}"
+        )
+    return steps
+
+
+async def _per_step(
+    store: Store, steps: Sequence[int], request: Callable[[int], Awaitable[_T]]
+) -> list[_T]:
+    """``request(step)`` for every step, at most ``max_concurrency`` at a time (a command
+    may name hundreds of steps), in the order of ``steps``."""
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+
+    async def bounded(step: int) -> _T:
+        async with slots:
+            return await request(step)
+
+    return list(await asyncio.gather(*(bounded(step) for step in steps)))
+
+
 async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | CkptStoreError]:
     """The manifest of each step, or the error that reading it raised (invalid ones)."""
     from ckptstore.manager.functions import aread_manifest
 
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
-
     async def read(step: int) -> Manifest | CkptStoreError:
-        async with slots:
-            try:
-                return await aread_manifest(store, step)
-            except CorruptCheckpointError as exc:
-                return exc
+        try:
+            return await aread_manifest(store, step)
+        except CorruptCheckpointError as exc:
+            return exc
 
-    return list(await asyncio.gather(*(read(step) for step in steps)))
+    return await _per_step(store, steps, read)
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
@@ -308,6 +392,8 @@ async def _ls(args: argparse.Namespace) -> Outcome:
         )
     if not steps:
         text = f"{url}: no committed checkpoints"
+        if url.startswith("memory://"):
+            text += f" ({_MEMORY_NOTE})"
     else:
         text = "\n".join(
             [
@@ -360,8 +446,8 @@ async def _show(args: argparse.Namespace) -> Outcome:
     lines = [
         f"{url} step {step}",
         f"  committed  {_when(summary.created)} (attempt {summary.attempt})",
-        f"  size       {format_bytes(summary.nbytes)} in {summary.objects} objects, "
-        f"{summary.leaves} arrays, {len(values)} plain values",
+        f"  size       {format_bytes(summary.nbytes)} in {count(summary.objects, 'object')}, "
+        f"{count(summary.leaves, 'array')}, {count(len(values), 'plain value')}",
         f"  metadata   {json.dumps(manifest.metadata)}",
         "",
         render_table(
@@ -394,10 +480,8 @@ async def _verify(args: argparse.Namespace) -> Outcome:
     async with cli_store(args.url, _options(args.option)) as store:
         if args.all:
             steps = await alist_steps(store)
-        elif args.steps:
-            steps = [await _resolve_step(store, s) for s in args.steps]
         else:
-            steps = [await _resolve_step(store, None)]
+            steps = await _named_steps(store, args.steps or [None], "verified")
         manifests = await _manifests(store, steps)
         total = sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
         reports: list[VerifyReport] = []
@@ -420,14 +504,16 @@ async def _verify(args: argparse.Namespace) -> Outcome:
     for r in reports:
         state = "ok" if r.ok else "DAMAGED"
         lines.append(
-            f"step {r.step}: {state} ({r.objects} objects, {r.leaves} leaves, "
-            f"{format_bytes(r.nbytes)} checked)"
+            f"step {r.step}: {state} ({count(r.objects, 'object')}, "
+            f"{count(r.leaves, 'leaf', 'leaves')}, {format_bytes(r.nbytes)} checked)"
         )
         lines += [f"  {d.kind} {d.name}: {d.problem}" for d in r.damage]
     if not reports:
         lines.append(f"{url}: no committed checkpoints to verify")
     elif damaged:
-        lines.append(f"{len(damaged)} of {len(reports)} steps DAMAGED")
+        lines.append(f"{len(damaged)} of {count(len(reports), 'step')} DAMAGED")
+    elif len(reports) == 1:
+        lines.append(f"step {reports[0].step} intact")
     else:
         lines.append(f"all {len(reports)} steps intact")
     data = {
@@ -448,41 +534,102 @@ async def _verify(args: argparse.Namespace) -> Outcome:
     return Outcome(data, "\n".join(lines), EXIT_DAMAGED if damaged else EXIT_OK)
 
 
+#: Errors that concern one step only (its bytes, its manifest, its place at the
+#: destination): ``cp`` reports the step and goes on with the others. Anything else (the
+#: network, credentials, a full disk) would fail every step alike, so ``cp`` stops there.
+_STEP_ERRORS = (CorruptCheckpointError, NotFoundError, CommitConflictError)
+
+
 async def _cp(args: argparse.Namespace) -> Outcome:
     from ckptstore.layout.maintenance import CopyReport, copy_step
     from ckptstore.manager.functions import alist_steps
+
+    def say(line: str) -> None:
+        if not args.json:  # said as each step is done, so a later failure keeps it
+            print(line, flush=True)
+
+    def refused(step: int, why: str) -> None:
+        failed[step] = why
+        if len(steps) > 1:  # with one step, the error line says it all
+            say(f"step {step}: NOT copied: {why}")
 
     async with (
         cli_store(args.src, _options(args.option)) as src,
         cli_store(args.dst, _options(args.dst_option), must_exist=False) as dst,
     ):
         if args.steps:
-            steps = [await _resolve_step(src, s) for s in args.steps]
+            steps = await _named_steps(src, args.steps, "copied")
         else:
             steps = await alist_steps(src)
             if not steps:
                 raise NotFoundError(f"{src.url}: no committed checkpoints to copy")
+        if _is_memory(dst):
+            print(
+                f"ckptstore cp: warning: {dst.url}: {_MEMORY_NOTE}; the copy is verified but "
+                "not kept (copy to a directory or a bucket to keep it)",
+                file=sys.stderr,
+                flush=True,
+            )
         manifests = await _manifests(src, steps)
-        for manifest in manifests:
-            if isinstance(manifest, CkptStoreError):
-                raise manifest
         total = 2 * sum(m.nbytes for m in manifests if not isinstance(m, CkptStoreError))
         reports: list[CopyReport] = []
+        failed: dict[int, str] = {}  # step -> why it was not copied
+        stopped: int | None = None  # the step an error that would fail every step hit
         with progress_bar(args, total, "copy+verify", unit="B") as bar:
-            for step in steps:
-                r = await copy_step(src, dst, step, progress=bar.update)
+            for step, manifest in zip(steps, manifests, strict=True):
+                if isinstance(manifest, CkptStoreError):
+                    refused(step, _one_line(manifest))
+                    continue
+                try:
+                    r = await copy_step(src, dst, step, progress=bar.update)
+                except _STEP_ERRORS as exc:
+                    refused(step, _one_line(exc))
+                    continue
+                except (CkptStoreError, OSError) as exc:
+                    failed[step] = _one_line(exc)
+                    stopped = step
+                    break
                 reports.append(r)
-                if not args.json:  # said as each step is done, so a later failure keeps it
-                    print(
-                        f"step {r.step}: already at the destination (identical), skipped"
-                        if r.skipped
-                        else f"step {r.step}: copied {r.objects} objects, "
-                        f"{format_bytes(r.nbytes)}, verified, committed (attempt {r.attempt})",
-                        flush=True,
-                    )
+                say(
+                    f"step {r.step}: already at the destination (identical), skipped"
+                    if r.skipped
+                    else f"step {r.step}: copied {count(r.objects, 'object')}, "
+                    f"{format_bytes(r.nbytes)}, verified, committed (attempt {r.attempt})"
+                )
         src_url, dst_url = src.url, dst.url
-    data = {"src": src_url, "dst": dst_url, "steps": [dataclasses.asdict(r) for r in reports]}
-    return Outcome(data, "")
+    done = [r.step for r in reports]
+    untried = [s for s in steps if s not in failed and s not in done]
+    data = {
+        "src": src_url,
+        "dst": dst_url,
+        "steps": [dataclasses.asdict(r) for r in reports],
+        "failed": [{"step": s, "error": why} for s, why in failed.items()],
+        "not_attempted": untried,
+    }
+    if not failed and stopped is None:
+        return Outcome(data, "")
+    copied = f"copied or already there: {step_list(done)}" if done else "nothing was copied"
+    damage = f"'ckptstore verify {args.src} {' '.join(map(str, failed))}' shows the damage"
+    if stopped is not None:
+        others = [s for s in failed if s != stopped]
+        also = f" (also not copied: {step_list(others)})" if others else ""
+        rest = f"; not attempted: {', '.join(map(str, untried))}" if untried else ""
+        error = (
+            f"step {stopped} not copied: {failed[stopped]}{also}; {copied}{rest}. Once fixed, "
+            "run the same command again: steps already at the destination are skipped"
+        )
+    else:
+        first, why = next(iter(failed.items()))
+        if len(steps) == 1:
+            error = f"step {first} not copied: {why}; {damage}"
+        else:
+            others = [s for s in failed if s != first]
+            also = f" (also not copied: {step_list(others)})" if others else ""
+            error = (
+                f"{len(failed)} of {len(steps)} steps not copied: step {first}: {why}{also}; "
+                f"{copied}. {damage}; --step N copies chosen steps only"
+            )
+    return Outcome(data, "", EXIT_ERROR, error=error)
 
 
 async def _gc(args: argparse.Namespace) -> Outcome:
@@ -493,14 +640,15 @@ async def _gc(args: argparse.Namespace) -> Outcome:
         url = store.url
     data = {"url": url, **dataclasses.asdict(report)}
     lines = [
-        f"{url}: removed {len(report.removed)} abandoned attempts "
-        f"({report.removed_objects} objects), {report.stale_writes} stale in-progress writes",
+        f"{url}: removed {count(len(report.removed), 'abandoned attempt')} "
+        f"({count(report.removed_objects, 'object')}), "
+        f"{count(report.stale_writes, 'stale in-progress write')}",
         *(f"  removed {p}" for p in report.removed),
     ]
     if report.kept_recent:
         lines.append(
-            f"kept {len(report.kept_recent)} uncommitted attempts within the grace period "
-            "(possibly saves in progress)"
+            f"kept {count(len(report.kept_recent), 'uncommitted attempt')} within the grace "
+            "period (possibly saves in progress)"
         )
     if report.invalid_steps:
         lines.append(
@@ -511,24 +659,56 @@ async def _gc(args: argparse.Namespace) -> Outcome:
 
 
 async def _rm(args: argparse.Namespace) -> Outcome:
-    from ckptstore.manager.functions import adelete_step
+    from ckptstore.layout.commit import delete_step, is_own_key
+    from ckptstore.layout.keys import step_prefix
 
-    removed = []
+    steps = list(dict.fromkeys(args.steps))
+    removed: list[int] = []
     async with cli_store(args.url, _options(args.option)) as store:
-        for step in args.steps:
-            await adelete_step(store, step)
-            removed.append(step)
         url = store.url
-    return Outcome(
-        {"url": url, "removed": removed}, "\n".join(f"removed step {s}" for s in removed)
-    )
+        # Every named step is checked before any is deleted: a mistyped step must not
+        # leave the others half done.
+        listings = await _per_step(store, steps, lambda step: store.list_keys(step_prefix(step)))
+        missing = [
+            s for s, keys in zip(steps, listings, strict=True) if not any(map(is_own_key, keys))
+        ]
+        if missing:
+            raise NotFoundError(f"{url}: no {step_list(missing)} to delete; nothing was deleted")
+        for step in steps:
+            try:
+                await delete_step(store, step)
+            except (CkptStoreError, OSError) as exc:
+                rest = [s for s in steps if s not in removed]
+                done = f"deleted {step_list(removed)} before it" if removed else "nothing deleted"
+                return Outcome(
+                    {"url": url, "removed": removed, "not_removed": rest},
+                    "",
+                    EXIT_ERROR,
+                    error=f"step {step}: {_one_line(exc)}; {done}; not deleted: "
+                    f"{', '.join(map(str, rest))}",
+                )
+            removed.append(step)
+            if not args.json:  # said as each step goes, so an interrupted rm has told
+                print(f"removed step {step}", flush=True)
+    return Outcome({"url": url, "removed": removed}, "")
 
 
-# ----------------------------------------------------------------- bench
+# ----------------------------------------------------------------- tune
 
 
 async def _bench(args: argparse.Namespace) -> Outcome:
-    from ckptstore.cli.tune import bench_store, usable_part_sizes
+    """``bench``: the old name of ``tune``, kept so scripts that call it keep working."""
+    print(
+        "ckptstore bench: note: 'bench' is the old name of 'ckptstore tune'; it runs the same "
+        "store tuner (scripts/bench.py is the benchmark against other libraries)",
+        file=sys.stderr,
+        flush=True,
+    )
+    return await _tune(args)
+
+
+async def _tune(args: argparse.Namespace) -> Outcome:
+    from ckptstore.cli.tune import size_name, tune_store, usable_part_sizes
 
     options = _options(args.option)
     async with cli_store(args.url, options, must_exist=False) as store:
@@ -538,13 +718,13 @@ async def _bench(args: argparse.Namespace) -> Outcome:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     total = len(part_sizes) + 2 * len(set(args.concurrency)) - 1
-    with progress_bar(args, total, "bench", unit="trial") as bar:
+    with progress_bar(args, total, "tune", unit="trial") as bar:
 
         def step(done: int, total: int, label: str) -> None:
             bar.update(1)
             bar.set_postfix_str(label)
 
-        report = await bench_store(
+        report = await tune_store(
             args.url,
             size=args.size,
             part_sizes=part_sizes,
@@ -558,7 +738,7 @@ async def _bench(args: argparse.Namespace) -> Outcome:
     best = report.best
     large_rows = [
         (
-            f"{_size_name(t.part_size)} x{t.concurrency}" + ("  <- best" if t is best else ""),
+            f"{size_name(t.part_size)} x{t.concurrency}" + ("  <- best" if t is best else ""),
             f"{t.write_mib_s:.0f}",
             f"{t.read_mib_s:.0f}",
             f"{t.write_cpu_seconds / (t.nbytes / (1 << 30)):.2f}",
@@ -570,7 +750,7 @@ async def _bench(args: argparse.Namespace) -> Outcome:
         (f"x{t.concurrency}", f"{t.puts_per_s:.0f}", f"{t.gets_per_s:.0f}") for t in report.small
     ]
     suggested = report.suggested_settings
-    part_text = _size_name(suggested["part_size"])
+    part_text = size_name(suggested["part_size"])
     lines = [
         f"{report.url}: {format_bytes(args.size)} object per trial, median of {report.repeat}",
         "",
@@ -586,7 +766,11 @@ async def _bench(args: argparse.Namespace) -> Outcome:
         ),
         "",
         render_table(
-            [f"{args.small_count} objects of {format_bytes(args.small_size)}", "PUT/s", "GET/s"],
+            [
+                f"{count(args.small_count, 'object')} of {format_bytes(args.small_size)}",
+                "PUT/s",
+                "GET/s",
+            ],
             small_rows,
         ),
         "",
@@ -629,11 +813,11 @@ _EXAMPLES: dict[str, str] = {
         ckptstore rm ./checkpoints 100
         ckptstore rm s3://bucket/run7 100 200 300
     """,
-    "bench": """
-        ckptstore bench /scratch/ckpt
-        ckptstore bench s3://bucket/scratch -o endpoint_url=http://127.0.0.1:8333
-        ckptstore bench s3://bucket/scratch --size 1GiB --part-sizes 16MiB,64MiB \\
-            --concurrency 8,32 --json > bench.json
+    "tune": """
+        ckptstore tune /scratch/ckpt
+        ckptstore tune s3://bucket/scratch -o endpoint_url=http://127.0.0.1:8333
+        ckptstore tune s3://bucket/scratch --size 1GiB --part-sizes 16MiB,64MiB \\
+            --concurrency 8,32 --json > tune.json
     """,
 }
 
@@ -649,18 +833,25 @@ _DESCRIPTIONS: dict[str, str] = {
     "two backends. Objects stream in parallel parts with their crc32c checked on the way, the "
     "copy is read back and verified at DST, and only then committed there with the same "
     "put-if-absent manifest write a save uses. A step DST already holds identically is "
-    "skipped; a different one is an error.",
+    "skipped; a different one is an error. A named step that is not committed stops the "
+    "command before anything is copied; a damaged step (invalid manifest, a failed "
+    "checksum) is reported, its partial copy removed, and the other steps are copied; the "
+    "exit status is then 1.",
     "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
     "are older than the grace period, and stale in-progress writes. Committed steps and keys "
     "ckptstore did not write are never touched.",
     "rm": "Delete committed steps: the manifest first, so a step is never half visible, then "
-    "its data objects.",
-    "bench": (
+    "its data objects. Every named step is checked first: if one does not exist, nothing is "
+    "deleted. Each step is reported as it is deleted.",
+    "tune": (
         "Measure write and read throughput of large multipart objects and the request rate "
         "of small objects on a store, and suggest part_size and max_concurrency. Scratch "
-        "objects go under a fresh .ckptstore-bench-<id>/ prefix and are deleted afterwards."
+        "objects go under a fresh .ckptstore-tune-<id>/ prefix and are deleted afterwards."
     ),
 }
+
+#: Old command names that still work, and the command each now runs.
+_ALIASES = {"bench": "tune"}
 
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, Outcome]]
 
@@ -698,7 +889,7 @@ def _common(*, options: bool = True) -> _Parser:
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``ckptstore`` command."""
     from ckptstore import __version__
-    from ckptstore.cli.tune import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES
+    from ckptstore.cli.tune import DEFAULT_CONCURRENCIES, DEFAULT_PART_SIZES, size_name
 
     parser = _Parser(
         prog="ckptstore",
@@ -718,8 +909,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub = commands.add_parser(
             name,
             help=help_text,
-            description=textwrap.fill(_DESCRIPTIONS.get(name, help_text), 79),
-            epilog="examples:\n" + textwrap.indent(textwrap.dedent(_EXAMPLES[name]).strip(), "  "),
+            description=textwrap.fill(_DESCRIPTIONS[_ALIASES.get(name, name)], 79),
+            epilog="examples:\n"
+            + textwrap.indent(textwrap.dedent(_EXAMPLES[_ALIASES.get(name, name)]).strip(), "  "),
             formatter_class=argparse.RawDescriptionHelpFormatter,
             parents=[_common(**kwargs)],
         )
@@ -773,50 +965,56 @@ def build_parser() -> argparse.ArgumentParser:
     rm.add_argument("url", metavar="URL", help="checkpoint root")
     rm.add_argument("steps", metavar="STEP", type=_step_number_arg, nargs="+", help="steps")
 
-    bench = add("bench", "measure a store and suggest part size and concurrency", _bench)
-    bench.add_argument("url", metavar="URL", help="store to measure (scratch objects are removed)")
-    bench.add_argument(
-        "--size",
-        type=_size_arg,
-        default=256 << 20,
-        help="bytes of the large object each trial writes and reads (default 256MiB)",
-    )
-    bench.add_argument(
-        "--part-sizes",
-        type=_size_list_arg,
-        default=list(DEFAULT_PART_SIZES),
-        metavar="SIZES",
-        help="comma-separated part sizes to try (default "
-        + ",".join(_size_name(p) for p in DEFAULT_PART_SIZES)
-        + ")",
-    )
-    bench.add_argument(
-        "--concurrency",
-        type=_int_list_arg,
-        default=list(DEFAULT_CONCURRENCIES),
-        metavar="NS",
-        help="comma-separated concurrencies to try (default "
-        + ",".join(map(str, DEFAULT_CONCURRENCIES))
-        + ")",
-    )
-    bench.add_argument(
-        "--small-count",
-        type=_positive_int_arg,
-        default=512,
-        help="small objects per small-object trial (default 512)",
-    )
-    bench.add_argument(
-        "--small-size",
-        type=_size_arg,
-        default=4 << 10,
-        help="bytes per small object (default 4KiB)",
-    )
-    bench.add_argument(
-        "--repeat",
-        type=_positive_int_arg,
-        default=1,
-        help="runs per figure, median kept (default 1)",
-    )
+    def add_tuner(name: str, help_text: str, func: Command) -> None:
+        tune = add(name, help_text, func)
+        tune.add_argument(
+            "url", metavar="URL", help="store to measure (scratch objects are removed)"
+        )
+        tune.add_argument(
+            "--size",
+            type=_size_arg,
+            default=256 << 20,
+            help="bytes of the large object each trial writes and reads (default 256MiB)",
+        )
+        tune.add_argument(
+            "--part-sizes",
+            type=_size_list_arg,
+            default=list(DEFAULT_PART_SIZES),
+            metavar="SIZES",
+            help="comma-separated part sizes to try (default "
+            + ",".join(size_name(p) for p in DEFAULT_PART_SIZES)
+            + ")",
+        )
+        tune.add_argument(
+            "--concurrency",
+            type=_int_list_arg,
+            default=list(DEFAULT_CONCURRENCIES),
+            metavar="NS",
+            help="comma-separated concurrencies to try (default "
+            + ",".join(map(str, DEFAULT_CONCURRENCIES))
+            + ")",
+        )
+        tune.add_argument(
+            "--small-count",
+            type=_positive_int_arg,
+            default=512,
+            help="small objects per small-object trial (default 512)",
+        )
+        tune.add_argument(
+            "--small-size",
+            type=_size_arg,
+            default=4 << 10,
+            help="bytes per small object (default 4KiB)",
+        )
+        tune.add_argument(
+            "--repeat",
+            type=_positive_int_arg,
+            default=1,
+            help="runs per figure, median kept (default 1)",
+        )
+
+    add_tuner("tune", "measure a store and suggest part size and concurrency", _tune)
+    add_tuner("bench", "the old name of 'tune'", _bench)
     return parser
 
 
@@ -836,6 +1034,42 @@ def _setup_error(exc: BaseException) -> str | None:
     return None
 
 
+def error_message(exc: BaseException) -> str | None:
+    """The one-line message for an error the user can fix (a ckptstore error or a client
+    library's setup error), or None for anything else, which is a bug and keeps its
+    traceback."""
+    if isinstance(exc, CkptStoreError | UsageError):
+        return _one_line(exc)
+    return _setup_error(exc)
+
+
+@dataclass
+class Failure:
+    """The exit status :func:`reporting_errors` chose, or None if the work succeeded."""
+
+    status: int | None = None
+
+
+@contextlib.contextmanager
+def reporting_errors(prog: str) -> Iterator[Failure]:
+    """Report an error the user can fix as one line ``PROG: error: ...`` on stderr (status
+    1) and an interrupt as ``PROG: interrupted`` (status 130), in the yielded
+    :class:`Failure`; anything else is a bug and propagates with its traceback. Other
+    commands (the example jobs) report errors the way ``ckptstore`` does through it."""
+    failure = Failure()
+    try:
+        yield failure
+    except KeyboardInterrupt:
+        print(f"{prog}: interrupted", file=sys.stderr)
+        failure.status = 130
+    except Exception as exc:
+        message = error_message(exc)
+        if message is None:
+            raise
+        print(f"{prog}: error: {message}", file=sys.stderr)
+        failure.status = EXIT_ERROR
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``ckptstore`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit
     status instead of exiting, so tests and scripts can call it in-process."""
@@ -844,21 +1078,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version and usage errors
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    try:
-        command: Command = args.func
+    command: Command = args.func
+    with reporting_errors(f"ckptstore {args.command}") as failure:
         outcome = asyncio.run(command(args))
-    except (CkptStoreError, UsageError) as exc:
-        print(f"ckptstore {args.command}: error: {_one_line(exc)}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(f"ckptstore {args.command}: interrupted", file=sys.stderr)
-        return 130
-    except Exception as exc:
-        message = _setup_error(exc)
-        if message is None:
-            raise
-        print(f"ckptstore {args.command}: error: {message}", file=sys.stderr)
-        return EXIT_ERROR
+    if failure.status is not None:
+        return failure.status
     try:
         # Output, like errors, never carries a credential: a command may echo the URL or
         # the options it was given (bench reports the URL it measured).
@@ -869,4 +1093,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
     except BrokenPipeError:  # `ckptstore show ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if outcome.error is not None:
+        print(f"ckptstore {args.command}: error: {outcome.error}", file=sys.stderr)
     return outcome.status

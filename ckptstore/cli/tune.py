@@ -1,7 +1,7 @@
 """Measure one store and suggest the part size and concurrency to use with it.
 
-``ckptstore bench URL`` runs :func:`bench_store`. It writes scratch objects under a fresh
-``.ckptstore-bench-<id>/`` prefix of the store and deletes them afterwards, and measures:
+``ckptstore tune URL`` runs :func:`tune_store`. It writes scratch objects under a fresh
+``.ckptstore-tune-<id>/`` prefix of the store and deletes them afterwards, and measures:
 
 * large objects: one object of ``size`` bytes written with ``put`` (a parallel multipart
   upload) and read back with ``read_into`` (parallel ranged reads into one reused buffer),
@@ -38,10 +38,11 @@ from ckptstore.store.registry import open_store
 __all__ = [
     "DEFAULT_CONCURRENCIES",
     "DEFAULT_PART_SIZES",
-    "BenchReport",
     "LargeTrial",
     "SmallTrial",
-    "bench_store",
+    "TuneReport",
+    "size_name",
+    "tune_store",
     "usable_part_sizes",
 ]
 
@@ -132,8 +133,8 @@ class SmallTrial:
 
 
 @dataclass(frozen=True, slots=True)
-class BenchReport:
-    """What :func:`bench_store` measured and what it suggests.
+class TuneReport:
+    """What :func:`tune_store` measured and what it suggests.
 
     Attributes:
         url: the store measured.
@@ -250,24 +251,40 @@ async def _small_trial(
     return SmallTrial(concurrency, count, size, t1 - t0, t2 - t1)
 
 
+def size_name(n: int) -> str:
+    """A size as a ``Settings`` value: ``33554432`` -> ``"32MiB"``."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return f"{n}B"
+
+
 def usable_part_sizes(caps: Capabilities, size: int, part_sizes: Sequence[int]) -> list[int]:
     """The candidate part sizes within the backend's limits and not above ``size``, sorted.
 
     Raises:
-        ValueError: if none is left.
+        ValueError: if none is left; the message names the bounds a part size must meet.
     """
     usable = sorted(
         {p for p in part_sizes if caps.min_part_size <= p <= min(caps.max_part_size, size)}
     )
     if not usable:
+        # Only the bounds that apply are named: most backends have no real maximum (their
+        # limit is a huge sentinel) and a minimum of one byte, which says nothing to a user.
+        bounds = [f"at most {size_name(size)} (the object size, --size)"]
+        if caps.max_part_size < size:
+            bounds.append(f"at most {size_name(caps.max_part_size)} (the backend's maximum)")
+        if caps.min_part_size > 1:
+            bounds.append(f"at least {size_name(caps.min_part_size)} (the backend's minimum)")
+        tried = ",".join(size_name(p) for p in sorted(set(part_sizes)))
         raise ValueError(
-            f"no candidate part size fits both the object size ({size} bytes) and the "
-            f"backend's part size limits ({caps.min_part_size} to {caps.max_part_size} bytes)"
+            f"no candidate part size fits (tried --part-sizes {tried}): a part must be "
+            f"{' and '.join(bounds)}; give smaller --part-sizes or a larger --size"
         )
     return usable
 
 
-async def bench_store(
+async def tune_store(
     url: str,
     *,
     size: int = 256 << 20,
@@ -278,7 +295,7 @@ async def bench_store(
     repeat: int = 1,
     options: dict[str, Any] | None = None,
     progress: Callable[[int, int, str], None] | None = None,
-) -> BenchReport:
+) -> TuneReport:
     """Measure the store at ``url`` and pick the fastest part size and concurrency.
 
     Args:
@@ -305,7 +322,7 @@ async def bench_store(
     if min(concurrencies) <= 0:
         raise ValueError(f"concurrencies must be positive, got {concurrencies}")
     notes: list[str] = []
-    prefix = f".ckptstore-bench-{uuid.uuid4().hex[:12]}/"
+    prefix = f".ckptstore-tune-{uuid.uuid4().hex[:12]}/"
     async with open_store(url, **options) as probe:
         caps = probe.capabilities
         default_concurrency = probe.settings.max_concurrency
@@ -350,7 +367,7 @@ async def bench_store(
             with contextlib.suppress(Exception):  # best effort: the trials delete as they go
                 await store.delete_prefix(prefix)
     best = min(large, key=lambda t: t.total_seconds)
-    return BenchReport(store_url, large, small, best, repeat, notes)
+    return TuneReport(store_url, large, small, best, repeat, notes)
 
 
 def _size_text(n: int) -> str:

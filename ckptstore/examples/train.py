@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ckptstore.examples.job import job_parser, run_job
 from ckptstore.manager import CheckpointManager
 from ckptstore.manager.async_save import SaveHandle
 
@@ -87,17 +88,26 @@ def same_bits(a: Any, b: Any, where: str = "") -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="./checkpoints", help="where checkpoints go")
+    parser = job_parser("ckptstore.examples.train", __doc__)
+    parser.add_argument(
+        "--url",
+        default="./checkpoints",
+        help="where checkpoints go: a directory or any ckptstore URL "
+        "(s3://bucket/run?endpoint_url=..., gs://bucket/run, nfs:///mnt/run)",
+    )
     parser.add_argument("--steps", type=int, default=100, help="training steps to run")
     parser.add_argument("--save-every", type=int, default=20, help="steps between saves")
     parser.add_argument("--width", type=int, default=1280, help="hidden width (1280: 2.3M params)")
-    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="examples per training step")
     parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     parser.add_argument("--threads", type=int, default=1, help="torch compute threads")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    return run_job(parser.prog, lambda: train(args))
 
+
+def train(args: argparse.Namespace) -> int:
+    """The job itself; returns 1 if the restored checkpoint does not match."""
+    torch.set_num_threads(args.threads)
     model, opt = build(args.width, seed=0)
     params = sum(p.numel() for p in model.parameters())
     mgr = CheckpointManager(args.url, max_to_keep=args.keep, save_interval_steps=args.save_every)

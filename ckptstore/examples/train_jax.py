@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ckptstore.examples.job import job_parser, run_job
 from ckptstore.manager import CheckpointManager
 
 Params = dict[str, Any]
@@ -89,15 +90,21 @@ def differences(a: Any, b: Any) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--url", default="./checkpoints-jax")
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--save-every", type=int, default=20)
-    parser.add_argument("--width", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--keep", type=int, default=3)
+    parser = job_parser("ckptstore.examples.train_jax", __doc__)
+    parser.add_argument(
+        "--url", default="./checkpoints-jax", help="where checkpoints go (any ckptstore URL)"
+    )
+    parser.add_argument("--steps", type=int, default=100, help="training steps to run")
+    parser.add_argument("--save-every", type=int, default=20, help="steps between saves")
+    parser.add_argument("--width", type=int, default=1024, help="hidden width")
+    parser.add_argument("--batch", type=int, default=64, help="examples per training step")
+    parser.add_argument("--keep", type=int, default=3, help="checkpoints to keep")
     args = parser.parse_args(argv)
+    return run_job(parser.prog, lambda: train(args))
 
+
+def train(args: argparse.Namespace) -> int:
+    """The job itself; returns 1 if the restored checkpoint does not match."""
     state = fresh_state(args.width, seed=0)
     mgr = CheckpointManager(args.url, max_to_keep=args.keep, save_interval_steps=args.save_every)
     try:

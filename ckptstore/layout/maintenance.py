@@ -24,7 +24,8 @@ the destination with the commit protocol of :mod:`ckptstore.layout.commit`:
    data took over half the destination's garbage-collection grace period is not committed,
    exactly as a save is not.
 
-On any failure before step 4 the new attempt prefix is deleted (or left for gc if that fails).
+On any failure before step 4 the new attempt prefix is deleted once every write under it has
+ended (or left for gc if the delete fails), so a refused copy leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -444,14 +445,27 @@ async def _copy_objects(
                 f"source; step {manifest.step} was not committed at the destination"
             )
 
+    failed = False
+
     async def copy_small(index: int) -> None:
+        nonlocal failed
         async with small_slots:
-            await copy_one(index)
+            if failed:
+                return  # the copy is lost already; start no more writes
+            try:
+                await copy_one(index)
+            except BaseException:
+                failed = True
+                raise
 
     large = [i for i, n in enumerate(manifest.object_lengths) if n >= threshold]
     small = [i for i, n in enumerate(manifest.object_lengths) if n < threshold]
     # Small objects go many at a time; each large one already streams its parts in
     # parallel, so they go one after another to keep memory at one pool of part buffers.
-    await gather_all(copy_small(i) for i in small)
+    # After a failure the writes in flight run to their end (cancel=False) rather than
+    # being cancelled: a local write runs in a thread that cancellation cannot stop, and
+    # would create its file after the caller removed the attempt prefix. Queued ones are
+    # skipped, so a failed copy costs at most max_concurrency more objects.
+    await gather_all((copy_small(i) for i in small), cancel=False)
     for index in large:
         await copy_one(index)

@@ -1,9 +1,30 @@
-"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite.
+"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite,
+and the real servers they run against.
 
-Importing this package needs pytest and hypothesis; nothing else in ckptstore imports it.
+The suites need pytest and hypothesis, so they are imported only when first used
+(``from ckptstore.testing import StoreTests``): the servers must not need them, because
+``python -m ckptstore.testing.local_s3`` is a newcomer's first command and runs without the
+test extra. Nothing else in ckptstore imports this package.
 """
 
-from ckptstore.testing.checkpoint_tests import CheckpointTests, assert_same_state
-from ckptstore.testing.store_tests import BAD_KEYS, StoreTests
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __all__ = ["BAD_KEYS", "CheckpointTests", "StoreTests", "assert_same_state"]
+
+#: Where each public name lives.
+_SUITES = {
+    "BAD_KEYS": "ckptstore.testing.store_tests",
+    "StoreTests": "ckptstore.testing.store_tests",
+    "CheckpointTests": "ckptstore.testing.checkpoint_tests",
+    "assert_same_state": "ckptstore.testing.checkpoint_tests",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _SUITES.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -285,6 +285,8 @@ class SeaweedFS(_Managed):
         start_timeout: seconds to wait for readiness (``weed mini`` took 1-10 s here).
         tie_to_parent: stop the server when the starting thread exits (fixtures); scripts that
             leave the server running pass False.
+        s3_port: the S3 gateway's port (a URL people type and keep); every other port, and
+            this one when None, is a free one picked at start.
     """
 
     def __init__(
@@ -296,6 +298,7 @@ class SeaweedFS(_Managed):
         tls: bool = False,
         start_timeout: float = 90.0,
         tie_to_parent: bool = True,
+        s3_port: int | None = None,
     ) -> None:
         super().__init__()
         if (access_key is None) != (secret_key is None):
@@ -306,6 +309,7 @@ class SeaweedFS(_Managed):
         self.tls = tls
         self.start_timeout = start_timeout
         self.tie_to_parent = tie_to_parent
+        self.s3_port = s3_port
         self.ports: dict[str, int] = {}
         self.ca_file: Path | None = None
         self._mounts: list[FuseMount] = []
@@ -366,6 +370,8 @@ class SeaweedFS(_Managed):
         names = ["master", "master_grpc", "volume", "volume_grpc", "filer", "filer_grpc"]
         names += ["s3", "s3_grpc", "admin", "admin_grpc", "s3_https"]
         self.ports = dict(zip(names, free_ports(len(names)), strict=True))
+        if self.s3_port is not None:
+            self.ports["s3"] = self.s3_port
         if not self.tls:
             del self.ports["s3_https"]
         p, w = self.ports, self.workdir
