@@ -194,7 +194,7 @@ def test_cli_never_shows_the_secret_of_a_store_that_works(
         ["gc", url],
         ["show", url, "1"],
         ["rm", url, "1"],
-        ["bench", url, "--size", "5MiB", "--part-sizes", "5MiB", "--concurrency", "1"],
+        ["tune", url, "--size", "5MiB", "--part-sizes", "5MiB", "--concurrency", "1"],
     ):
         _, shown = run(capsys, *flags, *argv)
         assert marker not in shown, (argv, shown)

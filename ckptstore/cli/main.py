@@ -1094,5 +1094,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `ckptstore show ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if outcome.error is not None:
-        print(f"ckptstore {args.command}: error: {outcome.error}", file=sys.stderr)
+        print(f"ckptstore {args.command}: error: {redact(outcome.error)}", file=sys.stderr)
     return outcome.status
