@@ -7,6 +7,7 @@ by the modules that need them, on first use.
 from ckptstore.config import Settings, default_settings
 from ckptstore.errors import (
     AlreadyExistsError,
+    CheckpointFormatError,
     CkptStoreError,
     CommitConflictError,
     CorruptCheckpointError,
@@ -60,6 +61,7 @@ __all__ = [
     "load",
     "read_manifest",
     "save",
+    "CheckpointFormatError",
     "CkptStoreError",
     "CommitConflictError",
     "CorruptCheckpointError",

@@ -67,8 +67,12 @@ class Settings:
         pack_size: target size in bytes of one pack object; a pack is closed before a leaf
             would take it past this size (so 20,000 leaves of 4 KiB make 10 objects, not
             20,000 requests).
-        leaf_alignment: byte offsets of leaves inside a pack are multiples of this, so every
-            leaf can be viewed in place (mmap, ``numpy.frombuffer``) with its dtype aligned.
+        leaf_alignment: the one leaf alignment of ckptstore: byte offsets of leaves inside a
+            pack object (of every face: save, manager, distributed, DCP, Lightning) and inside
+            a staging arena are multiples of this, so every leaf can be viewed in place (mmap,
+            ``numpy.frombuffer``) with its dtype aligned. A power of two. (Staging arenas and
+            their large leaves also start on an OS page, ``ckptstore.store.buffers.PAGE``: that
+            is what ``O_DIRECT`` needs of a buffer, a property of the machine, not a setting.)
         manifest_max_bytes: a manifest larger than this is refused before it is read.
         gc_grace_seconds: garbage collection leaves an uncommitted save attempt alone until it
             has been idle this many seconds; a save whose attempt grew older than half of

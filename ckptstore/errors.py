@@ -11,6 +11,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     ├── AlreadyExistsError     (FileExistsError)    put-if-absent found the key present
     │   └── CommitConflictError                     another attempt committed this step first
     ├── CorruptCheckpointError (ValueError)         bytes or a manifest fail verification
+    ├── CheckpointFormatError  (ValueError)         an intact checkpoint another face must read
     ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
     └── StoreError             (OSError)            the backend failed after its retries
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyExistsError",
+    "CheckpointFormatError",
     "CkptStoreError",
     "CommitConflictError",
     "CorruptCheckpointError",
@@ -80,6 +82,12 @@ class CommitConflictError(AlreadyExistsError):
 
 class CorruptCheckpointError(CkptStoreError, ValueError):
     """Bytes read back fail their crc32c or length, or a manifest fails validation."""
+
+
+class CheckpointFormatError(CkptStoreError, ValueError):
+    """A committed, intact checkpoint in a format this face does not read (a DCP checkpoint
+    given to ``ckptstore.load``, an ordinary one to the DCP reader); the message names the face
+    that reads it. Unlike :class:`CorruptCheckpointError`, nothing is wrong with the bytes."""
 
 
 class NotSupportedError(CkptStoreError, NotImplementedError):

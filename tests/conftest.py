@@ -5,7 +5,6 @@ pytest_plugins = [
     "tests.servers.moto",
     "tests.servers.seaweed",
     "tests.servers.fakegcs",
-    "tests.servers.httpfault",
     # where the multi-process (gloo) tests save: the `target` fixture
     "tests.multirank",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -29,6 +30,7 @@ import ckptstore.dcp
 from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
+from tests.multirank import KILL_ME
 
 #: Store options (an S3 endpoint...) as JSON, from the test.
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
@@ -73,7 +75,8 @@ def check_state(state: dict[str, Any], seed: int) -> bool:
 
 
 class FailingPlanner(DefaultSavePlanner):
-    """Rank 1 fails (raises, or dies outright) after resolving a few items."""
+    """Rank 1 fails after resolving a few items: it raises (``"raise"``), dies outright
+    (``"die"``), or says it is mid-save and waits for the test to SIGKILL it (``"wait"``)."""
 
     def __init__(self, how: str, url: str) -> None:
         super().__init__()
@@ -87,6 +90,11 @@ class FailingPlanner(DefaultSavePlanner):
             if self.how == "die":
                 wait_for_own_object(self.url)
                 os._exit(17)  # a preempted or OOM-killed rank: no cleanup, no exception
+            if self.how == "wait":
+                wait_for_own_object(self.url)
+                print(KILL_ME, flush=True)
+                threading.Event().wait(timeout=120)
+                raise TimeoutError("rank 1 was not killed within 120 s")
             raise RuntimeError("rank 1 fails on purpose")
         return super().resolve_data(write_item)
 
@@ -116,31 +124,37 @@ def scenario_load(mesh: Any, url: str, seed: str) -> dict[str, Any]:
     return {"exact": check_state(state, int(seed)), "bytes_read": counting.bytes["read"]}
 
 
+def attempt_save(
+    state: dict[str, Any], url: str, planner: FailingPlanner, **options: Any
+) -> BaseException | None:
+    """``dcp.save`` through a ckptstore writer; what it raised, or None if it saved."""
+    try:
+        writer = ckptstore.dcp.Writer(url, **options, **OPTIONS)
+        dcp.save(state, storage_writer=writer, planner=planner)
+    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
+        return exc
+    return None
+
+
 def scenario_failures(mesh: Any, good: str, failed: str, died: str) -> dict[str, Any]:
     """Save ``good``; then a save where rank 1 raises; then one where rank 1 dies."""
     dcp.save(make_state(mesh, 1), storage_writer=ckptstore.dcp.Writer(good, **OPTIONS))
-    outcome: dict[str, Any] = {}
-    try:
-        dcp.save(
-            make_state(mesh, 2),
-            storage_writer=ckptstore.dcp.Writer(failed, **OPTIONS),
-            planner=FailingPlanner("raise", failed),
-        )
-        outcome["raise"] = "succeeded"
-    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-        outcome["raise"] = type(exc).__name__
+    error = attempt_save(make_state(mesh, 2), failed, FailingPlanner("raise", failed))
+    outcome = {"raise": "succeeded" if error is None else type(error).__name__}
     print("RESULT " + json.dumps(outcome), flush=True)  # rank 1 may not live past the next save
-    try:
-        dcp.save(
-            make_state(mesh, 3),
-            # small packs, so rank 1 has uploaded some objects when it dies
-            storage_writer=ckptstore.dcp.Writer(died, pack_size=512, **OPTIONS),
-            planner=FailingPlanner("die", died),
-        )
-        outcome["die"] = "succeeded"
-    except BaseException as exc:  # DCP raises CheckpointException, a BaseException
-        outcome["die"] = type(exc).__name__
+    # small packs, so rank 1 has uploaded some objects when it dies
+    error = attempt_save(make_state(mesh, 3), died, FailingPlanner("die", died), pack_size=512)
+    outcome["die"] = "succeeded" if error is None else type(error).__name__
     return outcome
+
+
+def scenario_sigkill(mesh: Any, good: str, killed: str) -> dict[str, Any]:
+    """Save ``good``; then a save during which the test SIGKILLs rank 1 once it has uploaded
+    objects of its own (see tests/test_dcp_ranks_sigkill.py)."""
+    dcp.save(make_state(mesh, 1), storage_writer=ckptstore.dcp.Writer(good, **OPTIONS))
+    planner = FailingPlanner("wait", killed)
+    error = attempt_save(make_state(mesh, 2), killed, planner, pack_size=512)
+    return {"killed": "succeeded" if error is None else f"{type(error).__name__}: {error}"}
 
 
 def scenario_async(mesh: Any, thread_url: str, process_url: str) -> dict[str, Any]:
@@ -173,6 +187,7 @@ SCENARIOS = {
     "save": scenario_save,
     "load": scenario_load,
     "failures": scenario_failures,
+    "sigkill": scenario_sigkill,
     "async": scenario_async,
 }
 

@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +26,14 @@ from ckptstore import background
 from ckptstore.store.registry import open_store
 
 ROOT = Path(__file__).resolve().parent.parent
+
+#: seconds each rank has to finish its scenario before the test fails
+RANK_TIMEOUT = 240.0
+
+#: what a worker's rank prints when it is mid-save and waits to be SIGKILLed from outside
+KILL_ME = "KILL ME"
+
+During = Callable[[list[subprocess.Popen[bytes]], list[Path]], None]
 
 
 @dataclass
@@ -45,15 +56,22 @@ def run_ranks(
     *args: str,
     logs: Path,
     env: dict[str, str] | None = None,
+    during: During | None = None,
 ) -> list[RankOutcome]:
     """Run one scenario of ``worker`` on ``world`` processes; return each rank's exit code
-    and results."""
+    and results.
+
+    ``during``, if given, is called with the rank processes and their log files once all
+    are started, while they run (to signal one of them from outside, say); each rank then
+    has :data:`RANK_TIMEOUT` to exit before it is killed and the test fails.
+    """
     port = free_port()
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     files = []
+    paths = [logs / f"{scenario}-{world}-rank{rank}.log" for rank in range(world)]
     for rank in range(world):
-        log = open(logs / f"{scenario}-{world}-rank{rank}.log", "w+")  # noqa: SIM115
+        log = open(paths[rank], "w+")  # noqa: SIM115
         files.append(log)
         rank_env = {
             **os.environ,
@@ -76,8 +94,10 @@ def run_ranks(
         )
     outcomes = []
     try:
+        if during is not None:
+            during(procs, paths)
         for proc, log in zip(procs, files, strict=True):
-            proc.wait(timeout=240)
+            proc.wait(timeout=RANK_TIMEOUT)
             log.seek(0)
             text = log.read()
             results = [
@@ -94,6 +114,51 @@ def run_ranks(
         for log in files:
             log.close()
     return outcomes
+
+
+def sigkill_when_ready(victim: int) -> During:
+    """A ``during`` for :func:`run_ranks`: wait until rank ``victim`` prints :data:`KILL_ME`,
+    then SIGKILL it from outside, as a preemption or the OOM killer would. The wait has the
+    deadline a rank has to finish (:data:`RANK_TIMEOUT`): once, at a load average of 15 on two
+    cores, the ranks took more than 120 s to get there."""
+
+    def during(procs: list[subprocess.Popen[bytes]], logs: list[Path]) -> None:
+        deadline = time.monotonic() + RANK_TIMEOUT
+        while KILL_ME not in logs[victim].read_text():
+            assert procs[victim].poll() is None, "the rank exited before it could be killed"
+            assert time.monotonic() < deadline, f"rank {victim} never reached mid-save"
+            time.sleep(0.05)
+        os.kill(procs[victim].pid, signal.SIGKILL)
+
+    return during
+
+
+def run_and_sigkill(
+    worker: Path,
+    world: int,
+    scenario: str,
+    *args: str,
+    victim: int,
+    logs: Path,
+    env: dict[str, str],
+) -> list[str]:
+    """Run a scenario whose rank ``victim`` prints :data:`KILL_ME` mid-save, SIGKILL it from
+    outside, and check that it died by the signal and that every survivor returned (not hung:
+    :func:`run_ranks` bounds each rank's run) with an error as its last ``killed`` result.
+    Returns the survivors' errors, by rank."""
+    outcomes = run_ranks(
+        worker, world, scenario, *args, logs=logs, env=env, during=sigkill_when_ready(victim)
+    )
+    errors = []
+    for rank, outcome in enumerate(outcomes):
+        if rank == victim:
+            assert outcome.returncode == -signal.SIGKILL, outcome.log[-4000:]
+            continue
+        assert outcome.returncode == 0, f"rank {rank}:\n{outcome.log[-4000:]}"
+        assert outcome.results, f"rank {rank} printed no result:\n{outcome.log[-4000:]}"
+        assert outcome.results[-1]["killed"] != "succeeded", f"rank {rank}"
+        errors.append(outcome.results[-1]["killed"])
+    return errors
 
 
 def assert_all_ok(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:

@@ -11,6 +11,7 @@ tensors of its own, and entries every rank holds (a replicated bf16 weight, the 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from ckptstore import background
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
+from tests.multirank import KILL_ME
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 SHARD = 256 * 1024  # float32 elements: 1 MiB
@@ -80,10 +82,9 @@ def scenario_load(root: str, step: str, saved_world: str) -> dict[str, Any]:
     return {"exact": exact, "bytes_read": counting.bytes["read"], "shards": len(mine)}
 
 
-class DiesAfterFirstObject(StoreWrapper):
-    """Rank 1's store in the 'die' save: once one of its objects is durable, the process
-    exits on its next write, as a preempted or OOM-killed rank would: no exception, no
-    cleanup."""
+class AfterFirstObject(StoreWrapper):
+    """Rank 1's store in a save it does not survive: once one of its objects is durable,
+    :meth:`stop` runs on its next write."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
@@ -99,8 +100,28 @@ class DiesAfterFirstObject(StoreWrapper):
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             if any("/r1-" in k for k in await self.inner.list_keys(attempt)):
-                os._exit(17)
+                await self.stop()
         raise TimeoutError("no object of rank 1 appeared within 30 s")
+
+    async def stop(self) -> None:
+        raise NotImplementedError
+
+
+class DiesAfterFirstObject(AfterFirstObject):
+    """The process exits, as a preempted or OOM-killed rank would: no exception, no
+    cleanup."""
+
+    async def stop(self) -> None:
+        os._exit(17)
+
+
+class WaitsForSigkill(AfterFirstObject):
+    """The rank says so on its output (``KILL ME``) and waits, mid-save, for the test to
+    SIGKILL it from outside; unkilled, it fails after two minutes."""
+
+    async def stop(self) -> None:
+        print(KILL_ME, flush=True)
+        await asyncio.wait_for(asyncio.Event().wait(), timeout=120)
 
 
 def scenario_failures(root: str) -> dict[str, Any]:
@@ -125,7 +146,27 @@ def scenario_failures(root: str) -> dict[str, Any]:
     return outcome
 
 
-SCENARIOS = {"save": scenario_save, "load": scenario_load, "failures": scenario_failures}
+def scenario_sigkill(root: str) -> dict[str, Any]:
+    """Save step 1; then step 2, during which the test SIGKILLs rank 1 after it stored an
+    object (see tests/test_distributed_ranks.py)."""
+    rank = dist.get_rank()
+    store = opened(root, pack_size=64 << 10)  # several objects per rank
+    cd.save(store, part(rank, 1), step=1)
+    outcome: dict[str, Any] = {}
+    try:
+        cd.save(WaitsForSigkill(store) if rank == 1 else store, part(rank, 2), step=2)
+        outcome["killed"] = "succeeded"
+    except Exception as exc:
+        outcome["killed"] = f"{type(exc).__name__}: {exc}"
+    return outcome
+
+
+SCENARIOS = {
+    "save": scenario_save,
+    "load": scenario_load,
+    "failures": scenario_failures,
+    "sigkill": scenario_sigkill,
+}
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Real processes: a saver SIGKILLed at each phase of a save or of garbage collection, and
-racing savers of one step. Local store (files, fsync, link), since a crash must be survived
-by what is on disk."""
+racing savers of one step. On the local store (files, fsync, link), since a crash must be
+survived by what is on disk, and, marked slow, on a network filesystem (SeaweedFS over FUSE,
+the ``nfs://`` backend), where the racers' put-if-absent is a ``link()`` the server decides."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,10 @@ import ckptstore
 from ckptstore.layout.commit import is_own_key
 from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.local import LocalStore
+from ckptstore.store.nfs import NFSStore
 from ckptstore.testing import assert_same_state
+from ckptstore.testing.servers import FuseMount
+from tests.racers import SAVE_RACER, one_winner, race
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,9 +38,10 @@ CHILD = textwrap.dedent(
     import ckptstore
     import ckptstore.store.local as local
     from ckptstore.store.local import LocalStore
+    from ckptstore.store.nfs import NFSStore
     from ckptstore.store.wrappers import StoreWrapper
 
-    root, phase = sys.argv[1:3]
+    root, phase, backend = sys.argv[1:4]
     lock = threading.Lock()
     count = {"data": 0, "delete": 0}
 
@@ -83,7 +89,7 @@ CHILD = textwrap.dedent(
         out["small"] = [rng.standard_normal(64).astype(np.float32) for _ in range(50)]
         return out
 
-    store = Phases(LocalStore(root))
+    store = Phases({"local": LocalStore, "nfs": NFSStore}[backend](root))
     if phase == "during-gc":
         ckptstore.gc(store, grace=0)
     else:
@@ -93,6 +99,39 @@ CHILD = textwrap.dedent(
 )
 
 
+@dataclass(frozen=True)
+class Where:
+    """A checkpoint root on one backend: a directory on local disk or on the FUSE mount."""
+
+    backend: str  # "local" or "nfs"
+    path: Path
+    #: the same root seen through other clients of the filesystem (another FUSE mount)
+    elsewhere: tuple[Path, ...] = ()
+
+    @property
+    def url(self) -> str:
+        return str(self.path) if self.backend == "local" else f"nfs://{self.path}"
+
+    def client_urls(self) -> list[str]:
+        """The root's URL through each client: this one, then the others."""
+        return [self.url, *(f"nfs://{path}" for path in self.elsewhere)]
+
+    def store(self) -> LocalStore:
+        return NFSStore(self.path) if self.backend == "nfs" else LocalStore(self.path)
+
+
+@pytest.fixture(params=["local", pytest.param("nfs", marks=[pytest.mark.nfs, pytest.mark.slow])])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
+    """A fresh checkpoint root on each backend."""
+    if request.param == "local":
+        return Where("local", tmp_path / "ckpt")
+    mount: FuseMount = request.getfixturevalue("seaweedfs_mount")
+    second: FuseMount = request.getfixturevalue("seaweedfs_second_mount")
+    relative = Path("process-tests") / tmp_path.name / "ckpt"
+    (mount.path / relative).parent.mkdir(parents=True)
+    return Where("nfs", mount.path / relative, elsewhere=(second.path / relative,))
+
+
 def _state(seed: int) -> dict[str, Any]:
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {f"big{i}": rng.standard_normal(300_000) for i in range(4)}
@@ -100,11 +139,11 @@ def _state(seed: int) -> dict[str, Any]:
     return out
 
 
-def _run_until_stopped(root: Path, phase: str) -> None:
+def _run_until_stopped(where: Where, phase: str) -> None:
     """Run the child until it reports that it reached ``phase``, then SIGKILL it."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     child = subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(root), phase],
+        [sys.executable, "-c", CHILD, str(where.path), phase, where.backend],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -124,18 +163,18 @@ def _run_until_stopped(root: Path, phase: str) -> None:
     assert child.returncode == -signal.SIGKILL, err
 
 
-def _abandon_attempts(root: Path) -> None:
+def _abandon_attempts(where: Where) -> None:
     """Leave abandoned attempts behind: two killed saves of steps 2 and 3."""
-    store = LocalStore(root)
+    store = where.store()
     for step in (2, 3):
         for i in range(3):
             key = f"{step}/attempt-000000000001-{step:08x}{i:08x}/pack-000000"
             ckptstore.background.run(store.put(key, b"x" * 1000))
 
 
-def _only_committed_keys_remain(root: Path) -> None:
-    store = LocalStore(root)
-    keys = ckptstore.background.run(store.list_keys())
+def _only_committed_keys_remain(where: Where) -> None:
+    keys = ckptstore.background.run(where.store().list_keys())
+    root = where.url
     committed = {
         step: ckptstore.read_manifest(root, step).attempt for step in ckptstore.list_steps(root)
     }
@@ -145,7 +184,7 @@ def _only_committed_keys_remain(root: Path) -> None:
         step = int(step_segment)
         assert step in committed, f"{key} belongs to an uncommitted step"
         assert rest == "manifest.json" or rest.startswith(committed[step] + "/"), key
-    temp = [name for _d, _s, files in os.walk(root) for name in files if TEMP_PREFIX in name]
+    temp = [n for _d, _s, files in os.walk(where.path) for n in files if TEMP_PREFIX in n]
     assert temp == [], temp
 
 
@@ -159,13 +198,13 @@ def _only_committed_keys_remain(root: Path) -> None:
         ("during-gc", [1]),
     ],
 )
-def test_sigkill_at_each_phase(tmp_path: Path, phase: str, visible: list[int]) -> None:
-    root = tmp_path / "ckpt"
+def test_sigkill_at_each_phase(where: Where, phase: str, visible: list[int]) -> None:
+    root = where.url
     old = _state(1)
     ckptstore.save(root, old, step=1)
     if phase == "during-gc":
-        _abandon_attempts(root)
-    _run_until_stopped(root, phase)
+        _abandon_attempts(where)
+    _run_until_stopped(where, phase)
 
     assert ckptstore.list_steps(root) == visible
     latest = ckptstore.load(root)
@@ -175,62 +214,18 @@ def test_sigkill_at_each_phase(tmp_path: Path, phase: str, visible: list[int]) -
     report = ckptstore.gc(root, grace=0)
     if phase in ("mid-data", "during-manifest"):
         assert report.stale_writes >= 1  # the killed writer's temp file
-    _only_committed_keys_remain(root)
+    _only_committed_keys_remain(where)
     assert_same_state(ckptstore.load(root), _state(visible[-1]))
 
 
-RACER = textwrap.dedent(
-    """
-    import sys
-    import numpy as np
-    import ckptstore
-    root, who = sys.argv[1], int(sys.argv[2])
-    state = {"who": who, "data": np.full(200_000, who, np.int64), "small": np.arange(who + 1)}
-    print("ready", flush=True)
-    sys.stdin.readline()
-    try:
-        info = ckptstore.save(root, state, step=7)
-    except ckptstore.CommitConflictError:
-        print("conflict", flush=True)
-    else:
-        print("ok", info.attempt, flush=True)
-    """
-)
-
-
-def test_racing_processes_one_commits(tmp_path: Path) -> None:
-    root = tmp_path / "ckpt"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    racers = [
-        subprocess.Popen(
-            [sys.executable, "-c", RACER, str(root), str(i)],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for i in range(4)
-    ]
-    try:
-        for racer in racers:
-            assert racer.stdout is not None
-            assert racer.stdout.readline().strip() == "ready"
-        for racer in racers:  # release them together
-            assert racer.stdin is not None
-            racer.stdin.write("go\n")
-            racer.stdin.flush()
-        outputs = [racer.communicate(timeout=120)[0].split() for racer in racers]
-    finally:
-        for racer in racers:
-            if racer.poll() is None:
-                racer.kill()
-    winners = [(i, out) for i, out in enumerate(outputs) if out[0] == "ok"]
-    assert len(winners) == 1, outputs
-    assert sum(out == ["conflict"] for out in outputs) == len(racers) - 1, outputs
-    who, (_ok, attempt) = winners[0]
+def test_racing_processes_one_commits(where: Where) -> None:
+    root = where.url
+    clients = where.client_urls()  # on the network filesystem, racers use two mounts
+    outputs = race(SAVE_RACER, [[clients[i % len(clients)], str(i)] for i in range(4)])
+    who, attempt = one_winner(outputs)
     assert ckptstore.read_manifest(root, 7).attempt == attempt
     loaded = ckptstore.load(root, step=7)
     assert loaded["who"] == who
     assert_same_state(loaded["data"], np.full(200_000, who, np.int64))
     ckptstore.gc(root, grace=0)
-    _only_committed_keys_remain(root)
+    _only_committed_keys_remain(where)

@@ -1,8 +1,10 @@
-"""A writer killed with SIGKILL in the middle of a large local write leaves nothing visible
-under the final key, and its temp file is recognisable (by prefix and writer pid) for cleanup.
+"""A writer killed with SIGKILL in the middle of a large write leaves nothing visible under
+the final key, and its temp file is recognisable (by prefix and writer pid) for cleanup.
 
 The writer is a real child process (``sys.executable``); the test watches the store's
 directory, kills the child once its temp file is being written, then inspects what is left.
+Each test runs on local disk and, marked slow, on a network filesystem (SeaweedFS over FUSE,
+the ``nfs://`` backend), where a crash must be survived by what the filesystem's server holds.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import pytest
 from ckptstore.errors import NotFoundError
 from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.local import LocalStore, temp_files
+from ckptstore.store.nfs import NFSStore
+from ckptstore.testing.servers import FuseMount
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,10 +37,12 @@ PUT_CHILD = textwrap.dedent(
     import numpy as np
     from ckptstore.config import Settings
     from ckptstore.store.local import LocalStore
+    from ckptstore.store.nfs import NFSStore
 
     async def main() -> None:
         settings = Settings(io_threads=1, part_size=16 << 20, durable=True)
-        async with LocalStore(sys.argv[1], settings=settings) as store:
+        backend = {"local": LocalStore, "nfs": NFSStore}[sys.argv[3]]
+        async with backend(sys.argv[1], settings=settings) as store:
             data = np.zeros(int(sys.argv[2]), dtype=np.uint8)
             await store.put("step-1/big.bin", data)
         print("finished", flush=True)
@@ -50,11 +56,13 @@ MULTIPART_CHILD = textwrap.dedent(
     import asyncio, sys
     from ckptstore.config import Settings
     from ckptstore.store.local import LocalStore
+    from ckptstore.store.nfs import NFSStore
 
     async def main() -> None:
         part = 8 << 20
         chunk = bytes(range(256)) * (part // 256)
-        async with LocalStore(sys.argv[1], settings=Settings(durable=True)) as store:
+        backend = {"local": LocalStore, "nfs": NFSStore}[sys.argv[3]]
+        async with backend(sys.argv[1], settings=Settings(durable=True)) as store:
             upload = await store.create_multipart("step-1/parts.bin", part_size=part)
             for index in range(int(sys.argv[2])):
                 await upload.put_part(index, chunk)
@@ -65,6 +73,18 @@ MULTIPART_CHILD = textwrap.dedent(
     asyncio.run(main())
     """
 )
+
+
+@pytest.fixture(params=["local", pytest.param("nfs", marks=[pytest.mark.nfs, pytest.mark.slow])])
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
+    """The backend's name and a fresh directory for its store: on local disk, or on the
+    SeaweedFS FUSE mount."""
+    if request.param == "local":
+        return "local", tmp_path
+    mount: FuseMount = request.getfixturevalue("seaweedfs_mount")
+    path = mount.path / "crash-tests" / tmp_path.name
+    path.mkdir(parents=True)
+    return "nfs", path
 
 
 def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
@@ -101,8 +121,8 @@ def _kill(child: subprocess.Popen[str]) -> str:
     return out
 
 
-async def _store_shows_nothing(root: Path, key: str) -> None:
-    async with LocalStore(root) as store:
+async def _store_shows_nothing(root: Path, key: str, name: str) -> None:
+    async with {"local": LocalStore, "nfs": NFSStore}[name](root) as store:
         assert await store.list_keys() == []
         assert await store.list_prefixes() == []
         assert not await store.exists(key)
@@ -110,21 +130,22 @@ async def _store_shows_nothing(root: Path, key: str) -> None:
             await store.get(key)
 
 
-def _assert_nothing_visible(root: Path, key: str, pid: int) -> list[str]:
+def _assert_nothing_visible(root: Path, key: str, pid: int, name: str) -> list[str]:
     assert not (root / key).exists()
-    asyncio.run(_store_shows_nothing(root, key))
+    asyncio.run(_store_shows_nothing(root, key, name))
     leftovers = list(temp_files(root))
     assert len(leftovers) == 1
-    name = os.path.basename(leftovers[0])
-    assert name.startswith(f"{TEMP_PREFIX}{pid}.")  # the dead writer's pid, for cleanup tools
+    temp_name = os.path.basename(leftovers[0])
+    assert temp_name.startswith(f"{TEMP_PREFIX}{pid}.")  # the dead writer's pid, for cleanup tools
     assert os.path.dirname(leftovers[0]) == str(root / os.path.dirname(key))
     return leftovers
 
 
-def test_sigkill_during_large_put_leaves_no_partial_object(tmp_path: Path) -> None:
-    root = tmp_path / "store"
+def test_sigkill_during_large_put_leaves_no_partial_object(backend: tuple[str, Path]) -> None:
+    name, base = backend
+    root = base / "store"
     size = 2 << 30
-    child = _spawn(PUT_CHILD, str(root), str(size))
+    child = _spawn(PUT_CHILD, str(root), str(size), name)
 
     def temp_is_being_written() -> bool:
         return any(os.path.getsize(p) > 0 for p in temp_files(root)) if root.exists() else False
@@ -132,15 +153,18 @@ def test_sigkill_during_large_put_leaves_no_partial_object(tmp_path: Path) -> No
     _poll(temp_is_being_written, child, "its temp file was being written")
     out = _kill(child)
     assert "finished" not in out
-    leftovers = _assert_nothing_visible(root, "step-1/big.bin", child.pid)
+    leftovers = _assert_nothing_visible(root, "step-1/big.bin", child.pid, name)
     assert 0 < os.path.getsize(leftovers[0]) < size  # killed part-way through the bytes
     os.unlink(leftovers[0])
 
 
-def test_sigkill_during_multipart_upload_leaves_no_partial_object(tmp_path: Path) -> None:
-    root = tmp_path / "store"
+def test_sigkill_during_multipart_upload_leaves_no_partial_object(
+    backend: tuple[str, Path],
+) -> None:
+    name, base = backend
+    root = base / "store"
     parts = 256  # 2 GiB; the child is killed after its third part
-    child = _spawn(MULTIPART_CHILD, str(root), str(parts))
+    child = _spawn(MULTIPART_CHILD, str(root), str(parts), name)
     assert child.stdout is not None
     seen: list[str] = []
 
@@ -154,7 +178,7 @@ def test_sigkill_during_multipart_upload_leaves_no_partial_object(tmp_path: Path
     _poll(three_parts_written, child, "three parts were written")
     out = _kill(child)
     assert "finished" not in out
-    leftovers = _assert_nothing_visible(root, "step-1/parts.bin", child.pid)
+    leftovers = _assert_nothing_visible(root, "step-1/parts.bin", child.pid, name)
     written = os.path.getsize(leftovers[0])
     assert 3 * (8 << 20) <= written < parts * (8 << 20)
     os.unlink(leftovers[0])

@@ -1,5 +1,6 @@
 """ckptstore.distributed on real processes over gloo on 127.0.0.1: 4 ranks save, 2 load; a
-rank fails or dies mid-save, on 2 and on 4 ranks.
+rank fails or dies mid-save (by its own hand, and by a SIGKILL from outside), on 2 and on 4
+ranks.
 
 Each test starts N copies of tests/native_ranks.py; see tests/multirank.py.
 """
@@ -12,7 +13,13 @@ import pytest
 
 pytest.importorskip("torch")
 
-from tests.multirank import TARGETS_AND_WORLDS, Target, assert_all_ok, run_ranks
+from tests.multirank import (
+    TARGETS_AND_WORLDS,
+    Target,
+    assert_all_ok,
+    run_and_sigkill,
+    run_ranks,
+)
 
 pytestmark = pytest.mark.torch
 
@@ -73,3 +80,44 @@ def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
         run_ranks(WORKER, world, "load", target.base, "1", str(world), logs=logs, env=env)
     )
     assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
+
+
+def _run_and_sigkill(target: Target, world: int, tmp_path: Path) -> list[str]:
+    """Run the 'sigkill' scenario, check what must hold whatever the survivors were told,
+    and return the error each survivor got."""
+    logs, env = tmp_path / "logs", target.env()
+    errors = run_and_sigkill(
+        WORKER, world, "sigkill", target.base, victim=FAILING_RANK, logs=logs, env=env
+    )
+    assert target.steps() == [1]  # step 2 never became visible
+    keys = target.keys(target.base)
+    # the killed rank had stored data; every survivor removed its own objects of step 2
+    assert {k.split("/")[2].split("-")[0] for k in keys if k.startswith("2/")} == {"r1"}
+    loaded = assert_all_ok(
+        run_ranks(WORKER, world, "load", target.base, "1", str(world), logs=logs, env=env)
+    )
+    assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
+    return errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_rank_sigkilled_from_outside_mid_save_leaves_no_checkpoint(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """The test process SIGKILLs rank 1 once it has stored an object of step 2: no step 2
+    becomes visible, every survivor returns with an error within run_ranks' timeout and
+    removes its own objects, and step 1 still loads on the same world."""
+    for error in _run_and_sigkill(target, world, tmp_path):
+        # a survivor learns of the death from a collective and says what was not saved
+        assert error.startswith("CkptStoreError"), error
+        assert "step 2 was not saved" in error, error
+        assert "another rank died" in error, error
+
+
+@pytest.mark.slow
+def test_survivors_of_a_sigkilled_rank_get_a_ckptstore_error(tmp_path: Path) -> None:
+    # on local disk only: the error does not depend on the store
+    for error in _run_and_sigkill(Target(str(tmp_path / "ckpts"), {}), 2, tmp_path):
+        assert error.startswith("CkptStoreError"), error
+        assert "step 2" in error, error

@@ -14,9 +14,10 @@ import pytest
 import ckptstore
 from ckptstore.config import Settings
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
-from ckptstore.layout.plan import BufferPool, PackPlan
+from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import MAX_DEPTH, UnsupportedLeafError, flatten, unflatten
 from ckptstore.store.base import Capabilities
+from ckptstore.store.buffers import PAGE, BufferPool
 from ckptstore.testing import assert_same_state
 
 
@@ -128,15 +129,30 @@ def test_plan_fill_gathers_noncontiguous_and_zeroes_padding() -> None:
     assert not buf[20:64].any()  # the gap after the first leaf is zeroed
 
 
-def test_buffer_pool_reuses_and_caps() -> None:
-    pool = BufferPool(max_bytes=100)
-    a = pool.acquire(60)
-    pool.release(a)
-    assert pool.acquire(50) is a
-    pool.release(a)
-    pool.release(np.empty(60, np.uint8))  # over the cap: dropped
-    assert pool.acquire(10) is a
-    assert pool.acquire(10) is not a
+def test_buffer_pool_reuses_and_frees_the_oldest_idle_arena_over_its_cap() -> None:
+    page = PAGE
+    pool = BufferPool(max_idle_bytes=2 * page)
+    a = pool.acquire(page)
+    a.release()
+    assert pool.acquire(page - 100) is a  # reused, within the slack
+    b = pool.acquire(page)
+    c = pool.acquire(page)
+    for buf in (a, b, c):
+        buf.release()
+    stats = pool.stats()
+    assert (stats.idle_bytes, stats.lent_bytes) == (2 * page, 0)  # a (the oldest) was freed
+    assert {pool.acquire(page), pool.acquire(page)} == {b, c}
+    assert pool.stats().allocations == 3
+
+
+def test_one_buffer_pool_class_under_every_name() -> None:
+    import ckptstore.layout as layout
+    import ckptstore.stage as stage
+    import ckptstore.store.transfer as transfer
+
+    assert stage.BufferPool is BufferPool
+    assert not hasattr(layout, "BufferPool")
+    assert not hasattr(transfer, "BufferPool")
 
 
 async def test_stager_attrs_round_trip_through_restore_hook() -> None:

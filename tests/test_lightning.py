@@ -164,8 +164,12 @@ def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
     assert loaded["epoch"] == 3
 
     manifest = ckptstore.read_manifest(path, 0)  # an ordinary ckptstore checkpoint
-    assert manifest.metadata == {"format": "ckptstore.lightning/2"}
-    big = manifest.paths.index("tensors/0")
+    assert manifest.metadata == {"format": "ckptstore.lightning/3", "values": {}, "ordered": []}
+    assert set(manifest.paths) == {"big", "nested/0/bf16", "nested/1/0", "empty"}
+    plain = ckptstore.load(path, 0)  # which every face reads
+    assert plain["nested"][1][1] == "x"
+    assert plain["big"].tobytes() == state["big"].numpy().tobytes()
+    big = manifest.paths.index("big")
     data = tmp_path / "ck" / manifest.object_key(manifest.leaf_object[big])
     raw = bytearray(data.read_bytes())
     raw[manifest.leaf_offset[big] + 5] ^= 0xFF
@@ -250,10 +254,14 @@ def test_the_non_tensor_part_is_json_never_a_pickle(tmp_path: Path) -> None:
     path = str(tmp_path / "ck")
     io.save_checkpoint(state, path)
     manifest = ckptstore.read_manifest(path, 0)
-    leaf = manifest.paths.index("structure")
-    raw = (tmp_path / "ck" / manifest.object_key(manifest.leaf_object[leaf])).read_bytes()
-    start = manifest.leaf_offset[leaf]
-    json.loads(raw[start : start + manifest.leaf_length[leaf]])  # plain JSON, no pickle
+    # every stored object is a tensor's bytes; the rest is the manifest's JSON, no pickle
+    assert sorted(manifest.paths) == ["int_keys/0/step", "od/a"]
+    json.loads(json.dumps(manifest.tree))
+    assert manifest.metadata["values"] == {
+        "dtype": ["dtype", "bfloat16"],
+        "device": ["device", "cpu"],
+    }
+    assert manifest.metadata["ordered"] == ["od"]
     out = io.load_checkpoint(path)
     assert type(out["od"]) is collections.OrderedDict
     assert list(out["od"]) == ["b", "a"]
@@ -269,5 +277,74 @@ def test_the_non_tensor_part_is_json_never_a_pickle(tmp_path: Path) -> None:
     class Opaque:
         pass
 
-    with pytest.raises(TypeError, match=r"checkpoint\['hp'\]\['x'\]: Opaque cannot be stored"):
+    with pytest.raises(TypeError, match=r"'hp/x'.*Opaque is not storable"):
         io.save_checkpoint({"hp": {"x": Opaque()}}, str(tmp_path / "bad"))
+
+
+def test_checkpoints_of_the_earlier_format_still_load(tmp_path: Path) -> None:
+    """Format 2 kept the structure as one tagged-JSON leaf; such checkpoints stay readable."""
+    import json
+
+    import numpy as np
+
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.layout.tree import FlatState
+
+    structure = {
+        "d": [
+            ["w", {"t": 0}],
+            ["meta", {"od": [["lr", {"float": "nan"}], ["dt", {"dtype": "bfloat16"}]]}],
+            ["pair", {"tuple": [1, {"device": "cpu"}]}],
+        ]
+    }
+    blob = np.frombuffer(json.dumps(structure).encode(), np.uint8)
+    flat = FlatState(
+        tree={"d": ["tensors", "structure"], "c": [{"l": [0]}, 1]},
+        paths=["tensors/0", "structure"],
+        arrays=[np.arange(4, dtype=np.float32), blob],
+        attrs=[None, None],
+    )
+    path = tmp_path / "old"
+    store = open_store(str(path))
+    background.run(
+        write_checkpoint(store, flat, step=0, metadata={"format": "ckptstore.lightning/2"})
+    )
+    background.run(store.close())
+    out = StoreCheckpointIO().load_checkpoint(str(path))
+    assert torch.equal(out["w"], torch.arange(4, dtype=torch.float32))
+    assert type(out["meta"]) is __import__("collections").OrderedDict
+    assert out["meta"]["lr"] != out["meta"]["lr"]
+    assert out["meta"]["dt"] is torch.bfloat16
+    assert out["pair"] == (1, torch.device("cpu"))
+
+
+def test_store_options_are_checked_when_the_plugin_is_built() -> None:
+    with pytest.raises(ValueError, match="cannot parse size"):
+        StoreCheckpointIO(part_size="lots")
+
+
+def every_stored_dtype() -> list[Any]:
+    from ckptstore.stage.torch import dtype_table
+
+    return list(dtype_table())
+
+
+@pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+@pytest.mark.parametrize("dtype", every_stored_dtype(), ids=str)
+def test_every_dtype_the_manager_stores_round_trips_bit_exact(dtype: Any, tmp_path: Path) -> None:
+    # One dtype table for every face: complex32, float8_e8m0fnu, bfloat16, each float8...
+    g = torch.Generator().manual_seed(3)
+    tensors = []
+    for numel in (24, 4096):  # packed, and an object of its own
+        if dtype == torch.bool:
+            tensors.append(torch.randint(0, 2, (numel,), generator=g).to(torch.bool))
+        else:  # random bytes: NaN payloads and all
+            raw = torch.randint(0, 256, (numel * dtype.itemsize,), dtype=torch.uint8, generator=g)
+            tensors.append(raw.view(dtype))
+    io = StoreCheckpointIO(pack_threshold=1024)
+    path = str(tmp_path / "ck")
+    io.save_checkpoint({"state_dict": {"small": tensors[0], "large": tensors[1]}}, path)
+    loaded = io.load_checkpoint(path)["state_dict"]
+    for key, expected in zip(("small", "large"), tensors, strict=True):
+        assert loaded[key].dtype == dtype
+        assert torch.equal(loaded[key].view(torch.uint8), expected.view(torch.uint8)), key

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ckptstore.stage import BufferPool, Stager, rebuild_state
-from ckptstore.stage.pool import ALIGNMENT
+from ckptstore.store.buffers import PAGE
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,7 +36,7 @@ def test_pool_reuses_a_released_arena() -> None:
     pool = BufferPool()
     first = pool.acquire(10_000)
     assert first.capacity >= 10_000
-    assert first.data.ctypes.data % ALIGNMENT == 0
+    assert first.data.ctypes.data % PAGE == 0
     address = first.data.ctypes.data
     first.release()
     first.release()  # idempotent
@@ -55,6 +55,28 @@ def test_pool_does_not_lend_an_arena_much_larger_than_asked() -> None:
     # the big arena was dropped rather than kept beside the new one
     assert pool.stats().allocations == 2
     assert pool.stats().idle_bytes == 0
+
+
+def test_pool_allocates_pinned_arenas_with_the_callers_allocator() -> None:
+    # The pool lives in store/ and knows no framework: page-locked memory comes from the
+    # allocator the caller passes (the stager passes torch's).
+    calls: list[int] = []
+
+    def pin(capacity: int) -> tuple[np.ndarray, Any]:
+        calls.append(capacity)
+        owner = np.empty(capacity, np.uint8)
+        return owner, owner
+
+    pool = BufferPool()
+    pinned = pool.acquire(5000, pin=pin)
+    assert pinned.pinned
+    assert calls == [pinned.capacity]
+    pinned.release()
+    pageable = pool.acquire(5000)  # a pageable request never gets the pinned arena
+    assert not pageable.pinned
+    assert pageable is not pinned
+    assert pool.acquire(5000, pin=pin) is pinned  # a pinned one does, without allocating
+    assert len(calls) == 1
 
 
 def test_pool_view_rejects_ranges_outside_the_arena() -> None:
@@ -99,7 +121,7 @@ def test_numpy_state_staged_into_one_arena_bit_exact() -> None:
         if out.nbytes:
             assert lo <= out.ctypes.data < hi  # lives in the pooled arena, not the source
     assert staged.tree["meta"] == state["meta"]
-    assert staged.attrs[("scalar",)] == {"framework": "numpy", "scalar": True}
+    assert staged.attrs["scalar"] == {"framework": "numpy", "scalar": True}
     assert staged.nbytes == sum(np.asarray(state[k]).nbytes for k in state if k != "meta")
 
 
@@ -184,15 +206,15 @@ def test_torch_dtypes_and_layouts_staged_bit_exact() -> None:
         assert bits(out) == bits(tensor), key
     assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert staged.tree["f8"].dtype == np.dtype(ml_dtypes.float8_e4m3fn)
-    assert staged.attrs[("param",)] == {
+    assert staged.attrs["param"] == {
         "framework": "torch",
         "dtype": "float32",
         "device": "cpu",
         "requires_grad": True,
         "parameter": True,
     }
-    assert staged.attrs[("bf16",)]["requires_grad"] is False
-    assert staged.attrs[("grad_leaf",)]["requires_grad"] is True
+    assert staged.attrs["bf16"]["requires_grad"] is False
+    assert staged.attrs["grad_leaf"]["requires_grad"] is True
 
     back = rebuild_state(staged.tree, staged.attrs)
     for key, tensor in state.items():
@@ -257,7 +279,7 @@ def test_cuda_staging_uses_pinned_memory_and_an_event() -> None:
     assert staged.fences
     staged.wait_ready()
     assert bits(staged.tree["w"]) == bits(src)
-    assert staged.attrs[("w",)]["device"].startswith("cuda")
+    assert staged.attrs["w"]["device"].startswith("cuda")
 
 
 @pytest.mark.torch
@@ -299,7 +321,7 @@ def test_jax_arrays_staged_bit_exact_and_rebuilt() -> None:
     assert staged.tree["bf16"].dtype == np.dtype(ml_dtypes.bfloat16)
     assert bits(staged.tree["w"]) == bits(state["w"])
     assert bits(staged.tree["bf16"]) == bits(state["bf16"])
-    assert staged.attrs[("w",)]["framework"] == "jax"
+    assert staged.attrs["w"]["framework"] == "jax"
     back = rebuild_state(staged.tree, staged.attrs)
     assert isinstance(back["w"], jax.Array)
     assert bits(back["bf16"]) == bits(state["bf16"])
@@ -358,7 +380,7 @@ def test_sharded_jax_arrays_on_one_host_gathered(tmp_path: Path) -> None:
         for k in cases:
             assert np.array_equal(staged.tree[k], full), k
         assert staged.tree["bf16"].tobytes() == full.astype(jnp.bfloat16).tobytes()
-        assert staged.attrs[("grid",)]["devices"] == 4
+        assert staged.attrs["grid"]["devices"] == 4
         target = {
             k: jax.ShapeDtypeStruct((8, 6), jnp.float32, sharding=s) for k, s in cases.items()
         }
@@ -418,7 +440,10 @@ def test_importing_ckptstore_imports_neither_torch_nor_jax() -> None:
 
 
 def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> None:
-    from ckptstore.stage.stager import LEAF_ALIGNMENT, PAGE_ALIGN_MIN
+    from ckptstore.config import default_settings
+    from ckptstore.stage.stager import PAGE_ALIGN_MIN
+
+    leaf_alignment = default_settings().leaf_alignment
 
     state = {
         "tiny": np.arange(3, dtype=np.int8),
@@ -428,10 +453,10 @@ def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> Non
     }
     staged = Stager().stage(state)
     for key in ("big", "big2"):
-        assert staged.tree[key].ctypes.data % ALIGNMENT == 0, key
+        assert staged.tree[key].ctypes.data % PAGE == 0, key
         assert bits(staged.tree[key]) == bits(state[key])
     for key in ("tiny", "odd"):
-        assert staged.tree[key].ctypes.data % LEAF_ALIGNMENT == 0, key
+        assert staged.tree[key].ctypes.data % leaf_alignment == 0, key
         assert bits(staged.tree[key]) == bits(state[key])
 
 

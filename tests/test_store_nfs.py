@@ -1,4 +1,5 @@
-"""NFSStore on a real network filesystem: SeaweedFS mounted over FUSE by ``weed mount``."""
+"""NFSStore on a real network filesystem: SeaweedFS mounted over FUSE by ``weed mount``: the
+store suite, the checkpoint suite (slow), and what only a network filesystem does."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from ckptstore import open_store
 from ckptstore.errors import AlreadyExistsError, InvalidKeyError, InvalidURLError
 from ckptstore.store.local import temp_files
 from ckptstore.store.nfs import NFSStore
-from ckptstore.testing import StoreTests
+from ckptstore.testing import CheckpointTests, StoreTests
 from ckptstore.testing.servers import FuseMount, SeaweedFS
 
 pytestmark = pytest.mark.nfs
@@ -31,6 +32,16 @@ def nfs_dir(seaweedfs_mount: FuseMount) -> Path:
 
 
 class TestNFSStoreOnSeaweedFS(StoreTests):
+    @pytest.fixture
+    async def store(self, nfs_dir: Path) -> AsyncIterator[NFSStore]:
+        async with NFSStore(nfs_dir) as store:
+            yield store
+
+
+@pytest.mark.slow
+class TestNFSCheckpoints(CheckpointTests):
+    """Checkpoint round trips on the mount: commit through ``link()`` of a fsynced file."""
+
     @pytest.fixture
     async def store(self, nfs_dir: Path) -> AsyncIterator[NFSStore]:
         async with NFSStore(nfs_dir) as store:

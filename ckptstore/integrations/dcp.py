@@ -5,7 +5,8 @@ on any ckptstore URL, and ``dcp.load(state, storage_reader=Reader(...))`` reads 
 DCP's planning and resharding unchanged. What this layer adds to DCP's own file writers:
 
 * **Commit.** Every rank writes its objects under one fresh attempt prefix
-  (``<url>/<attempt>/r<rank>-<n>``), chosen by the coordinator in ``prepare_global_plan``.
+  (``<url>/<attempt>/r<rank>-pack-<n>``, ``...-leaf-<n>``), drawn by the coordinator in
+  ``prepare_global_plan``.
   DCP gathers every rank's write results to the coordinator, whose ``finish`` writes
   ``<url>/manifest.json`` with one put-if-absent, after every object is durable. A checkpoint
   is visible if and only if that manifest exists; a rank that fails or dies makes DCP skip
@@ -13,9 +14,12 @@ DCP's planning and resharding unchanged. What this layer adds to DCP's own file 
   No rename is involved, so this is as safe on S3 and GCS as on a local disk.
 * **No pickle from storage.** DCP's ``Metadata`` goes into the manifest as JSON
   (:mod:`ckptstore.integrations.dcp_manifest`) and is validated before any data read.
-* **Packing.** Items under ``pack_threshold`` bytes are copied into pack objects of up to
-  ``pack_size`` bytes, so thousands of small tensors cost a handful of PUTs; larger tensors are
-  written straight from their memory, one object each, as parallel multipart uploads.
+* **One save path.** Items are planned, packed, written and committed by the same pipeline
+  as every other save (:mod:`ckptstore.pipeline.save`): items under ``pack_threshold`` bytes
+  are copied into pooled pack objects of up to ``pack_size`` bytes at
+  ``Settings.leaf_alignment``, so thousands of small tensors cost a handful of PUTs; larger
+  tensors are written straight from their memory, one object each, as parallel multipart
+  uploads. Every dtype the manager stores is accepted (bfloat16, complex32, each float8).
 * **Verified parallel reads.** Each rank fetches just the items its load plan names, as ranged
   reads merged per object and issued in parallel, straight into the destination tensors where
   their layout allows, and checks every item's crc32c.
@@ -27,7 +31,9 @@ writer to another process), and reopen it on first use there.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import io
+import math
 import os
 import uuid
 from collections.abc import Iterable
@@ -53,6 +59,8 @@ from torch.futures import Future
 from ckptstore import background
 from ckptstore.errors import (
     AlreadyExistsError,
+    CheckpointFormatError,
+    CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
 )
@@ -63,23 +71,18 @@ from ckptstore.integrations.dcp_manifest import (
     dtype_name,
     read_dcp_metadata,
 )
-from ckptstore.integrations.tensor_objects import (
-    CheckpointTarget,
-    Packer,
-    Placed,
-    UploadBatch,
-    crc32c,
-    served,
-    tensor_bytes,
-)
-from ckptstore.layout.commit import commit_manifest, read_manifest
-from ckptstore.layout.keys import (
-    attempt_prefix,
-    manifest_key,
-    new_attempt_id,
-    step_prefix,
-)
+from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, served
+from ckptstore.layout.keys import manifest_key, step_prefix
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.plan import PackPlan
+from ckptstore.layout.restore import read_leaves
+from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.restore import find_manifest
+from ckptstore.pipeline.root import check_options
+from ckptstore.pipeline.save import Attempt, Written
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.fanout import gather_all
 
 __all__ = ["Reader", "Writer"]
 
@@ -88,7 +91,7 @@ __all__ = ["Reader", "Writer"]
 class _AttemptPrefix:
     """What the coordinator hands each rank in ``SavePlan.storage_data``."""
 
-    attempt: str
+    attempt: Attempt
     rank: int
 
 
@@ -124,13 +127,14 @@ class Writer(StorageWriter):
         super().__init__()
         if pack_threshold < 0 or pack_size <= 0:
             raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
+        check_options(url, options)  # a bad option fails here, as on every face
         self._target = CheckpointTarget(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
         self.save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
-        self._attempt: str | None = None
+        self._attempt: Attempt | None = None
 
     @property
     def url(self) -> str:
@@ -176,12 +180,13 @@ class Writer(StorageWriter):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # docstring inherited
         store, step = self._target.store, self._target.step
-        if background.run(store.exists(manifest_key(step))):
+        try:
+            attempt = background.run(save_path.begin(store, step))
+        except CommitConflictError:
             raise AlreadyExistsError(
                 f"{self.url} already holds a committed checkpoint (step {step} of "
                 f"{store.url}); save to a new URL (checkpoints are immutable)"
-            )
-        attempt = new_attempt_id()
+            ) from None
         return [
             SavePlan(
                 items=plan.items,
@@ -193,71 +198,113 @@ class Writer(StorageWriter):
         ]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        """Resolve every item, pack the small ones, and upload in the background.
+        """Plan, pack and write this rank's items with the one save pipeline
+        (:mod:`ckptstore.pipeline.save`).
 
-        Returns a future that completes, with one ``WriteResult`` per item, once every object
-        of this rank is durable.
+        Tensor items are planned from DCP's metadata before any is resolved; each object is
+        written on the background loop as soon as its items are resolved, so the first
+        uploads overlap the resolution (device copies, serialisation) of the rest. Returns a
+        future that completes, with one ``WriteResult`` per item, once every object of this
+        rank is durable. On a failure this rank's objects are removed (best effort).
         """
-        prefix = plan.storage_data
-        if not isinstance(prefix, _AttemptPrefix):
+        given = plan.storage_data
+        if not isinstance(given, _AttemptPrefix):
             raise TypeError(
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
-        self._attempt = prefix.attempt
-        batch = UploadBatch(
-            self._target.store, f"{attempt_prefix(self._target.step, prefix.attempt)}r{prefix.rank}"
-        )
-        packer: Packer[WriteItem] = Packer(batch, self.pack_size)
-        placed: list[Placed[WriteItem]] = []
-        for item in plan.items:
-            data, keep = _resolve(planner, item)
-            if len(data) >= self.pack_threshold:
-                placed.append(batch.single(item, data, keep))
+        self._attempt = given.attempt
+        store, handle, coordinator = self._target.store, self._target.handle, self._is_coordinator
+        prefix = f"{given.attempt.prefix}r{given.rank}-"
+        items = list(plan.items)
+        arrays: list[Any] = [None] * len(items)
+        keep: list[object] = []  # owners of the arrays' memory, alive until the writes end
+        lengths = []
+        for leaf, item in enumerate(items):
+            if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+                arrays[leaf], owner = _resolve(planner, item)  # serialised now: sized by it
+                keep.append(owner)
+                lengths.append(arrays[leaf].nbytes)
             else:
-                placed.extend(packer.add(item, data))
-        placed.extend(packer.flush())
-        results = [_result(p) for p in placed]
+                lengths.append(_planned_bytes(item))
+        packing = save_path.plan(
+            store,
+            lengths,
+            [item.index.fqn for item in items],
+            pack_threshold=self.pack_threshold,
+            pack_size=self.pack_size,
+        )
+        writer = save_path.object_writer(store, packing, prefix, arrays)
+        writes: list[concurrent.futures.Future[None]] = []
+
+        async def abandon() -> None:
+            # wait for the writes already started (a write cannot be stopped halfway), then
+            # remove what they wrote
+            await asyncio.gather(*(asyncio.wrap_future(w) for w in writes), return_exceptions=True)
+            await save_path.discard(store, prefix)
+            await handle.arelease()
+
+        async def settle_writes() -> list[WriteResult]:
+            try:
+                await gather_all((asyncio.wrap_future(w) for w in writes), cancel=False)
+            except BaseException:
+                await abandon()
+                raise
+            if not coordinator:  # the coordinator commits in finish(), with the same store
+                await handle.arelease()
+            return _results(items, packing, writer.written, prefix)
+
+        try:
+            for number, obj in enumerate(packing.objects):
+                for leaf in obj.leaves:
+                    if arrays[leaf] is None:
+                        arrays[leaf], owner = _resolve(planner, items[leaf], lengths[leaf])
+                        keep.append(owner)
+                writes.append(background.submit(writer.write(number)))
+        except BaseException:
+            background.submit(abandon())
+            raise
 
         future: Future[list[WriteResult]] = Future()
 
-        def settle(error: BaseException | None) -> None:
+        def settle(done: concurrent.futures.Future[list[WriteResult]]) -> None:
+            keep.clear()
+            error = done.exception()
             if error is None:
-                future.set_result(results)
+                future.set_result(done.result())
             else:
                 future.set_exception(error)  # type: ignore[arg-type]  # torch's stub is wrong
 
-        handle, coordinator = self._target.handle, self._is_coordinator
-
-        async def cleanup(error: BaseException | None) -> None:
-            if error is not None or not coordinator:  # the coordinator commits in finish()
-                await handle.arelease()
-
-        batch.when_done(settle, cleanup)
+        background.submit(settle_writes()).add_done_callback(settle)
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Commit: write the manifest with one put-if-absent (coordinator only).
+        """Commit: write the manifest with one put-if-absent (coordinator only), through the
+        pipeline's commit (:func:`ckptstore.pipeline.save.commit`).
 
         A retry that finds the manifest of its own attempt succeeds; a manifest of another
         attempt raises :class:`~ckptstore.errors.CommitConflictError`.
         """
         if self._attempt is None:
             raise RuntimeError("finish() called before write_data()")
+        attempt = self._attempt
         locations: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:
             for result in rank_results:
                 if not isinstance(result.storage_data, ItemLocation):
                     raise TypeError(f"write result of {result.index.fqn} was not written here")
                 locations[result.index] = result.storage_data
-        step = self._target.step
         # DCP's planners leave storage_meta to the writer (its FileSystemWriter sets it here
         # too); without it a reader cannot tell which save it loads.
         metadata.storage_meta = self.storage_meta()
         manifest = build_manifest(
-            step, self._attempt, metadata, locations, object_prefix=step_prefix(step)
+            attempt.step,
+            attempt.id,
+            metadata,
+            locations,
+            object_prefix=step_prefix(attempt.step),
         )
         try:
-            background.run(commit_manifest(self._target.store, manifest))
+            background.run(save_path.commit(self._target.store, attempt, manifest))
         finally:
             self._target.handle.release()
         metadata.storage_data = locations
@@ -268,8 +315,22 @@ class Writer(StorageWriter):
         return served(checkpoint_id)
 
 
-def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]:
-    """The bytes of one item, and the object that must stay alive while they upload."""
+def _planned_bytes(item: WriteItem) -> int:
+    """The bytes of a tensor item, from DCP's metadata (its dtype checked against the table)."""
+    assert item.tensor_data is not None
+    dtype = item.tensor_data.properties.dtype
+    dtype_name(dtype)  # refuses a dtype outside the table before anything is written
+    return math.prod(item.tensor_data.chunk.sizes) * dtype.itemsize
+
+
+def _resolve(
+    planner: SavePlanner, item: WriteItem, planned: int | None = None
+) -> tuple[np.ndarray[Any, Any], object]:
+    """The bytes of one item as a flat ``uint8`` array, and the object that owns them.
+
+    Raises:
+        ValueError: the planner resolved a tensor of another size than ``planned``.
+    """
     data = planner.resolve_data(item)
     if item.type == WriteItemType.BYTE_IO:
         if not isinstance(data, io.BytesIO):
@@ -277,31 +338,48 @@ def _resolve(planner: SavePlanner, item: WriteItem) -> tuple[memoryview, object]
                 f"{item.index.fqn}: planner returned {type(data).__name__}, not BytesIO"
             )
         raw = data.getvalue()
-        return memoryview(raw), raw
+        return np.frombuffer(raw, dtype=np.uint8), raw
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"{item.index.fqn}: planner returned {type(data).__name__}, not a tensor")
-    tensor, view = tensor_bytes(data)
-    return view, tensor
+    tensor, array = host_bytes(data)
+    if planned is not None and array.nbytes != planned:
+        raise ValueError(
+            f"{item.index.fqn}: the planner resolved {array.nbytes} bytes of tensor data; its "
+            f"write item describes {planned}"
+        )
+    return array, tensor
+
+
+def _results(
+    items: list[WriteItem], plan: PackPlan, written: Written, prefix: str
+) -> list[WriteResult]:
+    """DCP's write results: where each item landed, in one pass over the plan."""
+    objects = plan.objects
+    results = []
+    for leaf, item in enumerate(items):
+        number = plan.leaf_object[leaf]
+        if number < 0:  # an empty item takes no object
+            key, object_size, object_crc = "", 0, 0
+        else:
+            key = prefix + objects[number].name
+            object_size, object_crc = objects[number].size, written.object_crc[number]
+        loc = ItemLocation(
+            key,
+            plan.leaf_offset[leaf],
+            plan.leaf_length[leaf],
+            written.leaf_crc[leaf],
+            object_size,
+            object_crc,
+            *_typeinfo(item),
+        )
+        results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+    return results
 
 
 def _typeinfo(item: WriteItem) -> tuple[str | None, tuple[int, ...] | None]:
     if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
         return None, None
     return dtype_name(item.tensor_data.properties.dtype), tuple(item.tensor_data.chunk.sizes)
-
-
-def _result(placed: Placed[WriteItem]) -> WriteResult:
-    item = placed.token
-    loc = ItemLocation(
-        placed.key,
-        placed.start,
-        placed.length,
-        placed.crc32c,
-        placed.object_size,
-        placed.object_crc32c,
-        *_typeinfo(item),
-    )
-    return WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
 
 
 # =========================================================================== reader
@@ -320,8 +398,10 @@ class Reader(StorageReader):
         self, url: str | os.PathLike[str] | Store, *, step: int | None = None, **options: Any
     ) -> None:
         super().__init__()
+        check_options(url, options)  # a bad option fails here, as on every face
         self._target = CheckpointTarget(url, step, options)
         self.load_id = uuid.uuid4().hex
+        self._manifest: Manifest | None = None
         self._locations: dict[MetadataIndex, ItemLocation] = {}
 
     @property
@@ -343,6 +423,7 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self._target.point_at(checkpoint_id)
         self.load_id = uuid.uuid4().hex
+        self._manifest = None
         self._locations = {}
 
     def read_metadata(self, *args: Any, **options: Any) -> Metadata:
@@ -358,13 +439,19 @@ class Reader(StorageReader):
             raise NotFoundError(f"{self.url}: ckptstore writes no per-rank metadata")
         store, step = self._target.store, self._target.step
         try:
-            manifest = background.run(read_manifest(store, step))
+            manifest = background.run(find_manifest(store, step))
         except NotFoundError:
             raise NotFoundError(
                 f"{self.url} holds no committed checkpoint (no manifest for step {step} of "
                 f"{store.url}); the save may not have finished"
             ) from None
+        if not isinstance(manifest.metadata, dict) or "dcp" not in manifest.metadata:
+            raise CheckpointFormatError(
+                f"{self.url}: step {step} of {store.url} is a ckptstore checkpoint, not a DCP "
+                "one; read it with ckptstore.load or CheckpointManager.restore"
+            )
         metadata = read_dcp_metadata(manifest, f"{store.url}/{manifest_key(step)}")
+        self._manifest = manifest
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -378,6 +465,8 @@ class Reader(StorageReader):
             isinstance(loc, ItemLocation) for loc in locations.values()
         ):
             raise TypeError("this Metadata was not read by ckptstore.dcp.Reader.read_metadata")
+        if self._manifest is None:  # DCP handed over metadata another reader read
+            self._manifest = background.run(find_manifest(self._target.store, self._target.step))
         self._locations = locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -395,7 +484,9 @@ class Reader(StorageReader):
         and shape is read straight into the destination; others go through a scratch buffer
         and are narrowed and copied as DCP's plan says.
         """
-        reads = _ReadPlan(self._locations, plan.items, planner)
+        if self._manifest is None:
+            raise RuntimeError("read_data() called before set_up_storage_reader()")
+        reads = _ReadPlan(self._manifest, self._locations, plan.items, planner)
         try:
             background.run(reads.fetch(self._target.store))
         finally:
@@ -412,23 +503,37 @@ class Reader(StorageReader):
 
 
 class _ReadPlan:
-    """The byte ranges one rank reads, and where each lands."""
+    """The manifest leaves one rank's load plan reads, and where each lands.
+
+    DCP's planner decides which items a rank reads and where they go; the reading and the
+    verification are the restore path's (:func:`ckptstore.layout.restore.read_leaves`, as
+    for every face): each item is a leaf of the manifest, read into the destination tensor's
+    own memory where its layout allows, else into a fresh array, and its crc32c checked.
+    """
 
     def __init__(
         self,
+        manifest: Manifest,
         locations: dict[MetadataIndex, ItemLocation],
         items: Iterable[ReadItem],
         planner: LoadPlanner,
     ) -> None:
+        self.manifest = manifest
         self.items = list(items)
         uses: dict[MetadataIndex, int] = {}
         for req in self.items:
             uses[req.storage_index] = uses.get(req.storage_index, 0) + 1
-        # storage index -> (location, destination buffer, destination tensor if direct)
-        self.buffers: dict[MetadataIndex, tuple[ItemLocation, np.ndarray[Any, Any]]] = {}
+        # the leaf of each stored byte range (empty items have no object and are not read)
+        leaf_at = {
+            (manifest.object_key(obj), manifest.leaf_offset[leaf]): leaf
+            for leaf, obj in enumerate(manifest.leaf_object)
+            if obj >= 0
+        }
+        #: storage index -> (location, its leaf or None when empty)
+        self.leaves: dict[MetadataIndex, tuple[ItemLocation, int | None]] = {}
         self.direct: dict[MetadataIndex, torch.Tensor] = {}
-        #: crc32c of each item's bytes as read (items of length 0 are not read).
-        self.crcs: dict[MetadataIndex, int] = {}
+        self.into: dict[int, np.ndarray[Any, Any]] = {}
+        self.arrays: dict[int, np.ndarray[Any, Any]] = {}
         for req in self.items:
             try:
                 loc = locations[req.storage_index]
@@ -437,46 +542,41 @@ class _ReadPlan:
                     f"the manifest has no item {req.storage_index.fqn} at "
                     f"{req.storage_index.offset}"
                 ) from None
-            if req.storage_index in self.buffers:
+            if req.storage_index in self.leaves:
                 continue
+            leaf = leaf_at.get((loc.key, loc.start)) if loc.length else None
+            if loc.length and leaf is None:
+                raise CorruptCheckpointError(
+                    f"{req.storage_index.fqn}: no manifest leaf at {loc.key} byte {loc.start}"
+                )
+            self.leaves[req.storage_index] = (loc, leaf)
             target = None
             if req.type == LoadItemType.TENSOR and uses[req.storage_index] == 1:
                 target = _direct_target(req, loc, planner)
             if target is not None:
                 self.direct[req.storage_index] = target
-                buffer = (
-                    target.reshape(-1).view(torch.uint8).numpy()
-                    if loc.length
-                    else np.empty(0, np.uint8)
-                )
-            else:
-                buffer = np.empty(loc.length, dtype=np.uint8)
-            self.buffers[req.storage_index] = (loc, buffer)
+                if leaf is not None:
+                    raw = target.reshape(-1).view(torch.uint8).numpy()
+                    self.into[leaf] = raw.view(manifest.dtype(leaf)).reshape(loc.shape)
 
     async def fetch(self, store: Store) -> None:
-        """Read every item's bytes, hashing them as they land (no second pass over them)."""
-        per_object: dict[str, list[MetadataIndex]] = {}
-        for index, (loc, _) in self.buffers.items():
-            if loc.length:
-                per_object.setdefault(loc.key, []).append(index)
+        """Read and verify every non-empty item, straight into direct destinations."""
+        wanted = [leaf for _, leaf in self.leaves.values() if leaf is not None]
+        self.arrays = await read_leaves(store, self.manifest, wanted, self.into)
 
-        async def read(key: str, indices: list[MetadataIndex]) -> None:
-            requests = [(self.buffers[i][0].start, self.buffers[i][1]) for i in indices]
-            crcs = await store.read_ranges_into_crc32c(key, requests)
-            self.crcs.update(zip(indices, crcs, strict=True))
-
-        await asyncio.gather(*(read(key, indices) for key, indices in per_object.items()))
+    def _stored(self, index: MetadataIndex) -> np.ndarray[Any, Any]:
+        """The item's bytes as read (empty for an empty item)."""
+        loc, leaf = self.leaves[index]
+        if leaf is None:
+            if loc.crc32c != crc32c(b""):
+                raise CorruptCheckpointError(f"{index.fqn}: an empty item with a non-empty crc32c")
+            return np.empty(0, np.uint8)
+        return self.arrays[leaf].reshape(-1).view(np.uint8)
 
     def deliver(self, planner: LoadPlanner, url: str) -> None:
-        for index, (loc, buffer) in self.buffers.items():
-            crc = self.crcs[index] if loc.length else crc32c(buffer)
-            if crc != loc.crc32c:
-                raise CorruptCheckpointError(
-                    f"{url}/{loc.key}: item {index.fqn} at bytes [{loc.start}, "
-                    f"{loc.start + loc.length}) fails its crc32c check"
-                )
         for req in self.items:
-            loc, buffer = self.buffers[req.storage_index]
+            loc, _ = self.leaves[req.storage_index]
+            buffer = self._stored(req.storage_index)
             if req.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(req, io.BytesIO(buffer.tobytes()))
                 continue

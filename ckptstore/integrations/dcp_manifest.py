@@ -42,9 +42,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.integrations.tensor_objects import TORCH_TO_NUMPY, numpy_dtype, torch_dtype
+from ckptstore.integrations.tensor_objects import numpy_dtype, torch_dtype
 from ckptstore.layout import dtypes as layout_dtypes
 from ckptstore.layout.manifest import Manifest
+from ckptstore.stage.torch import dtype_table
 
 __all__ = [
     "FORMAT",
@@ -61,8 +62,10 @@ __all__ = [
 #: Marks a manifest's ``metadata`` as holding a DCP checkpoint, and its version.
 FORMAT = "ckptstore.dcp/1"
 
+#: DCP metadata names a tensor's dtype by torch's name; the allowed ones are the dtypes of the
+#: one table (:func:`ckptstore.stage.torch.dtype_table`).
 _DTYPES: dict[str, torch.dtype] = {
-    str(dtype).removeprefix("torch."): dtype for dtype in TORCH_TO_NUMPY
+    str(dtype).removeprefix("torch."): dtype for dtype in dtype_table()
 }
 _BYTES_DTYPE = np.dtype(np.uint8)
 
@@ -140,7 +143,7 @@ def build_manifest(
     leaf_crc: list[int] = []
     children: dict[str, Any] = {}
     for index, loc in locations.items():
-        if loc.key not in objects:
+        if loc.key and loc.key not in objects:  # an empty item has no object (key "")
             objects[loc.key] = len(objects)
             object_lengths.append(loc.object_size)
             object_crcs.append(loc.object_crc32c)
@@ -161,7 +164,7 @@ def build_manifest(
         paths.append(path)
         dtypes.append(name)
         shapes.append(shape)
-        leaf_object.append(objects[loc.key])
+        leaf_object.append(objects[loc.key] if loc.key else -1)
         leaf_offset.append(loc.start)
         leaf_length.append(loc.length)
         leaf_crc.append(loc.crc32c)

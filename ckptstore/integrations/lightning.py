@@ -5,17 +5,23 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
 (``s3://b/run/epoch=0-step=100.ckpt`` becomes a prefix, not one file):
 
 * it is an ordinary ckptstore checkpoint, step 0 of the root at that path (or step N if the
-  path ends in a step number), written by :func:`ckptstore.layout.write_checkpoint`: small
-  tensors packed together, large ones uploaded in parallel parts, every leaf with a crc32c
-  that is verified on load, and the manifest written last with one put-if-absent, so a
-  checkpoint is visible only once every byte is durable;
-* every tensor of the checkpoint dict is one leaf (``tensors/<i>``); the rest of the dict (its
-  structure, counters, hyper-parameters), with each tensor replaced by a marker, is one more
-  leaf (``structure``) of tagged JSON: dicts (any keys, OrderedDict kept), lists, tuples,
-  JSON scalars (nan and infinities too), torch dtypes and devices. Nothing is pickled, so
-  nothing is unpickled on load and Lightning's ``weights_only`` changes nothing; a value of
-  any other type (say a ``Namespace`` in the hyper-parameters) is refused on save with an
-  error naming where it is, and dict subclasses other than OrderedDict load as plain dicts;
+  path ends in a step number), written by the one save pipeline
+  (:mod:`ckptstore.pipeline.save`): the checkpoint dict is staged and flattened like any state
+  (:mod:`ckptstore.stage`, :mod:`ckptstore.layout.tree`, the one codec every face uses), so
+  every tensor is a leaf named by its path (``state_dict/layer.weight``), small tensors are
+  packed together, large ones uploaded in parallel parts, every leaf has a crc32c that is
+  verified on load, and the manifest is written last with one put-if-absent. Loading is the
+  restore path of :mod:`ckptstore.pipeline.restore`; ``ckptstore.load`` and
+  ``CheckpointManager.restore`` read the same checkpoint (torch dtypes and devices then
+  appear as their names);
+* the rest of the dict (structure, counters, hyper-parameters) is JSON in the manifest's tree:
+  dicts with str or int keys, lists, tuples, JSON scalars (nan and infinities too). What the
+  tree cannot say, Lightning's part of the manifest metadata records: which values were torch
+  dtypes or devices, and which dicts were ``OrderedDict`` s, so they come back as such.
+  Nothing is pickled, so nothing is unpickled on load and Lightning's ``weights_only``
+  changes nothing; a value of any other type (say a ``Namespace`` in the hyper-parameters)
+  is refused on save with an error naming its path. Checkpoints of the earlier format
+  (``ckptstore.lightning/2``: one tagged-JSON leaf for the structure) are still read;
 * ``remove_checkpoint`` deletes the manifest first, so a half-removed checkpoint is invisible
   rather than corrupt.
 
@@ -37,7 +43,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
-import math
 import os
 import threading
 from collections.abc import Iterator
@@ -49,17 +54,23 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
-from ckptstore.integrations.tensor_objects import CheckpointTarget, numpy_dtype, torch_dtype
-from ckptstore.layout.commit import delete_step, read_manifest, write_checkpoint
+from ckptstore.integrations.tensor_objects import CheckpointTarget
+from ckptstore.layout.commit import delete_step
 from ckptstore.layout.keys import manifest_key
-from ckptstore.layout.restore import read_leaves
-from ckptstore.layout.tree import FlatState
+from ckptstore.layout.tree import map_leaves
+from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.restore import Selection, read, rebuild, request
+from ckptstore.pipeline.root import check_options
+from ckptstore.stage import Stager
+from ckptstore.stage.stager import rebuild_leaf
+from ckptstore.stage.torch import tensor_from_numpy
+from ckptstore.stage.tree import expand
 from ckptstore.store.base import Store
 
 __all__ = ["StoreCheckpointIO"]
 
 #: Marks a manifest's ``metadata`` as holding a Lightning checkpoint, and its version.
-FORMAT = "ckptstore.lightning/2"
+FORMAT = "ckptstore.lightning/3"
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -72,6 +83,7 @@ class StoreCheckpointIO(CheckpointIO):
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
+        check_options(None, options)  # the Settings among them; a backend checks its own
         self.options = options
         self._guard = threading.Lock()
         self._busy: dict[str, threading.Lock] = {}
@@ -124,13 +136,15 @@ class StoreCheckpointIO(CheckpointIO):
         """Load the checkpoint at ``path``, verifying every tensor's crc32c.
 
         Tensors are created on the CPU; a ``map_location`` that is a device (or its name)
-        moves them there.
+        moves them there. A checkpoint another face saved at ``path`` (``ckptstore.save``,
+        ``CheckpointManager``) is read too, if it holds a dict.
         ``weights_only`` is accepted for Lightning's interface and has no effect: nothing
         stored is pickled (see the module docstring).
 
         Raises:
             FileNotFoundError: no committed checkpoint at ``path``.
             CorruptCheckpointError: the manifest or any byte fails verification.
+            CheckpointFormatError: a DCP checkpoint (read it with ``dcp.load``).
         """
         target = CheckpointTarget(path, None, dict(self.options))
         try:
@@ -160,63 +174,42 @@ class StoreCheckpointIO(CheckpointIO):
 
 
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
-    tensors: list[torch.Tensor] = []
-    blob = json.dumps(_encode(checkpoint, tensors), allow_nan=False).encode()
-    arrays = [_as_numpy(t) for t in tensors]
-    arrays.append(np.frombuffer(blob, dtype=np.uint8))
-    n = len(tensors)
-    flat = FlatState(
-        tree={"d": ["tensors", "structure"], "c": [{"l": list(range(n))}, n]},
-        paths=[*(f"tensors/{i}" for i in range(n)), "structure"],
-        arrays=arrays,
-        attrs=[None] * (n + 1),
-    )
-    background.run(write_checkpoint(store, flat, step=step, metadata={"format": FORMAT}))
+    plain, extras = _encode(checkpoint)
+    stager = Stager(leaf_alignment=store.settings.leaf_alignment)
+    try:
+        # copy=False: CPU tensors are written from their own memory, as the save blocks
+        staged = save_path.stage(stager, plain, copy=False)
+        try:
+            metadata = {"format": FORMAT, **extras}
+            background.run(save_path.save_staged(store, staged, step=step, metadata=metadata))
+        finally:
+            staged.release()
+    finally:
+        stager.close()
 
 
-def _as_numpy(tensor: torch.Tensor) -> np.ndarray[Any, Any]:
-    """A numpy view of a CPU copy-free version of ``tensor``, bfloat16 and float8 included."""
-    tensor = tensor.detach().cpu().resolve_conj().resolve_neg().contiguous()
-    dtype = numpy_dtype(tensor.dtype)
-    if tensor.numel() == 0:
-        return np.empty(tuple(tensor.shape), dtype=dtype)
-    raw = tensor.reshape(-1).view(torch.uint8).numpy()
-    return raw.view(dtype).reshape(tuple(tensor.shape))
+def _encode(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The checkpoint with torch dtypes and devices as their names, and what the manifest's
+    metadata must say to put them (and the ``OrderedDict`` s) back on load."""
+    values: dict[str, list[str]] = {}
+    ordered: list[str] = []
 
+    def value(path: str, leaf: Any) -> Any:
+        if isinstance(leaf, torch.dtype):
+            values[path] = ["dtype", str(leaf).removeprefix("torch.")]
+            return values[path][1]
+        if isinstance(leaf, torch.device):
+            values[path] = ["device", str(leaf)]
+            return values[path][1]
+        return leaf
 
-def _encode(value: Any, tensors: list[torch.Tensor], where: str = "checkpoint") -> Any:
-    """``value`` as JSON: every tensor becomes a ``{"t": index}`` marker into ``tensors``,
-    containers become tagged objects (``{"d": [[key, value]...]}``, ``{"tuple": [...]}``...),
-    so any JSON object in the result is a tag. Anything else is refused, naming where it is:
-    ckptstore never pickles, so it never has to unpickle on load."""
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else {"float": repr(value)}
-    if isinstance(value, torch.Tensor):
-        if value.layout != torch.strided:
-            raise TypeError(f"{where}: a {value.layout} tensor cannot be stored; make it dense")
-        tensors.append(value)
-        return {"t": len(tensors) - 1}
-    if isinstance(value, list):
-        return [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]
-    if isinstance(value, tuple):
-        return {"tuple": [_encode(v, tensors, f"{where}[{i}]") for i, v in enumerate(value)]}
-    if isinstance(value, dict):
-        items = [
-            [_encode(k, tensors, f"{where} key {k!r}"), _encode(v, tensors, f"{where}[{k!r}]")]
-            for k, v in value.items()
-        ]
-        return {"od" if isinstance(value, collections.OrderedDict) else "d": items}
-    if isinstance(value, torch.dtype):
-        return {"dtype": str(value).removeprefix("torch.")}
-    if isinstance(value, torch.device):
-        return {"device": str(value)}
-    raise TypeError(
-        f"{where}: {type(value).__name__} cannot be stored in a ckptstore checkpoint (only "
-        "tensors, JSON values, lists, tuples, dicts, torch dtypes and devices; nothing is "
-        "pickled)"
-    )
+    def container(path: str, node: Any) -> Any:
+        if type(node) is collections.OrderedDict:
+            ordered.append(path)
+        return node
+
+    plain = map_leaves(value, checkpoint, expand=expand, on_branch=container)
+    return plain, {"values": values, "ordered": ordered}
 
 
 # --------------------------------------------------------------------------- load
@@ -225,44 +218,84 @@ def _encode(value: Any, tensors: list[torch.Tensor], where: str = "checkpoint") 
 def _load(store: Store, step: int, map_location: Any) -> Any:
     source = f"{store.url} step {step}"
     try:
-        manifest = background.run(read_manifest(store, step))
+        selection = background.run(read(store, step, request()))
     except NotFoundError:
         raise NotFoundError(f"{source}: no committed ckptstore checkpoint") from None
-    meta = manifest.metadata
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CorruptCheckpointError(f"{source}: not a Lightning checkpoint written by ckptstore")
-    tree = manifest.tree
+    meta = selection.manifest.metadata
+    form = meta.get("format") if isinstance(meta, dict) else None
+    if form == _FORMAT_V2:
+        return _load_v2(selection, source, map_location)
+    device = map_location if isinstance(map_location, str | torch.device) else None
+
+    def tensor(array: np.ndarray[Any, Any], path: str, attrs: dict[str, Any] | None) -> Any:
+        if (attrs or {}).get("framework") not in ("torch", None):
+            return rebuild_leaf(array, attrs or {}, None, None)
+        out = tensor_from_numpy(array)  # on the CPU, as Lightning's own loader gives them
+        return out.to(device) if device is not None else out
+
+    state = rebuild(selection, leaf=tensor)
+    # A checkpoint another face saved is read too; only this plug-in's records typed values.
+    return _decode(state, meta, source) if form == FORMAT else state
+
+
+def _decode(state: Any, meta: dict[str, Any], source: str) -> Any:
+    """Put back what :func:`_encode` recorded in the metadata; anything else there is a
+    corrupt checkpoint."""
+    values, ordered = meta.get("values"), meta.get("ordered")
+    if not isinstance(values, dict) or not isinstance(ordered, list):
+        raise CorruptCheckpointError(f"{source}: malformed Lightning metadata")
+    wanted = set(ordered)
+
+    def value(path: str, leaf: Any) -> Any:
+        entry = values.get(path)
+        if entry is None:
+            return leaf
+        if entry == ["device", leaf] and isinstance(leaf, str):
+            return torch.device(leaf)
+        if (
+            entry == ["dtype", leaf]
+            and isinstance(leaf, str)
+            and isinstance(getattr(torch, leaf, None), torch.dtype)
+        ):
+            return getattr(torch, leaf)
+        raise CorruptCheckpointError(f"{source}: unknown value {entry!r} at {path!r}")
+
+    def container(path: str, node: Any) -> Any:
+        return collections.OrderedDict(node) if path in wanted and type(node) is dict else node
+
+    return map_leaves(value, state, on_branch=container)
+
+
+# ------------------------------------------------------------------ format 2, read only
+
+#: The format before Lightning checkpoints were ordinary ckptstore trees: every tensor one
+#: leaf ``tensors/<i>``, the rest one leaf ``structure`` of tagged JSON. Never written now;
+#: read so that checkpoints saved by earlier versions still load.
+_FORMAT_V2 = "ckptstore.lightning/2"
+
+
+def _load_v2(selection: Selection, source: str, map_location: Any) -> Any:
+    manifest, arrays = selection.manifest, selection.arrays
     n = len(manifest.paths) - 1
     expected = {"d": ["tensors", "structure"], "c": [{"l": list(range(n))}, n]}
-    if n < 0 or tree != expected:
+    if n < 0 or manifest.tree != expected:
         raise CorruptCheckpointError(f"{source}: unexpected tree for a Lightning checkpoint")
-    arrays = background.run(read_leaves(store, manifest, range(n + 1)))
     device = map_location if isinstance(map_location, str | torch.device) else None
     tensors = []
     for leaf in range(n):
-        tensor = _as_tensor(arrays[leaf], f"{source} {manifest.paths[leaf]}")
+        tensor = tensor_from_numpy(arrays[leaf])
         tensors.append(tensor.to(device) if device is not None else tensor)
     try:
         structure = json.loads(arrays[n].tobytes())
     except ValueError as exc:
         raise CorruptCheckpointError(f"{source}: the checkpoint's structure is not JSON") from exc
-    return _decode(structure, tensors)
+    return _decode_v2(structure, tensors)
 
 
-def _as_tensor(array: np.ndarray[Any, Any], where: str) -> torch.Tensor:
-    dtype = torch_dtype(array.dtype, where)
-    if array.size == 0:
-        return torch.empty(array.shape, dtype=dtype)
-    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
-    if not raw.flags.writeable:
-        raw = raw.copy()
-    return torch.from_numpy(raw).view(dtype).reshape(array.shape)
-
-
-def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """Invert :func:`_encode`; a tag it does not write is a corrupt checkpoint."""
+def _decode_v2(value: Any, tensors: list[torch.Tensor]) -> Any:
+    """The tagged JSON of format 2; a tag it does not know is a corrupt checkpoint."""
     if isinstance(value, list):
-        return [_decode(v, tensors) for v in value]
+        return [_decode_v2(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
     if len(value) != 1:
@@ -275,11 +308,11 @@ def _decode(value: Any, tensors: list[torch.Tensor]) -> Any:
     if tag == "float" and body in ("nan", "inf", "-inf"):
         return float(body)
     if tag == "tuple" and isinstance(body, list):
-        return tuple(_decode(v, tensors) for v in body)
+        return tuple(_decode_v2(v, tensors) for v in body)
     if tag in ("d", "od") and isinstance(body, list):
         if not all(isinstance(kv, list) and len(kv) == 2 for kv in body):
             raise CorruptCheckpointError("malformed dict in a Lightning checkpoint")
-        pairs = [(_decode(k, tensors), _decode(v, tensors)) for k, v in body]
+        pairs = [(_decode_v2(k, tensors), _decode_v2(v, tensors)) for k, v in body]
         return collections.OrderedDict(pairs) if tag == "od" else dict(pairs)
     if (
         tag == "dtype"

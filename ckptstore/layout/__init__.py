@@ -9,13 +9,12 @@ Store contract, nothing of torch or JAX.
 from ckptstore.layout.commit import CommitInfo, write_checkpoint
 from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.layout.manifest import FORMAT_VERSION, Manifest
-from ckptstore.layout.plan import BufferPool, PackPlan, PlannedObject
+from ckptstore.layout.plan import PackPlan, PlannedObject
 from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import FlatState, UnsupportedLeafError, flatten, unflatten
 
 __all__ = [
     "FORMAT_VERSION",
-    "BufferPool",
     "CommitInfo",
     "FlatState",
     "GCReport",

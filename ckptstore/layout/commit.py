@@ -26,7 +26,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Awaitable, Iterable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,19 +52,28 @@ from ckptstore.layout.keys import (
     step_prefix,
 )
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.plan import PackPlan, pack_buffers
+from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import acrc32c, as_uint8, crc32c, in_hash_thread
+from ckptstore.store.fanout import gather_all
 
 __all__ = [
+    "Attempt",
     "CommitInfo",
+    "ObjectWriter",
+    "Written",
+    "begin_attempt",
     "check_metadata",
+    "commit_attempt",
     "commit_manifest",
     "committed_steps",
     "delete_step",
+    "gather_all",
     "latest_step",
     "read_manifest",
+    "remove_objects",
     "write_checkpoint",
     "write_objects",
 ]
@@ -92,33 +101,6 @@ class CommitInfo:
     manifest_bytes: int
 
 
-async def gather_all(aws: Iterable[Awaitable[Any]], *, cancel: bool = True) -> list[Any]:
-    """Run awaitables concurrently and raise the first failure.
-
-    With ``cancel=True`` the others are cancelled on the first failure (and waited for);
-    with ``cancel=False`` they run to completion first. Writes use the latter: a local
-    write runs in a thread that cancellation cannot stop, so only after every write has
-    finished can a failed attempt's objects all be found and removed.
-    """
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    if not tasks:
-        return []
-    if not cancel:
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException):
-                raise result
-        return list(results)
-    try:
-        return list(await asyncio.gather(*tasks))
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 def check_metadata(metadata: Any) -> None:
     """Raise ``TypeError`` unless ``metadata`` is plain JSON."""
     try:
@@ -127,6 +109,56 @@ def check_metadata(metadata: Any) -> None:
         raise TypeError(
             f"metadata must be plain JSON (dicts, lists, numbers, str): {exc}"
         ) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One try at committing a step: its id, drawn when it began, names its objects' prefix.
+
+    Attributes:
+        step: the step it commits.
+        id: the attempt id (``attempt-<millis>-<random>``, :func:`new_attempt_id`).
+        started: when it began, seconds since the epoch (its data must be committed within
+            half of ``Settings.gc_grace_seconds`` of this).
+    """
+
+    step: int
+    id: str
+    started: float
+
+    @property
+    def prefix(self) -> str:
+        """``<step>/<attempt-id>/``: every object of this attempt lies under it."""
+        return attempt_prefix(self.step, self.id)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """The checksums of the objects one writer wrote for a plan.
+
+    Attributes:
+        leaf_crc: per leaf of the plan, the crc32c of its bytes (0 for an empty leaf).
+        object_crc: per object of the plan, the crc32c of the whole object.
+    """
+
+    leaf_crc: list[int]
+    object_crc: list[int]
+
+
+async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attempt:
+    """The first step of the protocol: refuse a committed step, then draw a fresh attempt.
+
+    Raises:
+        CommitConflictError: ``step`` already has a manifest.
+        TypeError: ``metadata`` is not plain JSON.
+    """
+    check_step(step)
+    check_metadata(metadata)
+    mkey = manifest_key(step)
+    if await store.exists(mkey):
+        raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
+    started = time.time()
+    return Attempt(step, new_attempt_id(started), started)
 
 
 async def write_checkpoint(
@@ -138,7 +170,8 @@ async def write_checkpoint(
     plan: PackPlan | None = None,
     packed: Mapping[int, Any] | None = None,
 ) -> CommitInfo:
-    """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it.
+    """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it:
+    :func:`begin_attempt`, :func:`write_objects`, :func:`commit_attempt` in one process.
 
     Args:
         store: the store; its root is the checkpoint root.
@@ -162,7 +195,6 @@ async def write_checkpoint(
     """
     check_step(step)
     check_metadata(metadata)
-    settings = store.settings
     n = len(flat.arrays)
     if not len(flat.paths) == len(flat.attrs) == n:
         raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
@@ -175,57 +207,203 @@ async def write_checkpoint(
             raise UnsupportedLeafError(path, f"dtype {array.dtype} cannot be stored")
         dtypes.append(name)
     if plan is None:
-        plan = PackPlan.for_store(flat.nbytes, settings, store.capabilities, flat.paths)
+        plan = PackPlan.for_store(flat.nbytes, store.settings, store.capabilities, flat.paths)
     elif plan.leaf_length != flat.nbytes:
         raise ValueError("the plan was made for leaves of other sizes")
 
-    mkey = manifest_key(step)
-    if await store.exists(mkey):
-        raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
-
-    started = time.time()
-    attempt = new_attempt_id(started)
-    prefix = attempt_prefix(step, attempt)
-    leaf_crc = [0] * n
-    object_crc = [0] * len(plan.objects)
+    attempt = await begin_attempt(store, step)
+    prefix = attempt.prefix
     try:
-        await write_objects(store, flat, plan, prefix, packed or {}, leaf_crc, object_crc)
+        written = await write_objects(store, flat.arrays, plan, prefix, packed)
     except Exception:
         # The attempt is invisible without a manifest; removing its objects now only spares
         # garbage collection the work, so a failure to remove them is not reported.
-        with contextlib.suppress(Exception):
-            await store.delete_prefix(prefix)
+        await remove_objects(store, prefix)
         raise
 
-    elapsed = time.time() - started
-    if elapsed > settings.gc_grace_seconds / 2:
-        raise CkptStoreError(
-            f"{store.url}/{prefix}: the data took {elapsed:.0f} s to write, over half of the "
-            f"garbage-collection grace period ({settings.gc_grace_seconds} s), so a concurrent "
-            "gc may have removed it; not committing. Raise Settings.gc_grace_seconds."
-        )
     manifest = Manifest(
         step=step,
-        attempt=attempt,
+        attempt=attempt.id,
         created=time.time(),
         metadata=metadata,
         tree=flat.tree,
-        object_keys=[f"{attempt}/{obj.name}" for obj in plan.objects],
+        object_keys=[f"{attempt.id}/{obj.name}" for obj in plan.objects],
         object_lengths=[obj.size for obj in plan.objects],
-        object_crcs=object_crc,
+        object_crcs=written.object_crc,
         paths=flat.paths,
         dtypes=dtypes,
         shapes=[list(a.shape) for a in flat.arrays],
         leaf_object=plan.leaf_object,
         leaf_offset=plan.leaf_offset,
         leaf_length=plan.leaf_length,
-        leaf_crc=leaf_crc,
+        leaf_crc=written.leaf_crc,
         attrs=flat.attrs,
     )
+    return await commit_attempt(store, attempt, manifest)
+
+
+async def write_objects(
+    store: Store,
+    arrays: Sequence[np.ndarray[Any, Any]],
+    plan: PackPlan,
+    prefix: str,
+    packed: Mapping[int, Any] | None = None,
+) -> Written:
+    """Write the objects of ``plan`` under ``prefix`` (every key is ``prefix + name``) and
+    return their checksums. Returns once every object is durable; on a failure, only after
+    every write has finished, so the caller can remove what was written
+    (:func:`remove_objects`).
+
+    Args:
+        store: where to write.
+        arrays: the leaves' bytes, one host array per leaf of the plan (any dtype, any
+            strides: a pack copies each leaf once, gathering strided ones on the way).
+        plan: which object and offset each leaf gets.
+        prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
+        packed: pack buffers a stager already filled, by object index; their leaves are not
+            copied again.
+    """
+    writer = ObjectWriter(store, plan, prefix, arrays, packed)
+    await gather_all((writer.write(i) for i in range(len(plan.objects))), cancel=False)
+    return writer.written
+
+
+class ObjectWriter:
+    """Writes the objects of one plan, each as soon as its caller says its leaves are ready.
+
+    :func:`write_objects` writes them all at once; a writer whose leaves become ready one
+    after another (the DCP writer resolves its items one by one) calls :meth:`write` for each
+    object once its leaves are in ``arrays``, so the first uploads overlap the preparation of
+    the rest. Call :meth:`write` once per object, on one event loop.
+
+    Args:
+        store: where to write.
+        plan: which object and offset each leaf gets.
+        prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
+        arrays: one host array per leaf; read when an object holding the leaf is written.
+        packed: pack buffers a stager already filled, by object index.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        plan: PackPlan,
+        prefix: str,
+        arrays: Sequence[np.ndarray[Any, Any]],
+        packed: Mapping[int, Any] | None = None,
+    ) -> None:
+        settings = store.settings
+        self.store = store
+        self.plan = plan
+        self.prefix = prefix
+        self.arrays = arrays
+        self.packed = packed or {}
+        self.written = Written([0] * len(plan.leaf_length), [0] * len(plan.objects))
+        # Packs are built in pooled buffers; bound how many exist at once.
+        self._pack_slots = asyncio.Semaphore(
+            max(2, min(settings.max_concurrency, settings.max_inflight_bytes // settings.pack_size))
+        )
+        # Packs are built one at a time, in plan order: building is mostly a Python loop over
+        # small leaves that holds the GIL, so concurrent builds all finished together and no
+        # pack's upload began until nearly all were built; one at a time, the first upload
+        # starts after one build and the rest are built while it is in flight.
+        self._build_lane = asyncio.Lock()
+
+    async def write(self, index: int) -> None:
+        """Write object ``index`` of the plan; durable when this returns."""
+        if self.plan.objects[index].packed:
+            await self._write_pack(index)
+        else:
+            await self._write_leaf(index)
+
+    async def _write_leaf(self, index: int) -> None:
+        obj = self.plan.objects[index]
+        (leaf,) = obj.leaves
+        array = self.arrays[leaf]
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        view = as_uint8(array)
+        crc, _ = await asyncio.gather(acrc32c(view), self.store.put(self.prefix + obj.name, view))
+        self.written.leaf_crc[leaf] = self.written.object_crc[index] = crc
+
+    async def _write_pack(self, index: int) -> None:
+        plan, store = self.plan, self.store
+        obj = plan.objects[index]
+        filled = self.packed.get(index)
+        if filled is not None:
+            buf = as_uint8(filled)[: obj.size]
+
+            def checksums() -> tuple[list[int], int]:
+                offsets, lengths = plan.leaf_offset, plan.leaf_length
+                crcs = [crc32c(buf[offsets[i] : offsets[i] + lengths[i]]) for i in obj.leaves]
+                return crcs, crc32c(buf)
+
+            crcs, whole = await in_hash_thread(checksums)
+            await store.put(self.prefix + obj.name, buf)
+        else:
+            async with self._pack_slots:
+                pooled = host_buffers.acquire(max(obj.size, store.settings.pack_size))
+                try:
+                    buf = pooled.data[: obj.size]
+
+                    def build() -> tuple[list[int], int]:
+                        return plan.fill(index, self.arrays, buf), crc32c(buf)
+
+                    async with self._build_lane:
+                        crcs, whole = await in_hash_thread(build)
+                    await store.put(self.prefix + obj.name, buf)
+                finally:
+                    pooled.release()
+        leaf_crc = self.written.leaf_crc
+        for leaf, crc in zip(obj.leaves, crcs, strict=True):
+            leaf_crc[leaf] = crc
+        self.written.object_crc[index] = whole
+
+
+async def remove_objects(store: Store, prefix: str) -> None:
+    """Remove what a failed or losing writer wrote under ``prefix``: an attempt's prefix
+    (``<step>/<attempt>/``) or one writer's part of it (``<step>/<attempt>/r3-``).
+
+    Best effort, and never raises: the objects are invisible without a manifest, and garbage
+    collection removes whatever is left.
+    """
+    with contextlib.suppress(Exception):
+        if prefix.endswith("/"):
+            await store.delete_prefix(prefix)
+        else:
+            directory = prefix.rsplit("/", 1)[0] + "/"
+            keys = await store.list_keys(directory)
+            await store.delete([k for k in keys if k.startswith(prefix)])
+
+
+async def commit_attempt(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
+    """The last steps of the protocol, once every object ``manifest`` names is durable.
+
+    Refuses to commit data older than half of ``Settings.gc_grace_seconds`` (a concurrent
+    garbage collection may have removed it) and a manifest over
+    ``Settings.manifest_max_bytes``; then :func:`commit_manifest`. An attempt that loses the
+    step to another removes its objects.
+
+    Raises:
+        CkptStoreError: the data took too long to write; nothing is committed.
+        ValueError: the manifest is too large; nothing is committed.
+        CommitConflictError: another attempt committed the step first.
+        StoreError: every try of the manifest put failed; the step may or may not be
+            committed, so the data is left in place.
+    """
+    settings = store.settings
+    elapsed = time.time() - attempt.started
+    if elapsed > settings.gc_grace_seconds / 2:
+        raise CkptStoreError(
+            f"{store.url}/{attempt.prefix}: the data took {elapsed:.0f} s to write, over half "
+            f"of the garbage-collection grace period ({settings.gc_grace_seconds} s), so a "
+            "concurrent gc may have removed it; not committing. Raise "
+            "Settings.gc_grace_seconds."
+        )
     data = manifest.encode()
     if len(data) > settings.manifest_max_bytes:
         raise ValueError(
-            f"the manifest of step {step} is {len(data)} bytes, over "
+            f"the manifest of step {attempt.step} is {len(data)} bytes, over "
             f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
             "fewer, larger arrays"
         )
@@ -234,82 +412,14 @@ async def write_checkpoint(
     except CommitConflictError:
         # Another attempt's manifest is in place, so this attempt's objects can never become
         # visible: remove them now rather than leave them to garbage collection.
-        with contextlib.suppress(Exception):
-            await store.delete_prefix(prefix)
+        await remove_objects(store, attempt.prefix)
         raise
-    return CommitInfo(step, attempt, len(plan.objects), plan.total_bytes, len(data))
-
-
-async def write_objects(
-    store: Store,
-    flat: FlatState,
-    plan: PackPlan,
-    prefix: str,
-    packed: Mapping[int, Any],
-    leaf_crc: list[int],
-    object_crc: list[int],
-) -> None:
-    """Write the objects of ``plan`` under ``prefix`` (every key is ``prefix + name``) and
-    fill ``leaf_crc`` and ``object_crc`` with their crc32c. Returns once every object is
-    durable; on a failure, only after every write has finished, so the caller can remove
-    what was written. Packs are filled from ``flat``'s arrays unless ``packed`` already
-    holds their buffer."""
-    settings = store.settings
-    arrays = flat.arrays
-    # Packs are built in pooled buffers; bound how many exist at once.
-    pack_slots = asyncio.Semaphore(
-        max(2, min(settings.max_concurrency, settings.max_inflight_bytes // settings.pack_size))
-    )
-    # Packs are built one at a time, in plan order: building is mostly a Python loop over
-    # small leaves that holds the GIL, so concurrent builds all finished together and no
-    # pack's upload began until nearly all were built; one at a time, the first upload
-    # starts after one build and the rest are built while it is in flight.
-    build_lane = asyncio.Lock()
-
-    async def write_leaf(index: int) -> None:
-        obj = plan.objects[index]
-        (leaf,) = obj.leaves
-        array = arrays[leaf]
-        if not array.flags.c_contiguous:
-            array = np.ascontiguousarray(array)
-        view = as_uint8(array)
-        crc, _ = await asyncio.gather(acrc32c(view), store.put(prefix + obj.name, view))
-        leaf_crc[leaf] = object_crc[index] = crc
-
-    async def write_pack(index: int) -> None:
-        obj = plan.objects[index]
-        given = packed.get(index)
-        if given is not None:
-            buf = as_uint8(given)[: obj.size]
-
-            def checksums() -> tuple[list[int], int]:
-                offsets, lengths = plan.leaf_offset, plan.leaf_length
-                crcs = [crc32c(buf[offsets[i] : offsets[i] + lengths[i]]) for i in obj.leaves]
-                return crcs, crc32c(buf)
-
-            crcs, whole = await in_hash_thread(checksums)
-            await store.put(prefix + obj.name, buf)
-        else:
-            async with pack_slots:
-                pooled = pack_buffers.acquire(max(obj.size, settings.pack_size))
-                try:
-                    buf = pooled[: obj.size]
-
-                    def build() -> tuple[list[int], int]:
-                        return plan.fill(index, arrays, buf), crc32c(buf)
-
-                    async with build_lane:
-                        crcs, whole = await in_hash_thread(build)
-                    await store.put(prefix + obj.name, buf)
-                finally:
-                    pack_buffers.release(pooled)
-        for leaf, crc in zip(obj.leaves, crcs, strict=True):
-            leaf_crc[leaf] = crc
-        object_crc[index] = whole
-
-    await gather_all(
-        (write_pack(i) if obj.packed else write_leaf(i) for i, obj in enumerate(plan.objects)),
-        cancel=False,
+    return CommitInfo(
+        attempt.step,
+        attempt.id,
+        len(manifest.object_keys),
+        sum(manifest.object_lengths),
+        len(data),
     )
 
 

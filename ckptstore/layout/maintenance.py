@@ -52,8 +52,9 @@ from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import crc32c, crc32c_combine, in_hash_thread
-from ckptstore.store.transfer import BufferPool, copy_object
+from ckptstore.store.transfer import copy_object
 
 __all__ = [
     "CopyReport",
@@ -215,10 +216,8 @@ async def verify_manifest(
     """
     report = VerifyReport(manifest.step)
     chunk = chunk_size or store.settings.part_size
-    pool = BufferPool(
-        max(1, min(chunk, max(manifest.object_lengths, default=1))),
-        max(1, store.settings.max_concurrency),
-    )
+    buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
     leaf_index = _leaf_index(manifest)
     leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
 
@@ -235,13 +234,14 @@ async def verify_manifest(
         return crc32c(view), pieces
 
     async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
-        buf = await pool.acquire()
-        try:
-            view = memoryview(buf)[:length]
-            await store.read_into(key, start, view)
-            crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
-        finally:
-            pool.release(buf)
+        async with slots:
+            buf = host_buffers.acquire(buffer_size)
+            try:
+                view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
+                await store.read_into(key, start, view)
+                crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
+            finally:
+                buf.release()
         for leaf, piece_crc in pieces:
             lo = max(manifest.leaf_offset[leaf], start)
             hi = min(manifest.leaf_offset[leaf] + manifest.leaf_length[leaf], start + length)
@@ -295,7 +295,7 @@ async def verify_manifest(
                     )
                 )
 
-    # Objects run concurrently; the chunk pool bounds how many reads are in flight.
+    # Objects run concurrently; the chunk slots bound how many reads are in flight.
     await gather_all(check_object(i) for i in range(len(manifest.object_keys)))
     report.leaves += sum(
         1

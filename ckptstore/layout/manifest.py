@@ -281,7 +281,8 @@ class Manifest:
             shape = shapes[i]
             if type(shape) is not list or set(map(type, shape)) - {int}:
                 raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is not a list of ints")
-            if len(shape) > 64 or any(d < 0 for d in shape):
+            # a dimension numpy cannot hold is refused even where a zero dimension hides it
+            if len(shape) > 64 or any(d < 0 or d >= 1 << 63 for d in shape):
                 raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is invalid")
             if math.prod(shape) * itemsizes[dtypes[i]] != llen[i]:
                 raise _Invalid(

@@ -13,12 +13,15 @@ a filesystem, so a state of 20,000 small tensors must not become 20,000 objects.
 
 The plan is plain data (``leaf_object``, ``leaf_offset``, ``objects[i].size``), so a stager
 can allocate the pack buffers itself and copy device memory straight into each leaf's slot;
-otherwise :meth:`PackPlan.fill` builds a pack with one copy per leaf into a pooled buffer.
+otherwise :meth:`PackPlan.fill` builds a pack with one copy per leaf into a buffer of the
+process-wide pool (:data:`ckptstore.store.buffers.host_buffers`).
+
+It is the one packer of ckptstore: ``ckptstore.save``, the manager, multi-rank saves, the DCP
+writer (whose items are leaves of bytes) and the Lightning plug-in all plan with it.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,7 +31,7 @@ import numpy as np
 from ckptstore.config import Settings
 from ckptstore.store.base import Capabilities
 
-__all__ = ["BufferPool", "PackPlan", "PlannedObject", "pack_buffers"]
+__all__ = ["PackPlan", "PlannedObject"]
 
 _UINT8 = np.dtype(np.uint8)
 
@@ -140,14 +143,18 @@ class PackPlan:
         settings: Settings,
         capabilities: Capabilities,
         paths: Sequence[str] | None = None,
+        *,
+        pack_threshold: int | None = None,
+        pack_size: int | None = None,
     ) -> PackPlan:
-        """Plan with the thresholds in ``settings`` and the limits of a backend."""
+        """Plan with the thresholds in ``settings`` (or the ``pack_threshold`` and
+        ``pack_size`` given, as the DCP writer's own) and the limits of a backend."""
         caps = capabilities
         largest = caps.max_part_size * caps.max_parts if caps.multipart else caps.max_part_size
-        pack_size = min(settings.pack_size, largest)
+        pack_size = min(settings.pack_size if pack_size is None else pack_size, largest)
         return cls.build(
             lengths,
-            pack_threshold=settings.pack_threshold,
+            pack_threshold=settings.pack_threshold if pack_threshold is None else pack_threshold,
             pack_size=pack_size,
             alignment=settings.leaf_alignment,
             max_object_size=largest,
@@ -192,43 +199,3 @@ class PackPlan:
             crcs.append(crc32c.crc32c(whole[offset:end]))
             position = end
         return crcs
-
-
-class BufferPool:
-    """Reusable uint8 buffers, so steady-state packing copies into memory that is already
-    faulted in (copies into fresh allocations ran 2-4x slower on the development machine).
-
-    Args:
-        max_bytes: the pool keeps at most this many idle bytes; extra releases are dropped.
-    """
-
-    def __init__(self, max_bytes: int = 256 << 20) -> None:
-        self.max_bytes = max_bytes
-        self._idle: list[np.ndarray[Any, np.dtype[np.uint8]]] = []
-        self._lock = threading.Lock()
-
-    def acquire(self, size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
-        """A buffer of at least ``size`` bytes (contents undefined)."""
-        with self._lock:
-            best = None
-            for i, buf in enumerate(self._idle):
-                if len(buf) >= size and (best is None or len(buf) < len(self._idle[best])):
-                    best = i
-            if best is not None:
-                return self._idle.pop(best)
-        return np.empty(size, dtype=np.uint8)
-
-    def release(self, buf: np.ndarray[Any, np.dtype[np.uint8]]) -> None:
-        """Return a buffer from :meth:`acquire`; the caller must not use it afterwards."""
-        with self._lock:
-            idle = sum(len(b) for b in self._idle)
-            if idle + len(buf) <= self.max_bytes:
-                self._idle.append(buf)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._idle.clear()
-
-
-#: The process-wide pool of pack buffers.
-pack_buffers = BufferPool()

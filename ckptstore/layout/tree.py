@@ -1,11 +1,26 @@
-"""Nested states to named leaves and back.
+"""Nested states to named leaves and back: the one walker and codec of a state's structure.
 
-A state is a nest of dicts, lists and tuples whose leaves are numpy arrays (or numpy scalars)
-and plain JSON values (``None``, bools, ints, floats, strings). :func:`flatten` turns it into
-a :class:`FlatState`: the arrays in a flat list, each with a path, and a *tree*, a JSON
-description of the nesting in which every array is replaced by its index in that list and
-every plain value is stored inline. :func:`unflatten` inverts it. Nothing is pickled: a leaf
-of any other type is refused with an error naming its path.
+A state is a nest of containers whose leaves are arrays and plain JSON values (``None``,
+bools, ints, floats, strings). The containers are the ones users' training states are made of:
+
+* dicts and other mappings (an ``OrderedDict`` is walked like a dict),
+* lists, tuples and named tuples (an optax ``ScaleByAdamState``),
+* dataclasses (walked by field),
+* nodes a framework registers, through the ``expand`` hook every walker here takes: the stage
+  layer passes JAX's pytree registry (:func:`ckptstore.stage.tree.expand`), so a flax
+  ``struct.dataclass`` or an equinox module is walked by the children JAX gives it, and
+  fields JAX keeps out of the tree (an optimizer's functions) are not part of the state.
+
+:func:`iter_leaves` and :func:`map_leaves` walk a live state (the stager finds and replaces
+its arrays with them; restore rebuilds a target's structure with them); :func:`flatten` turns
+a state into a :class:`FlatState`: the arrays in a flat list, each with a path, and a *tree*,
+a JSON description of the nesting in which every array is replaced by its index in that list
+and every plain value is stored inline. :func:`unflatten` inverts it. Nothing is pickled, and
+no class is named in the tree: a named tuple is stored as a tuple, a dataclass or registered
+node as a dict of its children. Without a target they come back as those plain containers;
+given a target (``like``) of the same structure, :func:`unflatten` rebuilds the target's own
+containers (the named tuple, the ``TrainState``) around the restored leaves. A leaf of any
+other type is refused with an error naming its path.
 
 Paths join the keys from the root with ``/``; a ``/`` or ``~`` inside a dict key is escaped
 as ``~1`` or ``~0`` (JSON Pointer's escaping), so every path names exactly one leaf. Dict keys
@@ -17,9 +32,9 @@ Tree encoding (JSON), one node per container or leaf::
     int i                       array leaf i (the i-th entry of FlatState.arrays)
     {"s": i}                    numpy scalar leaf i (restored as a numpy scalar)
     {"v": value}                a plain JSON value
-    {"d": [keys], "c": [nodes]} a dict (keys are str or int, in insertion order)
+    {"d": [keys], "c": [nodes]} a dict, dataclass or registered node (keys str or int, in order)
     {"l": [nodes]}              a list
-    {"t": [nodes]}              a tuple
+    {"t": [nodes]}              a tuple or named tuple
 
 A stager (torch, JAX) builds the same structure with :func:`flatten`'s ``convert`` hook,
 handing over host arrays it has already staged and per-leaf ``attrs`` (JSON) that the
@@ -28,7 +43,10 @@ manifest stores and :func:`unflatten`'s ``restore`` hook gets back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+import copy
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,11 +56,16 @@ from ckptstore.layout.dtypes import dtype_name
 
 __all__ = [
     "MAX_DEPTH",
+    "Branch",
+    "Expand",
     "FlatState",
     "UnsupportedLeafError",
+    "branch",
     "escape_key",
     "flatten",
+    "iter_leaves",
     "join_path",
+    "map_leaves",
     "select_paths",
     "tree_paths",
     "unflatten",
@@ -61,6 +84,94 @@ class UnsupportedLeafError(TypeError):
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         super().__init__(f"state leaf {path or '<root>'!r}: {reason}")
+
+
+@dataclass(slots=True)
+class Branch:
+    """A container as the walkers see it.
+
+    Attributes:
+        tag: how the tree encodes it: ``"d"`` (by key), ``"l"`` (list) or ``"t"`` (tuple).
+        keys: the key of each child (str or int; for sequences, the index).
+        values: the children, in order.
+        remake: builds the same kind of container around new children (in the same order);
+            ``None`` for dicts, lists and tuples, which :meth:`rebuild` handles.
+    """
+
+    tag: str
+    keys: Sequence[Any]
+    values: Sequence[Any]
+    remake: Callable[[list[Any]], Any] | None = None
+
+    def rebuild(self, node: Any, values: list[Any]) -> Any:
+        """A container like ``node`` (the one this branch was taken from) holding ``values``."""
+        if self.remake is not None:
+            return self.remake(values)
+        if self.tag == "l":
+            return values
+        if self.tag == "t":
+            kind = type(node)
+            if kind is tuple:
+                return tuple(values)
+            return kind(*values) if hasattr(kind, "_fields") else kind(values)
+        items = zip(self.keys, values, strict=True)
+        return OrderedDict(items) if type(node) is OrderedDict else dict(items)
+
+
+#: A framework's registry of container types: the :class:`Branch` of a node it knows, or
+#: ``None`` for anything else. Called only for nodes that are not dicts, lists, tuples,
+#: arrays or plain values, so it may be slower than the built-in cases (it should cache).
+Expand = Callable[[Any], Branch | None]
+
+#: Types that are never containers; checked first because most nodes of a state are leaves.
+_LEAF_TYPES: frozenset[type] = frozenset(
+    {np.ndarray, int, float, bool, str, bytes, type(None), complex}
+)
+
+
+def _dataclass_remake(node: Any, names: list[str]) -> Callable[[list[Any]], Any]:
+    def remake(values: list[Any]) -> Any:
+        # A shallow copy with the fields set directly works for frozen and slotted dataclasses
+        # and for fields with init=False, where dataclasses.replace would not.
+        out = copy.copy(node)
+        for name, value in zip(names, values, strict=True):
+            object.__setattr__(out, name, value)
+        return out
+
+    return remake
+
+
+def branch(node: Any, expand: Expand | None = None) -> Branch | None:
+    """How the walkers take ``node`` apart, or ``None`` if it is a leaf.
+
+    Dicts and mappings, lists, tuples (named tuples included) and dataclass instances are
+    containers, and so is every node ``expand`` knows; anything else (arrays, plain values,
+    objects nobody knows) is a leaf.
+    """
+    kind = type(node)
+    if kind in _LEAF_TYPES:
+        return None
+    if kind is dict:
+        return Branch("d", list(node), list(node.values()))
+    if kind is list:
+        return Branch("l", range(len(node)), node)
+    if isinstance(node, tuple):
+        return Branch("t", range(len(node)), node)
+    if isinstance(node, np.ndarray | np.generic):
+        return None
+    if expand is not None:
+        found = expand(node)
+        if found is not None:
+            return found
+    if isinstance(node, Mapping):
+        return Branch("d", list(node), list(node.values()))
+    if isinstance(node, list):
+        return Branch("l", range(len(node)), node)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        names = [f.name for f in dataclasses.fields(node)]
+        values = [getattr(node, name) for name in names]
+        return Branch("d", names, values, _dataclass_remake(node, names))
+    return None
 
 
 @dataclass(slots=True)
@@ -100,19 +211,103 @@ def join_path(prefix: str, segment: str, depth: int) -> str:
     return segment if depth == 0 else f"{prefix}/{segment}"
 
 
+def _child_paths(found: Branch, path: str, depth: int) -> list[str]:
+    """The path of each child of ``found`` (at ``path``, ``depth``); refuses keys that are
+    neither str nor int and keys that would share a path."""
+    if depth > MAX_DEPTH:
+        raise UnsupportedLeafError(path, f"nested deeper than {MAX_DEPTH} levels")
+    if found.tag != "d":
+        return [join_path(path, str(i), depth) for i in range(len(found.values))]
+    paths: list[str] = []
+    seen: set[str] = set()
+    for key in found.keys:
+        if type(key) is not str and type(key) is not int:
+            raise UnsupportedLeafError(
+                path, f"dict key {key!r} is a {type(key).__name__}; keys are str or int"
+            )
+        segment = escape_key(key)
+        if segment in seen:
+            raise UnsupportedLeafError(
+                path, f"dict keys {key!r} and {segment!r} would share one path"
+            )
+        seen.add(segment)
+        paths.append(join_path(path, segment, depth))
+    return paths
+
+
+def iter_leaves(
+    state: Any,
+    *,
+    expand: Expand | None = None,
+    is_leaf: Callable[[Any], bool] | None = None,
+) -> Iterator[tuple[str, Any]]:
+    """Every leaf of ``state`` with its path, depth first, in container order.
+
+    Args:
+        state: any nest of the containers :func:`branch` knows.
+        expand: the framework registry (see :data:`Expand`).
+        is_leaf: nodes it accepts are leaves even if they are containers.
+
+    Raises:
+        UnsupportedLeafError: a dict key that is neither str nor int, colliding keys, or
+            nesting deeper than MAX_DEPTH.
+    """
+    stack: list[tuple[Any, str, int]] = [(state, "", 0)]
+    while stack:
+        node, path, depth = stack.pop()
+        found = None if is_leaf is not None and is_leaf(node) else branch(node, expand)
+        if found is None:
+            yield path, node
+            continue
+        children = zip(found.values, _child_paths(found, path, depth), strict=True)
+        stack.extend((value, child, depth + 1) for value, child in reversed(list(children)))
+
+
+def map_leaves(
+    fn: Callable[[str, Any], Any],
+    state: Any,
+    *,
+    expand: Expand | None = None,
+    is_leaf: Callable[[Any], bool] | None = None,
+    on_branch: Callable[[str, Any], Any] | None = None,
+) -> Any:
+    """``state`` rebuilt with every leaf replaced by ``fn(path, leaf)``.
+
+    Containers keep their kind (see :meth:`Branch.rebuild`): an ``OrderedDict`` stays one and
+    other mappings become ``dict``, lists stay lists, tuples, named tuples, dataclasses and
+    registered nodes keep their type. ``on_branch(path, container)``, if given, sees each
+    rebuilt container and returns what takes its place.
+    """
+
+    def visit(node: Any, path: str, depth: int) -> Any:
+        found = None if is_leaf is not None and is_leaf(node) else branch(node, expand)
+        if found is None:
+            return fn(path, node)
+        paths = _child_paths(found, path, depth)
+        values = [
+            visit(value, child, depth + 1) for value, child in zip(found.values, paths, strict=True)
+        ]
+        rebuilt = found.rebuild(node, values)
+        return rebuilt if on_branch is None else on_branch(path, rebuilt)
+
+    return visit(state, "", 0)
+
+
 def flatten(
     state: Any,
     *,
     convert: Callable[[Any, str], Converted | None] | None = None,
+    expand: Expand | None = None,
 ) -> FlatState:
     """Split ``state`` into array leaves and a JSON tree.
 
     Args:
-        state: nested dicts (any ``Mapping``), lists and tuples of numpy arrays, numpy
+        state: a nest of the containers :func:`branch` knows, holding numpy arrays, numpy
             scalars and plain JSON values.
-        convert: called with ``(leaf, path)`` for each leaf that is not a container, numpy
-            value or plain value; returns ``(host_array, attrs)`` to store it, or ``None``
-            to refuse it. Stagers pass their tensor conversion here.
+        convert: called with ``(leaf, path)`` for each leaf that is not a numpy value or
+            plain value; returns ``(host_array, attrs)`` to store it, or ``None`` to refuse
+            it. Stagers pass their tensor conversion here.
+        expand: the framework registry of containers (see :data:`Expand`).
 
     Raises:
         UnsupportedLeafError: a leaf of another type, an object/string dtype, a dict key
@@ -136,53 +331,37 @@ def flatten(
         return len(arrays) - 1
 
     def visit(node: Any, path: str, depth: int) -> Any:
-        if depth > MAX_DEPTH:
-            raise UnsupportedLeafError(path, f"nested deeper than {MAX_DEPTH} levels")
         kind = type(node)
         if kind is np.ndarray:
             return add_array(node, path, None)
         if node is None or kind is bool or kind is str or kind is int or kind is float:
             return {"v": node}
-        if isinstance(node, Mapping):
-            keys: list[str | int] = []
-            children: list[Any] = []
-            seen: set[str] = set()
-            for key, value in node.items():
-                if type(key) is not str and type(key) is not int:
-                    raise UnsupportedLeafError(
-                        path, f"dict key {key!r} is a {type(key).__name__}; keys are str or int"
-                    )
-                segment = escape_key(key)
-                if segment in seen:
-                    raise UnsupportedLeafError(
-                        path, f"dict keys {key!r} and {segment!r} would share one path"
-                    )
-                seen.add(segment)
-                keys.append(key)
-                children.append(visit(value, join_path(path, segment, depth), depth + 1))
-            return {"d": keys, "c": children}
-        if isinstance(node, list | tuple):
-            items = [
-                visit(v, join_path(path, str(i), depth), depth + 1) for i, v in enumerate(node)
-            ]
-            return {"t": items} if isinstance(node, tuple) else {"l": items}
         if isinstance(node, np.ndarray):  # subclasses (memmap, matrix) are stored as arrays
             return add_array(np.asarray(node), path, None)
         if isinstance(node, np.generic):
             return {"s": add_array(np.asarray(node), path, None)}
         if isinstance(node, bool | int | float | str):  # subclasses (IntEnum...) as plain values
             return {"v": _plain(node)}
-        if convert is not None:
+        found = branch(node, expand)
+        if found is None and convert is not None:
             converted = convert(node, path)
             if converted is not None:
                 array, leaf_attrs = converted
                 return add_array(array, path, leaf_attrs)
-        raise UnsupportedLeafError(
-            path,
-            f"{type(node).__module__}.{type(node).__qualname__} is not storable; "
-            "use numpy arrays, nested dicts/lists/tuples and plain JSON values "
-            "(nothing is pickled)",
-        )
+        if found is None:
+            raise UnsupportedLeafError(
+                path,
+                f"{type(node).__module__}.{type(node).__qualname__} is not storable; "
+                "use arrays, nested dicts/lists/tuples/dataclasses and plain JSON values "
+                "(nothing is pickled)",
+            )
+        children = [
+            visit(value, child, depth + 1)
+            for value, child in zip(found.values, _child_paths(found, path, depth), strict=True)
+        ]
+        if found.tag == "d":
+            return {"d": list(found.keys), "c": children}
+        return {found.tag: children}
 
     flat.tree = visit(state, "", 0)
     return flat
@@ -258,12 +437,19 @@ def tree_paths(tree: Any, count: int) -> tuple[list[str | None], list[str]]:
     return leaf_paths, value_paths
 
 
+#: ``like`` of :func:`unflatten` when there is no target.
+_NO_TARGET: Any = object()
+
+
 def unflatten(
     tree: Any,
     leaves: Sequence[Any] | Mapping[int, Any],
     *,
     selected: Callable[[str], bool] | None = None,
-    restore: Callable[[Any, int], Any] | None = None,
+    restore: Callable[[Any, int, Any], Any] | None = None,
+    like: Any = _NO_TARGET,
+    expand: Expand | None = None,
+    is_leaf: Callable[[Any], bool] | None = None,
 ) -> Any:
     """Rebuild the nested state from ``tree`` and the array ``leaves`` (by index).
 
@@ -273,17 +459,24 @@ def unflatten(
         selected: if given, keep only leaves whose path it accepts: dicts drop unselected
             entries, lists and tuples keep their length with ``None`` in unselected places,
             and containers left with nothing selected are dropped.
-        restore: called as ``restore(array, index)`` for each array leaf (not numpy
-            scalars); its result takes the array's place. Stagers turn arrays back into
-            tensors here, using the leaf's attrs from the manifest.
+        restore: called as ``restore(array, index, like_leaf)`` for each array leaf (not
+            numpy scalars), with the leaf of ``like`` at its place (``None`` if none); its
+            result takes the array's place. Stagers turn arrays back into tensors here, using
+            the leaf's attrs from the manifest.
+        like: a target of the same structure: the result is built in *its* containers (named
+            tuples, dataclasses, registered nodes), holding exactly its leaves; a target leaf
+            stands for the whole subtree at its path. Every path of the target must be in
+            ``tree`` (the caller checks; a missing one raises ``KeyError``).
+        expand, is_leaf: how to walk ``like`` (see :func:`iter_leaves`).
     """
     missing = object()
 
-    def build(node: Any, path: str, depth: int) -> Any:
+    def build(node: Any, path: str, depth: int, target: Any) -> Any:
         if type(node) is int:
             if selected is not None and not selected(path):
                 return missing
-            return leaves[node] if restore is None else restore(leaves[node], node)
+            value = leaves[node]
+            return value if restore is None else restore(value, node, target)
         if "v" in node:
             if selected is not None and not selected(path):
                 return missing
@@ -296,20 +489,41 @@ def unflatten(
         if "d" in node:
             out: dict[str | int, Any] = {}
             for key, child in zip(node["d"], node["c"], strict=True):
-                value = build(child, join_path(path, escape_key(key), depth), depth + 1)
+                value = build(child, join_path(path, escape_key(key), depth), depth + 1, None)
                 if value is not missing:
                     out[key] = value
             if selected is not None and not out and node["d"]:
                 return missing
             return out
         items = node["l"] if "l" in node else node["t"]
-        values = [build(c, join_path(path, str(i), depth), depth + 1) for i, c in enumerate(items)]
+        values = [
+            build(c, join_path(path, str(i), depth), depth + 1, None) for i, c in enumerate(items)
+        ]
         if selected is not None and items and all(v is missing for v in values):
             return missing
         values = [None if v is missing else v for v in values]
         return tuple(values) if "t" in node else values
 
-    result = build(tree, "", 0)
+    def build_like(node: Any, path: str, depth: int, target: Any) -> Any:
+        found = None if is_leaf is not None and is_leaf(target) else branch(target, expand)
+        if found is None:
+            value = build(node, path, depth, target)
+            return None if value is missing else value
+        if type(node) is not dict or not ("d" in node or "l" in node or "t" in node):
+            raise KeyError(path)
+        if "d" in node:
+            stored = {escape_key(k): c for k, c in zip(node["d"], node["c"], strict=True)}
+        else:
+            stored = {str(i): c for i, c in enumerate(node["l"] if "l" in node else node["t"])}
+        values = []
+        for value, child in zip(found.values, _child_paths(found, path, depth), strict=True):
+            segment = child if depth == 0 else child.rpartition("/")[2]
+            values.append(build_like(stored[segment], child, depth + 1, value))
+        return found.rebuild(target, values)
+
+    if like is not _NO_TARGET:
+        return build_like(tree, "", 0, like)
+    result = build(tree, "", 0, None)
     return {} if result is missing else result
 
 

@@ -34,24 +34,15 @@ from collections.abc import Callable, Iterable, Mapping
 from types import TracebackType
 from typing import Any, Literal, Self
 
-import numpy as np
-
 from ckptstore import background
 from ckptstore.errors import NotFoundError
-from ckptstore.layout.commit import (
-    committed_steps,
-    delete_step,
-    read_manifest,
-    write_checkpoint,
-)
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.restore import read_leaves
-from ckptstore.layout.tree import FlatState, flatten, select_paths, unflatten
+from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
+from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.restore import request, restore
+from ckptstore.pipeline.root import open_root
 from ckptstore.stage import StagedState, Stager
-from ckptstore.stage.stager import kind_named, rebuild_leaf, target_kind
 from ckptstore.store.base import Store
-from ckptstore.store.registry import open_store
 
 __all__ = ["CheckpointManager"]
 
@@ -75,7 +66,8 @@ class CheckpointManager:
         async_save: ``save`` returns after staging; ``False`` waits for the commit.
         max_in_flight: async saves writing at once; the next save waits for one to finish.
         stager: the stager (and so the buffer pool) to use; one per manager by default.
-        **store_options: passed to ``open_store`` with ``url``.
+        **store_options: options for a URL ``url``, given as on every face
+            (:mod:`ckptstore.pipeline.root`); refused with an open Store.
     """
 
     def __init__(
@@ -110,13 +102,10 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.async_save = async_save
-        if isinstance(url, Store):
-            if store_options:
-                raise TypeError("store options apply to a URL, not to an open Store")
-            self._store, self._owns_store = url, False
-        else:
-            self._store, self._owns_store = open_store(url, **store_options), True
-        self._stager = stager if stager is not None else Stager()
+        self._store, self._owns_store = open_root(url, store_options)
+        if stager is None:
+            stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
+        self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
         self._closed = False
@@ -175,19 +164,13 @@ class CheckpointManager:
             json.dumps(document)
         except (TypeError, ValueError) as exc:
             raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
-        flats: list[FlatState] = []
 
         def stage() -> StagedState:
-            staged = self._stager.stage(state)
-            try:  # in the caller's thread, so an unstorable leaf fails this call, not a later one
-                flats.append(staged.flat())
-            except BaseException:
-                staged.release()
-                raise
-            return staged
+            # in the caller's thread, so an unstorable leaf fails this call, not a later one
+            return save_path.stage(self._stager, state)
 
         async def write(staged: StagedState) -> None:
-            await write_checkpoint(self._store, flats[0], step=step, metadata=document)
+            await save_path.save_staged(self._store, staged, step=step, metadata=document)
             self._info[step] = (manager_meta["time"], metrics)
             await self._retain()
 
@@ -289,14 +272,24 @@ class CheckpointManager:
                 in flight).
             target: what to rebuild the arrays as: ``None`` as saved (torch tensors on their
                 device with ``requires_grad``, JAX or numpy arrays); ``"torch"``, ``"jax"`` or
-                ``"numpy"`` for every array; or a state of the same structure whose leaves give
-                each array's type, dtype and placement (device, sharding).
+                ``"numpy"`` for every array; or a state (a pytree) whose leaves give each
+                array's type, dtype and placement (device, sharding). A state also says what
+                to read, unless ``keys`` does: exactly its leaves, each of which must be in
+                the step, and the result is built in its own containers (named tuples,
+                dataclasses, flax and other registered pytree nodes). A ``None`` leaf in it
+                stands for whatever the checkpoint holds at its path, as saved.
             keys: leaf paths or prefixes (``"model"``, ``"optim/state/0/exp_avg"``) to read;
-                only their bytes are fetched.
+                only their bytes are fetched. Each must name something in the step.
 
         Raises:
-            NotFoundError: no committed step (or no such step, or a key matching nothing).
+            NotFoundError: no committed step, no such step, or a key (or leaf of a target)
+                matching nothing; every such key is named.
             CorruptCheckpointError: anything read fails verification.
+            CheckpointFormatError: a checkpoint only another face reads (DCP's).
+            ValueError: a target leaf's shape differs from the checkpoint's.
+
+        The rule for ``keys`` and ``target`` is the one of every face
+        (:mod:`ckptstore.pipeline.restore`).
         """
         self._check_open()
         if step is None:
@@ -306,8 +299,7 @@ class CheckpointManager:
                 raise NotFoundError(f"{self._store.url}: no committed checkpoint to restore")
         elif self.last_handle is not None and self.last_handle.step == step:
             self.wait_until_finished()
-        manifest, arrays, accept = background.run(read_selected(self._store, step, keys))
-        return rebuild_selected(manifest, arrays, accept, target)
+        return restore(self._store, step, request(keys, target))
 
     def delete(self, step: int) -> None:
         """Delete a committed step (its manifest first, so it is never half visible)."""
@@ -356,72 +348,3 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self._store.url!r})"
-
-
-async def read_selected(
-    store: Store, step: int, keys: Any
-) -> tuple[Manifest, dict[int, np.ndarray[Any, Any]], Callable[[str], bool] | None]:
-    """Read step ``step``'s leaves under ``keys`` (paths or prefixes; ``None``: all of them).
-
-    Returns the manifest, the host arrays by leaf index, and the path predicate of ``keys``
-    (``None`` when every leaf was read), as :func:`rebuild_selected` takes them.
-
-    Raises:
-        NotFoundError: no such step, or ``keys`` match no leaf at all.
-    """
-    manifest = await read_manifest(store, step)
-    accept = None
-    wanted = list(range(len(manifest.paths)))
-    if keys is not None:
-        patterns = [keys] if isinstance(keys, str) else list(keys)
-        accept = select_paths(patterns)
-        wanted = [i for i, p in enumerate(manifest.paths) if accept(p)]
-        if not wanted and not any(accept(p) for p in manifest.all_paths()):
-            raise NotFoundError(
-                f"{store.url}: step {step} has no leaf matching {patterns} "
-                f"(paths look like {manifest.paths[:3]})"
-            )
-    arrays = await read_leaves(store, manifest, wanted)
-    return manifest, arrays, accept
-
-
-def rebuild_selected(
-    manifest: Manifest,
-    arrays: Mapping[int, np.ndarray[Any, Any]],
-    accept: Callable[[str], bool] | None,
-    target: Any,
-) -> Any:
-    """The state :func:`read_selected` read, with its arrays rebuilt as ``target`` asks
-    (see :meth:`CheckpointManager.restore`).
-
-    Raises:
-        ValueError: a target leaf's shape differs from the checkpoint's (named by path).
-    """
-    fixed = kind_named(target) if isinstance(target, str) else None
-    likes = target_leaves(target) if target is not None and fixed is None else {}
-    rebuilt: dict[int, Any] = {}
-    for index, array in arrays.items():
-        path = manifest.paths[index]
-        attrs = manifest.attrs[index] or {}
-        try:
-            rebuilt[index] = rebuild_leaf(array, attrs, fixed, likes.get(path))
-        except ValueError as exc:
-            raise ValueError(f"step {manifest.step}, leaf {path!r}: {exc}") from None
-    return unflatten(manifest.tree, rebuilt, selected=accept)
-
-
-def target_leaves(target: Any) -> dict[str, Any]:
-    """Leaves of a restore target that ask for an array type, by checkpoint path."""
-    found: dict[str, Any] = {}
-
-    def convert(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], None] | None:
-        if target_kind(leaf) is None:
-            return None
-        found[path] = leaf
-        return np.empty(0, np.uint8), None
-
-    flat = flatten(target, convert=convert)
-    for path, array in zip(flat.paths, flat.arrays, strict=True):
-        if path not in found:
-            found[path] = array
-    return found

@@ -48,43 +48,27 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import numpy as np
-
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
-from ckptstore.layout.commit import (
-    CommitInfo,
-    check_metadata,
-    commit_manifest,
-    latest_step,
-    write_objects,
-)
+from ckptstore.layout.commit import CommitInfo, latest_step
 from ckptstore.layout.dtypes import dtype_name
-from ckptstore.layout.keys import (
-    attempt_prefix,
-    check_step,
-    manifest_key,
-    new_attempt_id,
-    step_prefix,
-)
+from ckptstore.layout.keys import check_step, step_prefix
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.plan import PackPlan
-from ckptstore.layout.tree import FlatState, escape_key, flatten, join_path, tree_paths
-from ckptstore.manager.checkpoint_manager import read_selected, rebuild_selected
+from ckptstore.layout.tree import FlatState, escape_key, join_path
+from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.restore import request, restore
+from ckptstore.pipeline.root import Root, opened
+from ckptstore.pipeline.save import Attempt
 from ckptstore.stage import Stager
 from ckptstore.store.base import Store
-from ckptstore.store.registry import open_store
 
 __all__ = ["Collectives", "LocalGroup", "TorchCollectives", "load", "save"]
-
-Root = str | os.PathLike[str] | Store
 
 
 # =========================================================================== collectives
@@ -447,8 +431,8 @@ def save(
         group: a ``torch.distributed`` process group (default: the whole world).
         coordinator: the rank (within the group) that commits.
         comm: collectives to use instead of ``torch.distributed``.
-        **store_options: passed to ``open_store`` with a URL ``root`` (endpoint, credentials,
-            settings), as ``ckptstore.dcp.Writer`` takes them.
+        **store_options: options for a URL ``root`` (endpoint, credentials, settings), as on
+            every face (:mod:`ckptstore.pipeline.root`).
 
     Returns:
         What was committed, the same on every rank.
@@ -465,8 +449,8 @@ def save(
     if not 0 <= coordinator < comm.world:
         raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
     with (
-        _opened(root, store_options) as store,
-        _stager() as stager,
+        opened(root, store_options) as store,
+        _stager(store) as stager,
         contextlib.ExitStack() as later,
     ):
         # 1. share every rank's part; the coordinator adds the attempt
@@ -474,54 +458,62 @@ def save(
         error: BaseException | None = None
         try:
             check_step(step)
-            staged = stager.stage(state, copy=False)
+            staged = save_path.stage(stager, state, copy=False)
             later.callback(staged.release)
             staged.wait_ready()
             flat = staged.flat()
             part = _describe(flat, step)
             if rank == coordinator:
-                part = _begin(store, part, metadata)
+                attempt = background.run(save_path.begin(store, step, metadata))
+                part = dataclasses.replace(part, attempt=attempt.id, started=attempt.started)
             shared: Any = part
         except Exception as exc:
             error, shared = exc, _Failure.of(rank, exc)
-        parts = comm.all_gather(shared)
+        try:
+            parts = comm.all_gather(shared)
+        except Exception as exc:
+            raise _lost_rank(store, step, "sharing the ranks' parts", exc) from exc
         _raise_first(parts, error, store, step)
         steps = {p.step for p in parts}
         if len(steps) > 1:
             raise ValueError(f"the ranks save different steps: {sorted(steps)}")
-        attempt, started = parts[coordinator].attempt, parts[coordinator].started
         assert flat is not None
-        assert attempt is not None
+        assert parts[coordinator].attempt is not None
+        attempt = Attempt(step, parts[coordinator].attempt, parts[coordinator].started)
         tree, leaves = merge_parts(parts)
 
         # 2. write what this rank owns, then tell the coordinator
-        prefix = f"{attempt_prefix(step, attempt)}r{rank}-"
+        prefix = f"{attempt.prefix}r{rank}-"
         try:
             written: Any = background.run(_write_own(store, flat, leaves, rank, prefix))
         except Exception as exc:
             error, written = exc, _Failure.of(rank, exc)
         try:
             reports = comm.gather(written, coordinator)
-        except BaseException:
+        except BaseException as exc:
             _remove(store, prefix)  # a rank died before the commit: nothing is committed
+            if isinstance(exc, Exception):
+                raise _lost_rank(store, step, "gathering the written objects", exc) from exc
             raise
         outcome: _Outcome | None = None
         if reports is not None:
             try:
-                outcome = background.run(
-                    _commit(store, reports, tree, leaves, step, attempt, started, metadata)
-                )
+                outcome = background.run(_commit(store, reports, tree, leaves, attempt, metadata))
             except Exception as exc:  # unforeseen: keep the data, the manifest may exist
                 outcome = _Outcome(None, _Failure.of(rank, exc), remove=False)
         # 3. every rank learns the outcome. If this fails the coordinator may have committed
         # already, so the objects stay (gc removes them if it did not).
         try:
             outcome = comm.broadcast(outcome, coordinator)
-        except Exception:
+        except Exception as exc:
             # The coordinator knows the outcome without hearing it: a committed step is
             # committed, whatever became of the ranks it was telling.
             if reports is None or outcome is None or outcome.info is None:
-                raise
+                raise CkptStoreError(
+                    f"{store.url}: the outcome of step {step} is unknown to rank {rank}: "
+                    f"hearing it from the coordinator failed ({type(exc).__name__}: {exc}); "
+                    "the step is committed only if it is listed"
+                ) from exc
         assert outcome is not None
         if outcome.info is not None:
             return outcome.info
@@ -536,14 +528,13 @@ def save(
         raise CkptStoreError(f"{store.url}: step {step} was not saved: {failure.describe()}")
 
 
-def _begin(store: Store, part: _Part, metadata: Any) -> _Part:
-    """The coordinator's first step: refuse a committed step, draw the attempt id."""
-    check_metadata(metadata)
-    key = manifest_key(part.step)
-    if background.run(store.exists(key)):
-        raise CommitConflictError(f"{store.url}/{key}: step {part.step} is already committed")
-    now = time.time()
-    return dataclasses.replace(part, attempt=new_attempt_id(now), started=now)
+def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:
+    """The error a surviving rank raises when a collective fails, which is how a rank learns
+    that another one died (torch.distributed raises its transport's RuntimeError then)."""
+    return CkptStoreError(
+        f"{store.url}: step {step} was not saved: {what} failed, most likely because another "
+        f"rank died ({type(exc).__name__}: {exc})"
+    )
 
 
 def _describe(flat: FlatState, step: int) -> _Part:
@@ -588,21 +579,15 @@ async def _write_own(
         arrays=[flat.arrays[leaves[n].holders[rank]] for n in mine],
         attrs=[leaves[n].attrs for n in mine],
     )
-    plan = PackPlan.for_store(own.nbytes, store.settings, store.capabilities, own.paths)
-    leaf_crc = [0] * len(mine)
-    object_crc = [0] * len(plan.objects)
-    try:
-        await write_objects(store, own, plan, prefix, {}, leaf_crc, object_crc)
-    except Exception:
-        with contextlib.suppress(Exception):
-            await _aremove(store, prefix)
-        raise
+    plan = save_path.plan(store, own.nbytes, own.paths)
+    written = await save_path.write(store, own.arrays, plan, prefix)
     return _Written(
         objects=[
-            (obj.name, obj.size, crc) for obj, crc in zip(plan.objects, object_crc, strict=True)
+            (obj.name, obj.size, crc)
+            for obj, crc in zip(plan.objects, written.object_crc, strict=True)
         ],
         leaves=[
-            (number, plan.leaf_object[i], plan.leaf_offset[i], leaf_crc[i])
+            (number, plan.leaf_object[i], plan.leaf_offset[i], written.leaf_crc[i])
             for i, number in enumerate(mine)
         ],
     )
@@ -613,9 +598,7 @@ async def _commit(
     reports: list[Any],
     tree: Any,
     leaves: list[_Leaf],
-    step: int,
-    attempt: str,
-    started: float,
+    attempt: Attempt,
     metadata: Any,
 ) -> _Outcome:
     failures = [r for r in reports if isinstance(r, _Failure)]
@@ -630,7 +613,7 @@ async def _commit(
     for rank, written in enumerate(reports):
         base = len(object_keys)
         for name, size, crc in written.objects:
-            object_keys.append(f"{attempt}/r{rank}-{name}")
+            object_keys.append(f"{attempt.id}/r{rank}-{name}")
             object_lengths.append(size)
             object_crcs.append(crc)
         for number, obj, offset, crc in written.leaves:
@@ -643,7 +626,7 @@ async def _commit(
         return _Outcome(
             None, _Failure(-1, "CkptStoreError", f"no rank wrote the leaves {missing[:5]}")
         )
-    unseen = await _unseen_objects(store, step, attempt, object_keys, object_lengths)
+    unseen = await _unseen_objects(store, attempt, object_keys, object_lengths)
     if unseen:
         return _Outcome(
             None,
@@ -655,22 +638,9 @@ async def _commit(
                 "root (a local path must be a filesystem every rank mounts)?",
             ),
         )
-    grace = store.settings.gc_grace_seconds
-    elapsed = time.time() - started
-    if elapsed > grace / 2:
-        return _Outcome(
-            None,
-            _Failure(
-                -1,
-                "CkptStoreError",
-                f"the data took {elapsed:.0f} s to write, over half of the garbage-collection "
-                f"grace period ({grace} s), so a concurrent gc may have removed it; not "
-                "committing. Raise Settings.gc_grace_seconds.",
-            ),
-        )
     manifest = Manifest(
-        step=step,
-        attempt=attempt,
+        step=attempt.step,
+        attempt=attempt.id,
         created=time.time(),
         metadata=metadata,
         tree=tree,
@@ -686,36 +656,26 @@ async def _commit(
         leaf_crc=leaf_crc,
         attrs=[leaf.attrs for leaf in leaves],
     )
-    data = manifest.encode()
-    if len(data) > store.settings.manifest_max_bytes:
-        return _Outcome(
-            None,
-            _Failure(
-                -1,
-                "ValueError",
-                f"the manifest of step {step} is {len(data)} bytes, over "
-                f"Settings.manifest_max_bytes ({store.settings.manifest_max_bytes})",
-            ),
-        )
     try:
-        await commit_manifest(store, manifest, encoded=data)
-    except CommitConflictError as exc:
-        return _Outcome(None, _Failure.of(-1, exc))
+        return _Outcome(await save_path.commit(store, attempt, manifest))
     except StoreError as exc:
         # the manifest may have landed with its reply lost: keep the data for a later check
         return _Outcome(None, _Failure.of(-1, exc), remove=False)
-    return _Outcome(CommitInfo(step, attempt, len(object_keys), sum(object_lengths), len(data)))
+    except (CkptStoreError, ValueError) as exc:
+        # a conflict, data older than half the gc grace period, a manifest over its cap:
+        # nothing of this attempt is committed
+        return _Outcome(None, _Failure.of(-1, exc))
 
 
 async def _unseen_objects(
-    store: Store, step: int, attempt: str, keys: list[str], lengths: list[int]
+    store: Store, attempt: Attempt, keys: list[str], lengths: list[int]
 ) -> list[str]:
     """Reported objects the coordinator cannot see with their reported length (one listing
     of the attempt prefix). A rank whose root is not the coordinator's (a local path on
     another host) reports objects the manifest must not name: the step would commit and
     only fail when loaded."""
-    root = step_prefix(step)
-    found = {meta.key: meta.size async for meta in store.list(attempt_prefix(step, attempt))}
+    root = step_prefix(attempt.step)
+    found = {meta.key: meta.size async for meta in store.list(attempt.prefix)}
     return [
         f"{root}{key} ({length} bytes)"
         for key, length in zip(keys, lengths, strict=True)
@@ -723,16 +683,9 @@ async def _unseen_objects(
     ]
 
 
-async def _aremove(store: Store, prefix: str) -> None:
-    directory = prefix.rsplit("/", 1)[0] + "/"
-    await store.delete([k for k in await store.list_keys(directory) if k.startswith(prefix)])
-
-
 def _remove(store: Store, prefix: str) -> None:
-    """Remove this rank's objects of a save that was not committed (best effort: they are
-    garbage for ``gc`` otherwise)."""
-    with contextlib.suppress(Exception):
-        background.run(_aremove(store, prefix))
+    """Remove this rank's objects of a save that was not committed."""
+    background.run(save_path.discard(store, prefix))
 
 
 # =========================================================================== loading
@@ -756,17 +709,21 @@ def load(
         step: the step; ``None`` takes the newest committed step as the coordinator sees it,
             so every rank loads the same one (a collective: every rank must call).
         keys: leaf paths or prefixes to read; only their byte ranges are fetched.
-        target: what to rebuild the arrays as (see
-            :meth:`~ckptstore.CheckpointManager.restore`); a state given here without
-            ``keys`` also selects what is read: exactly the leaves it holds.
+        target: what to rebuild the arrays as; a state given here without ``keys`` also
+            selects what is read: exactly the leaves it holds, so a rank reads only its own
+            shards. ``keys`` and ``target`` follow the rule of every face (see
+            :meth:`~ckptstore.CheckpointManager.restore`, :mod:`ckptstore.pipeline.restore`).
         group, coordinator, comm: as for :func:`save`; used only when ``step`` is ``None``.
-        **store_options: passed to ``open_store`` with a URL ``root``.
+        **store_options: options for a URL ``root``, as on every face
+            (:mod:`ckptstore.pipeline.root`).
 
     Raises:
-        NotFoundError: nothing committed, no such step, or keys matching nothing.
+        NotFoundError: nothing committed, no such step, or a key (or target leaf) matching
+            nothing; every such key is named.
         CorruptCheckpointError: anything read fails verification.
     """
-    with _opened(root, store_options) as store:
+    asked = request(keys, target)  # bad arguments fail here, before any collective
+    with opened(root, store_options) as store:
         if step is None:
             comm = comm if comm is not None else TorchCollectives(group)
             found: Any = None
@@ -783,45 +740,15 @@ def load(
             if found is None:
                 raise NotFoundError(f"{store.url}: no committed checkpoint")
             step = int(found)
-        if keys is None and target is not None and not isinstance(target, str):
-            keys = _leaf_paths(target)
-            if not keys:
-                raise ValueError("the load target holds no leaves to load")
-        manifest, arrays, accept = background.run(read_selected(store, step, keys))
-        return rebuild_selected(manifest, arrays, accept, target)
-
-
-def _leaf_paths(target: Any) -> list[str]:
-    """Every leaf path of ``target``: arrays of any framework and plain values."""
-
-    def anything(leaf: Any, path: str) -> tuple[np.ndarray[Any, Any], None]:
-        return np.empty(0, np.uint8), None
-
-    flat = flatten(target, convert=anything)
-    arrays, values = tree_paths(flat.tree, len(flat.arrays))
-    return [p for p in arrays if p is not None] + values
+        return restore(store, step, asked)
 
 
 # =========================================================================== helpers
 
 
 @contextlib.contextmanager
-def _opened(root: Root, options: dict[str, Any]) -> Iterator[Store]:
-    if isinstance(root, Store):
-        if options:
-            raise TypeError(f"store options {sorted(options)} apply to a URL, not to an open Store")
-        yield root
-        return
-    store = open_store(os.fspath(root), **options)
-    try:
-        yield store
-    finally:
-        background.run(store.close())
-
-
-@contextlib.contextmanager
-def _stager() -> Iterator[Stager]:
-    stager = Stager()
+def _stager(store: Store) -> Iterator[Stager]:
+    stager = Stager(leaf_alignment=store.settings.leaf_alignment)
     try:
         yield stager
     finally:

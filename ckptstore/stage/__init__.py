@@ -6,7 +6,6 @@ arena and returns a :class:`StagedState` the format layer writes without another
 JAX are imported only by their own modules, and only when the caller has imported them.
 """
 
-from ckptstore.stage.pool import BufferPool, HostBuffer, PoolStats
 from ckptstore.stage.stager import (
     ArrayKind,
     LeafSpec,
@@ -16,6 +15,7 @@ from ckptstore.stage.stager import (
     rebuild_state,
 )
 from ckptstore.stage.tree import Path, iter_leaves, map_leaves
+from ckptstore.store.buffers import BufferPool, HostBuffer, PoolStats
 
 __all__ = [
     "ArrayKind",

@@ -60,7 +60,8 @@ class NumpyKind(ArrayKind):
         return tasks
 
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
-        return np.ascontiguousarray(leaf)
+        # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
+        return np.asarray(leaf, order="C")
 
     def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
         if like is not None:

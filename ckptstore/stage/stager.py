@@ -1,7 +1,7 @@
 """Copying the arrays of a state into host buffers that ckptstore owns.
 
 This is the only part of an async save that blocks the training loop, so it is built to run at
-memcpy speed: every array leaf gets a slot in one pooled arena (:mod:`ckptstore.stage.pool`), so
+memcpy speed: every array leaf gets a slot in one pooled arena (:mod:`ckptstore.store.buffers`), so
 steady-state saves take no page faults; large leaves are split into chunks and copied by a few
 threads (the copies release the GIL); leaves on an accelerator start their device-to-host
 transfers before any is waited for. When :meth:`Stager.stage` returns, mutating or freeing the
@@ -29,16 +29,16 @@ from typing import Any, ClassVar
 import numpy as np
 from numpy.typing import NDArray
 
+from ckptstore.config import default_settings
 from ckptstore.layout.tree import FlatState, flatten
-from ckptstore.stage.pool import ALIGNMENT, BufferPool, HostBuffer, align_up
-from ckptstore.stage.tree import Path, iter_leaves, map_leaves
+from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
+from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
 
-__all__ = ["LEAF_ALIGNMENT", "ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager"]
+__all__ = ["ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager", "pinned_memory"]
 
-#: Alignment of each leaf inside an arena: a cache line, and enough for every dtype.
-LEAF_ALIGNMENT = 64
-#: Leaves of at least this many bytes start on a page boundary of the arena (ALIGNMENT), so
-#: a local store writes them with O_DIRECT straight from the arena, without a bounce copy.
+#: Leaves of at least this many bytes start on a page boundary of the arena (PAGE), so
+#: a local store writes them with O_DIRECT straight from the arena, without a bounce copy;
+#: smaller ones are only aligned to ``Settings.leaf_alignment``.
 PAGE_ALIGN_MIN = 64 << 10
 
 #: One copy of a staging plan: ``(bytes it moves, the copy)``. The copy may be an object
@@ -151,20 +151,6 @@ def kind_named(name: str) -> ArrayKind:
     raise ValueError(f"unknown array framework {name!r}; use 'numpy', 'torch' or 'jax'")
 
 
-class _Staged:
-    """A staged array and its attributes, handed to the format layer's ``flatten``."""
-
-    __slots__ = ("array", "attrs")
-
-    def __init__(self, array: NDArray[Any], attrs: dict[str, Any]) -> None:
-        self.array = array
-        self.attrs = attrs
-
-    @staticmethod
-    def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any]] | None:
-        return (leaf.array, leaf.attrs) if isinstance(leaf, _Staged) else None
-
-
 @dataclass
 class StagedState:
     """A state whose arrays are host copies the writer owns.
@@ -194,11 +180,11 @@ class StagedState:
             UnsupportedLeafError: a leaf that is neither an array nor a plain value.
         """
         if self._flat is None:
-            tree = map_leaves(
-                lambda path, leaf: _Staged(leaf, self.attrs[path]) if path in self.attrs else leaf,
-                self.tree,
-            )
-            self._flat = flatten(tree, convert=_Staged.convert)
+            # The walker's paths are the checkpoint's paths, so each array's attrs are found
+            # by its path in the flat view.
+            flat = flatten(self.tree, expand=expand)
+            flat.attrs = [self.attrs.get(path) for path in flat.paths]
+            self._flat = flat
         return self._flat
 
     def wait_ready(self) -> None:
@@ -215,15 +201,27 @@ class StagedState:
             self.buffer = None
 
 
+def pinned_memory(capacity: int) -> tuple[NDArray[np.uint8], Any]:
+    """``capacity`` bytes of page-locked host memory, allocated by torch (only CUDA sources
+    ask for it, so torch is imported already): the pool's allocator for pinned arenas."""
+    import torch
+
+    owner = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)
+    return owner.numpy(), owner
+
+
 class Stager:
     """Copies the arrays of a state into pooled host buffers.
 
     Args:
-        pool: where arenas come from and go back to; one per stager by default.
+        pool: where arenas come from and go back to; one per stager by default, so closing
+            the stager frees its arenas.
         threads: threads that copy in parallel (the calling thread is one of them); copying
             is bound by memory bandwidth, so more than two rarely helps.
         chunk_bytes: large contiguous leaves are copied in pieces of about this many bytes,
             so the threads share the work evenly.
+        leaf_alignment: small leaves start at multiples of this inside the arena (default
+            ``Settings.leaf_alignment``); large ones start on a page.
     """
 
     def __init__(
@@ -232,12 +230,17 @@ class Stager:
         *,
         threads: int = 2,
         chunk_bytes: int = 16 << 20,
+        leaf_alignment: int | None = None,
     ) -> None:
         if threads < 1 or chunk_bytes < 1:
             raise ValueError("threads and chunk_bytes must be >= 1")
+        alignment = default_settings().leaf_alignment if leaf_alignment is None else leaf_alignment
+        if alignment < 1 or alignment & (alignment - 1):
+            raise ValueError(f"leaf_alignment must be a power of two, got {alignment}")
         self.pool = pool if pool is not None else BufferPool()
         self.threads = threads
         self.chunk_bytes = chunk_bytes
+        self.leaf_alignment = alignment
         self._executor: ThreadPoolExecutor | None = None
 
     def stage(self, state: Any, *, copy: bool = True) -> StagedState:
@@ -281,18 +284,21 @@ class Stager:
             else:
                 views[path] = view
         offsets, total = [], 0
+        small = self.leaf_alignment
+        large = max(PAGE, small)
         for i in to_copy:
             nbytes = specs[i].nbytes
-            start = align_up(total, ALIGNMENT if nbytes >= PAGE_ALIGN_MIN else LEAF_ALIGNMENT)
+            start = align_up(total, large if nbytes >= PAGE_ALIGN_MIN else small)
             offsets.append(start)
             total = start + nbytes
-        total = align_up(total, LEAF_ALIGNMENT)
+        total = align_up(total, small)
 
         if not to_copy:
             staged = self._staged(state, found, specs, views, None)
             staged.flat()
             return staged
-        buffer = self.pool.acquire(total, pinned=any(specs[i].pinned for i in to_copy))
+        pinned = any(specs[i].pinned for i in to_copy)
+        buffer = self.pool.acquire(total, pin=pinned_memory if pinned else None)
         try:
             tasks: list[CopyTask] = []
             for i, offset in zip(to_copy, offsets, strict=True):
@@ -427,7 +433,7 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
 
 
 def _show(path: Path) -> str:
-    return "/".join(str(p) for p in path) or "<root>"
+    return path or "<root>"
 
 
 def contiguous_chunks(nbytes: int, itemsize: int, chunk_bytes: int) -> list[tuple[int, int]]:
@@ -451,16 +457,6 @@ def target_kind(like: Any) -> ArrayKind | None:
     return None
 
 
-def _lookup(target: Any, path: Path) -> Any | None:
-    node = target
-    for key in path:
-        try:
-            node = node[key]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return node
-
-
 def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = None) -> Any:
     """Turn the host arrays of a restored state back into the arrays a caller wants.
 
@@ -478,11 +474,12 @@ def rebuild_state(tree: Any, attrs: dict[Path, dict[str, Any]], target: Any = No
         ValueError: a target leaf's shape differs from the saved one.
     """
     fixed = kind_named(target) if isinstance(target, str) else None
+    likes = dict(iter_leaves(target)) if target is not None and fixed is None else {}
 
     def rebuild(path: Path, leaf: Any) -> Any:
         if not isinstance(leaf, np.ndarray):
             return leaf
-        like = _lookup(target, path) if target is not None and fixed is None else None
+        like = likes.get(path)
         try:
             return rebuild_leaf(leaf, attrs.get(path, {}), fixed, like)
         except ValueError as exc:

@@ -29,11 +29,16 @@ from numpy.typing import NDArray
 
 from ckptstore.stage.stager import ArrayKind, CopyTask, LeafSpec, contiguous_chunks
 
-__all__ = ["TorchKind", "numpy_dtype", "tensor_from_numpy", "torch_dtype"]
+__all__ = ["TorchKind", "dtype_table", "numpy_dtype", "tensor_from_numpy", "torch_dtype"]
 
 
 @functools.cache
-def _dtype_table() -> dict[torch.dtype, np.dtype[Any]]:
+def dtype_table() -> dict[torch.dtype, np.dtype[Any]]:
+    """Every torch dtype ckptstore stores, and the numpy dtype with the same bytes.
+
+    The one table of ckptstore: the manager, ``ckptstore.save``, multi-rank saves, the DCP
+    writer and reader and the Lightning plug-in all store exactly these dtypes.
+    """
     table: dict[torch.dtype, Any] = {
         torch.bool: np.bool_,
         torch.uint8: np.uint8,
@@ -62,15 +67,18 @@ def _dtype_table() -> dict[torch.dtype, np.dtype[Any]]:
 
 @functools.cache
 def _inverse_table() -> dict[np.dtype[Any], torch.dtype]:
-    return {v: k for k, v in _dtype_table().items()}
+    return {v: k for k, v in dtype_table().items()}
 
 
 def numpy_dtype(dtype: torch.dtype) -> np.dtype[Any]:
     """The numpy dtype with the same bytes as torch ``dtype``; ``TypeError`` if none."""
     try:
-        return _dtype_table()[dtype]
+        return dtype_table()[dtype]
     except KeyError:
-        raise TypeError(f"torch dtype {dtype} has no byte-exact numpy equivalent") from None
+        known = ", ".join(str(d).removeprefix("torch.") for d in dtype_table())
+        raise TypeError(
+            f"torch dtype {dtype} has no byte-exact numpy equivalent; ckptstore stores {known}"
+        ) from None
 
 
 def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
@@ -83,7 +91,7 @@ def torch_dtype(dtype: np.dtype[Any]) -> torch.dtype:
 
 def _bytes_as_tensor(array: NDArray[Any], dtype: torch.dtype) -> torch.Tensor:
     """A tensor sharing ``array``'s memory (C-contiguous, writable), reinterpreted as ``dtype``."""
-    if array.dtype.type in _FROM_NUMPY and _dtype_table()[dtype] == array.dtype:
+    if array.dtype.type in _FROM_NUMPY and dtype_table()[dtype] == array.dtype:
         return torch.from_numpy(array)  # one call; the byte route below costs ~5x as much
     flat = torch.from_numpy(array.reshape(-1).view(np.uint8))
     return flat.view(dtype).view(array.shape)

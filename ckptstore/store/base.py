@@ -40,6 +40,7 @@ from ckptstore.errors import (
     NotSupportedError,
 )
 from ckptstore.store.checksum import acrc32c, crc32c_combine
+from ckptstore.store.fanout import gather_all
 from ckptstore.store.transport import ByteBudget, redact_url
 
 if TYPE_CHECKING:
@@ -60,7 +61,6 @@ __all__ = [
     "Store",
     "as_bytes_view",
     "coalesce_ranges",
-    "gather_all",
     "validate_key",
     "validate_prefix",
 ]
@@ -718,19 +718,3 @@ def _writable_view(out: Buffer, key: str) -> memoryview:
     if not view.c_contiguous:
         raise ValueError(f"read of {key!r}: the destination buffer is not C-contiguous")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
-
-
-async def gather_all(coros: Iterable[Any]) -> None:
-    """Run coroutines concurrently; on the first failure cancel the rest, wait for them to
-    stop, and raise that failure (``asyncio.gather`` would leave them running)."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    if not tasks:
-        return
-    try:
-        await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
-        raise

@@ -1,10 +1,11 @@
 """Copy objects from one store to another, streaming, in parallel parts.
 
 :func:`copy_object` never holds a whole large object in memory: it reads one part-sized range
-of the source into a pooled buffer and uploads that buffer as one part of a multipart upload
-at the destination, with up to ``max_concurrency`` parts in flight (so at most that many
-buffers of ``part_size`` bytes exist). Any failure aborts the upload, so nothing half-copied
-becomes visible.
+of the source into a buffer of the process-wide pool (:data:`~ckptstore.store.buffers.host_buffers`)
+and uploads that buffer as one part of a multipart upload at the destination, with up to
+``max_concurrency`` parts in flight (so at most that many buffers of ``part_size`` bytes are
+lent at once, and the next copy reuses them). Any failure aborts the upload, so nothing
+half-copied becomes visible.
 
 The crc32c of the bytes copied is computed on the way, part by part, and the parts' checksums
 are combined (:func:`~ckptstore.store.checksum.crc32c_combine`), so a caller can check the
@@ -16,36 +17,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from ckptstore.store.base import PutMode, Store, gather_all
+from ckptstore.store.base import PutMode, Store
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import acrc32c, crc32c_combine
+from ckptstore.store.fanout import gather_all
 
-__all__ = ["BufferPool", "copy_object"]
-
-
-class BufferPool:
-    """At most ``limit`` buffers of ``size`` bytes, made only when needed and reused.
-
-    Callers ``acquire`` a buffer (waiting while all ``limit`` are in use) and ``release`` it;
-    memory stays at ``limit * size`` however many pieces pass through, and a small job
-    allocates only what it uses.
-    """
-
-    def __init__(self, size: int, limit: int) -> None:
-        if size <= 0 or limit <= 0:
-            raise ValueError(f"size and limit must be > 0, got {size} and {limit}")
-        self.size = size
-        self.limit = limit
-        self.made = 0
-        self._free: asyncio.Queue[bytearray] = asyncio.Queue()
-
-    async def acquire(self) -> bytearray:
-        if self._free.empty() and self.made < self.limit:
-            self.made += 1
-            return bytearray(self.size)
-        return await self._free.get()
-
-    def release(self, buf: bytearray) -> None:
-        self._free.put_nowait(buf)
+__all__ = ["copy_object"]
 
 
 async def copy_object(
@@ -80,20 +57,24 @@ async def copy_object(
     target = key if dst_key is None else dst_key
     caps = dst.capabilities
     if size == 0 or not caps.multipart or size < dst.settings.multipart_threshold:
-        buf = bytearray(size)
-        if size:
-            await src.read_into(key, 0, buf)
-        else:
-            await src.head(key)  # a missing source is an error, even when empty
-        crc = await acrc32c(buf)
-        await dst.put(target, buf, mode=mode)
+        pooled = host_buffers.acquire(size)
+        try:
+            buf = memoryview(pooled.data)[:size]  # type: ignore[arg-type]
+            if size:
+                await src.read_into(key, 0, buf)
+            else:
+                await src.head(key)  # a missing source is an error, even when empty
+            crc = await acrc32c(buf)
+            await dst.put(target, buf, mode=mode)
+        finally:
+            pooled.release()
         if progress is not None:
             progress(size)
         return crc
 
     part = dst.part_size_for(size)
     count = -(-size // part)
-    pool = BufferPool(part, min(dst.settings.max_concurrency, count))
+    slots = asyncio.Semaphore(min(dst.settings.max_concurrency, count))
     crcs: list[int] = [0] * count
 
     upload = await dst.create_multipart(target, mode=mode, part_size=part)
@@ -102,14 +83,15 @@ async def copy_object(
         async def copy_part(index: int) -> None:
             start = index * part
             length = min(part, size - start)
-            buf = await pool.acquire()
-            try:
-                view = memoryview(buf)[:length]
-                await src.read_into(key, start, view)
-                crcs[index] = await acrc32c(view)
-                await upload.put_part(index, view)
-            finally:
-                pool.release(buf)
+            async with slots:
+                buf = host_buffers.acquire(part)
+                try:
+                    view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
+                    await src.read_into(key, start, view)
+                    crcs[index] = await acrc32c(view)
+                    await upload.put_part(index, view)
+                finally:
+                    buf.release()
             if progress is not None:
                 progress(length)
 

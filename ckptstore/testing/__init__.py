@@ -1,5 +1,7 @@
 """Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite,
-and the real servers they run against.
+and what they run against: real servers (:mod:`~ckptstore.testing.servers`,
+:mod:`~ckptstore.testing.fakegcs`) and an HTTP fault proxy for S3 and GCS
+(:mod:`~ckptstore.testing.proxy`).
 
 The suites need pytest and hypothesis, so they are imported only when first used
 (``from ckptstore.testing import StoreTests``): the servers must not need them, because

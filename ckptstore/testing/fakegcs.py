@@ -18,10 +18,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Self
 
 from ckptstore.testing.servers import (
+    Stoppable,
     _die_with_parent,
     _http_status,
     free_ports,
@@ -35,7 +34,7 @@ _START_DEADLINE = 30.0
 
 
 @dataclass
-class FakeGCS:
+class FakeGCS(Stoppable):
     """A running emulator: ``endpoint`` is its ``http://127.0.0.1:PORT``."""
 
     endpoint: str
@@ -48,17 +47,6 @@ class FakeGCS:
         wait until it answers. ``backend="memory"`` keeps objects in the emulator's memory."""
         workdir.mkdir(parents=True, exist_ok=True)
         return start_fake_gcs(workdir / "data", workdir / "server.log", backend=backend)
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     def create_bucket(self, name: str) -> str:
         request = urllib.request.Request(

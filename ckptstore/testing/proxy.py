@@ -6,55 +6,77 @@ server (moto, SeaweedFS, fake-gcs-server). Point a client's ``endpoint_url`` at
 seeded random share of them, fail the way real networks and object stores fail:
 
 ===================  ==========================================================================
-``"503"``            not forwarded; answered ``503 SlowDown`` (S3's throttling reply)
-``"500"``            not forwarded; answered ``500 InternalError``
+``"503"``, ``"429"``  any 4xx or 5xx status: not forwarded; answered with that status and the
+                     error body the dialect's clients parse (S3 XML such as ``SlowDown``, or
+                     GCS JSON)
 ``"reset"``          a request with a body is read and not forwarded, then the connection is
                      reset (the client saw its upload break); a request without a body is
                      forwarded and the response is cut by a TCP reset after ``nbytes`` of its
                      body
 ``"truncate"``       forwarded; the response head announces the full length but the
                      connection closes after ``nbytes`` of the body (or half of it)
+``"corrupt"``        forwarded; the first byte of the response body is flipped, as a body
+                     damaged on the way would be
 ``"drop_response"``  forwarded and carried out upstream; the response is discarded and the
                      connection closed, as when a commit succeeds and its reply is lost
 ``"strip_header"``   forwarded without the request header ``header`` (a server that ignores
                      a condition such as ``If-None-Match``)
 ===================  ==========================================================================
 
+One proxy serves both object-store dialects: ``dialect="s3"`` (the default) names requests
+with :func:`classify_s3` and answers injected statuses with S3's XML errors; ``dialect="gcs"``
+uses :func:`classify_gcs` and the JSON API's error bodies. Rules select requests by those
+operation names, by the request target and by the request body.
+
 The proxy runs its own event loop in a thread, so synchronous and asynchronous tests use it
-alike. Each request is classified into an operation name (:func:`classify_s3`) that rules can
-select; :attr:`FaultProxy.injected` counts the faults injected, by kind.
+alike, and it speaks raw HTTP/1.1 rather than going through an HTTP library, so what reaches
+the server and the client is exactly what the rule says (a body cut at a chosen byte, a reset
+rather than a clean close). It records what passed: :attr:`FaultProxy.requests` counts
+requests by operation, :attr:`FaultProxy.log` holds each one (:class:`Recorded`), and
+:attr:`FaultProxy.injected` counts the faults injected, by kind.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import http
+import json
 import random
 import re
 import socket
 import struct
 import threading
 from collections import Counter
-from dataclasses import dataclass
-from types import TracebackType
-from typing import Self
-from urllib.parse import urlsplit
+from dataclasses import dataclass, field
+from typing import Literal, Self
+from urllib.parse import parse_qsl, urlsplit
 
-__all__ = ["FAULT_KINDS", "FaultProxy", "ProxyFault", "classify_s3"]
+from ckptstore.testing.servers import Stoppable
 
-FAULT_KINDS = ("503", "500", "reset", "truncate", "drop_response", "strip_header")
+__all__ = [
+    "FAULT_KINDS",
+    "FaultProxy",
+    "ProxyFault",
+    "Recorded",
+    "classify_gcs",
+    "classify_s3",
+]
 
-_ERROR_BODIES = {
-    "503": (
-        b"503 Slow Down",
-        b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>",
-    ),
-    "500": (
-        b"500 Internal Server Error",
-        b"<Error><Code>InternalError</Code><Message>We encountered an internal error."
-        b"</Message></Error>",
-    ),
+#: The damage a rule can do besides answering with an error status (any 4xx or 5xx, given as
+#: its digits, such as ``"503"``).
+FAULT_KINDS = ("503", "500", "reset", "truncate", "corrupt", "drop_response", "strip_header")
+
+Dialect = Literal["s3", "gcs"]
+
+_S3_ERROR_CODES = {
+    500: ("InternalError", "We encountered an internal error."),
+    503: ("SlowDown", "Please reduce your request rate."),
 }
+
+
+def _is_status(kind: str) -> bool:
+    return kind.isdigit() and len(kind) == 3 and 400 <= int(kind) <= 599
 
 
 def classify_s3(method: str, target: str) -> str:
@@ -90,17 +112,46 @@ def classify_s3(method: str, target: str) -> str:
     return "other"
 
 
+def classify_gcs(method: str, target: str) -> str:
+    """The GCS JSON API operation an HTTP request performs, by method and path.
+
+    One of ``upload`` (``POST /upload/...``), ``download`` (``GET /download/...`` or
+    ``alt=media``), ``compose``, ``metadata`` (``GET`` of one object), ``list``, ``delete``,
+    ``other``.
+    """
+    path, _, query = target.partition("?")
+    if path.startswith("/upload/"):
+        return "upload"
+    if path.startswith("/download/") or (method == "GET" and "alt=media" in query):
+        return "download"
+    if method == "POST" and path.endswith("/compose"):
+        return "compose"
+    objects = re.match(r"^/storage/v1/b/[^/]+/o(/.*)?$", path)
+    if objects is None:
+        return "other"
+    if method == "DELETE":
+        return "delete"
+    if method == "GET":
+        return "list" if objects.group(1) is None else "metadata"
+    return "other"
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyFault:
     """One rule: which requests fail, and how.
 
     Attributes:
-        kind: one of :data:`FAULT_KINDS`.
-        ops: operation names (:func:`classify_s3`) the rule applies to; empty: every request.
+        kind: an HTTP error status (``"503"``, ``"429"``, any 4xx or 5xx) or one of
+            ``reset``, ``truncate``, ``corrupt``, ``drop_response``, ``strip_header``.
+        ops: operation names (:func:`classify_s3` or :func:`classify_gcs`, by the proxy's
+            dialect) the rule applies to; empty: every request.
         rate: probability that a matching request is hit (the proxy's seeded RNG draws).
         after: let this many matching requests through first.
         times: hit at most this many requests (``None``: no limit).
-        path: a regular expression the request target must contain a match of.
+        path: a regular expression the request target (path and query) must contain a
+            match of.
+        body: bytes the request body must contain (GCS uploads name their object in the
+            body, not in the target).
         nbytes: for ``reset`` and ``truncate``, bytes of the response body sent before the
             cut (``None``: half of the body).
         header: for ``strip_header``, the request header to remove (case-insensitive).
@@ -112,24 +163,72 @@ class ProxyFault:
     after: int = 0
     times: int | None = None
     path: str | None = None
+    body: bytes | None = None
     nbytes: int | None = None
     header: str = "if-none-match"
 
     def __post_init__(self) -> None:
-        if self.kind not in FAULT_KINDS:
-            raise ValueError(f"unknown fault kind {self.kind!r}; known: {FAULT_KINDS}")
+        if self.kind not in FAULT_KINDS and not _is_status(self.kind):
+            raise ValueError(
+                f"unknown fault kind {self.kind!r}; known: an HTTP error status or {FAULT_KINDS}"
+            )
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"rate must be in [0, 1], got {self.rate}")
+
+    def selects(self, op: str, target: str, body: bytes) -> bool:
+        """Whether a request with this operation, target and body is one this rule is for
+        (before ``after``, ``times`` and ``rate`` decide whether it is hit)."""
+        return (
+            (not self.ops or op in self.ops)
+            and (self.path is None or re.search(self.path, target) is not None)
+            and (self.body is None or self.body in body)
+        )
+
+
+@dataclass
+class _RuleCounts:
+    """How many requests a rule selected and how many of them it hit."""
+
+    selected: int = 0
+    hit: int = 0
+
+    def admits(self, fault: ProxyFault, rng: random.Random) -> bool:
+        """Count one selected request; whether the rule hits it."""
+        self.selected += 1
+        spent = fault.times is not None and self.hit >= fault.times
+        if self.selected <= fault.after or spent:
+            return False
+        if fault.rate < 1.0 and rng.random() >= fault.rate:
+            return False
+        self.hit += 1
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class Recorded:
+    """One request that reached the proxy, and the fault it got (``None``: passed through)."""
+
+    method: str
+    target: str
+    op: str
+    fault: str | None
+    authorization: str | None
+
+    @property
+    def path(self) -> str:
+        return self.target.partition("?")[0]
+
+    @property
+    def query(self) -> dict[str, str]:
+        """The query parameters (the last value of a repeated one)."""
+        return dict(parse_qsl(self.target.partition("?")[2], keep_blank_values=True))
 
 
 @dataclass
 class _Message:
     head: bytes  # start line and headers, without the blank line
     headers: dict[str, str]  # lower-cased names
-    body: bytes
-
-    def header_bytes(self) -> bytes:
-        return self.head + b"\r\n\r\n"
+    body: bytes = field(default=b"")
 
 
 class _Closed(Exception):
@@ -149,10 +248,15 @@ async def _read_head(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str
     return head, headers
 
 
+def _is_chunked(headers: dict[str, str]) -> bool:
+    return "chunked" in headers.get("transfer-encoding", "").lower()
+
+
 async def _read_body(
     reader: asyncio.StreamReader, headers: dict[str, str], *, until_eof: bool
 ) -> bytes:
-    if "chunked" in headers.get("transfer-encoding", "").lower():
+    """The body as it came on the wire (chunked framing kept)."""
+    if _is_chunked(headers):
         out = bytearray()
         while True:
             size_line = await reader.readuntil(b"\r\n")
@@ -170,12 +274,31 @@ async def _read_body(
     return await reader.read() if until_eof else b""
 
 
+def _dechunk(raw: bytes) -> bytes:
+    """The payload of a chunked body."""
+    out = bytearray()
+    pos = 0
+    while True:
+        end = raw.index(b"\r\n", pos)
+        size = int(raw[pos:end].split(b";")[0].strip(), 16)
+        if size == 0:
+            return bytes(out)
+        out += raw[end + 2 : end + 2 + size]
+        pos = end + 2 + size + 2
+
+
 def _without_header(head: bytes, name: str) -> bytes:
     lines = head.split(b"\r\n")
     keep = [lines[0]] + [
         line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() != name.encode()
     ]
     return b"\r\n".join(keep)
+
+
+def _with_length(head: bytes, length: int) -> bytes:
+    """``head`` with its framing replaced by a Content-Length (for a body we rewrite)."""
+    head = _without_header(_without_header(head, "transfer-encoding"), "content-length")
+    return head + b"\r\nContent-Length: " + str(length).encode()
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -187,29 +310,62 @@ def _reset(writer: asyncio.StreamWriter) -> None:
     writer.transport.abort()
 
 
-class FaultProxy:
+def _error_response(status: int, dialect: Dialect) -> bytes:
+    """A whole HTTP response with ``status`` and the error body the dialect's clients parse."""
+    reason = http.HTTPStatus(status).phrase
+    message = "injected by the ckptstore test proxy"
+    if dialect == "gcs":
+        payload = json.dumps({"error": {"code": status, "message": message}}).encode()
+        content_type = b"application/json"
+    else:
+        code, text = _S3_ERROR_CODES.get(status, (reason.replace(" ", ""), message))
+        payload = f"<Error><Code>{code}</Code><Message>{text}</Message></Error>".encode()
+        content_type = b"application/xml"
+    return (
+        f"HTTP/1.1 {status} {reason}\r\n".encode()
+        + b"Content-Type: "
+        + content_type
+        + b"\r\nContent-Length: "
+        + str(len(payload)).encode()
+        + b"\r\n\r\n"
+        + payload
+    )
+
+
+class FaultProxy(Stoppable):
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``upstream`` that injects faults.
 
     Args:
         upstream: ``http://host:port`` of the real server (loopback only).
         faults: rules, checked in order for each request; the first that hits applies.
         seed: seed of the draws for ``rate``, so a failing run replays.
+        dialect: ``"s3"`` or ``"gcs"``: how requests are named and errors answered.
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. :attr:`faults` may be
-    replaced while the proxy runs.
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. Rules may be replaced
+    (:meth:`set_faults`) or added (:meth:`add`) while the proxy runs.
     """
 
-    def __init__(self, upstream: str, faults: list[ProxyFault] | None = None, *, seed: int = 0):
+    def __init__(
+        self,
+        upstream: str,
+        faults: list[ProxyFault] | None = None,
+        *,
+        seed: int = 0,
+        dialect: Dialect = "s3",
+    ):
         parts = urlsplit(upstream)
         if parts.scheme != "http" or parts.hostname not in ("127.0.0.1", "localhost"):
             raise ValueError(f"upstream must be an http:// loopback address, got {upstream!r}")
+        if dialect not in ("s3", "gcs"):
+            raise ValueError(f"dialect must be 's3' or 'gcs', got {dialect!r}")
         self.upstream_host = parts.hostname
         self.upstream_port = parts.port or 80
-        self.faults = list(faults or [])
+        self.dialect: Dialect = dialect
+        self._classify = classify_gcs if dialect == "gcs" else classify_s3
+        self.faults: list[ProxyFault] = []
+        self._counts: list[_RuleCounts] = []
         self.seed = seed
         self._rng = random.Random(seed)
-        self._seen: Counter[int] = Counter()
-        self._hits: Counter[int] = Counter()
         self._lock = threading.Lock()
         #: faults injected, by kind
         self.injected: Counter[str] = Counter()
@@ -217,11 +373,14 @@ class FaultProxy:
         self.injected_ops: Counter[str] = Counter()
         #: requests seen, by operation
         self.requests: Counter[str] = Counter()
+        #: every request seen, in order of arrival
+        self.log: list[Recorded] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._server: asyncio.Server | None = None
         self._clients: set[asyncio.StreamWriter] = set()
         self.port = 0
+        self.set_faults(list(faults or []))
 
     @property
     def endpoint(self) -> str:
@@ -232,10 +391,20 @@ class FaultProxy:
         """Replace the rules (and reset their counters)."""
         with self._lock:
             self.faults = list(faults)
-            self._seen.clear()
-            self._hits.clear()
+            self._counts = [_RuleCounts() for _ in self.faults]
             if seed is not None:
                 self._rng = random.Random(seed)
+
+    def add(self, *faults: ProxyFault) -> None:
+        """Add rules after the existing ones (whose counters keep running)."""
+        with self._lock:
+            self.faults.extend(faults)
+            self._counts.extend(_RuleCounts() for _ in faults)
+
+    def calls(self, *ops: str) -> list[Recorded]:
+        """The recorded requests of these operations (all of them if none are named)."""
+        with self._lock:
+            return [r for r in self.log if not ops or r.op in ops]
 
     # ------------------------------------------------------------------ life cycle
 
@@ -291,36 +460,35 @@ class FaultProxy:
     def __enter__(self) -> Self:
         return self.start()
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
-
     # ------------------------------------------------------------------ serving
 
-    def _choose(self, op: str, target: str) -> ProxyFault | None:
+    def _choose(self, request: _Message) -> ProxyFault | None:
+        """The rule that hits ``request`` (if any), with the request recorded and counted."""
+        method, target = (p.decode("latin-1") for p in request.head.split(b" ", 2)[:2])
+        op = self._classify(method, target)
         with self._lock:
+            chosen = next(
+                (
+                    rule
+                    for rule, counts in zip(self.faults, self._counts, strict=True)
+                    if rule.selects(op, target, request.body) and counts.admits(rule, self._rng)
+                ),
+                None,
+            )
             self.requests[op] += 1
-            for index, fault in enumerate(self.faults):
-                if fault.ops and op not in fault.ops:
-                    continue
-                if fault.path is not None and not re.search(fault.path, target):
-                    continue
-                self._seen[index] += 1
-                if self._seen[index] <= fault.after:
-                    continue
-                if fault.times is not None and self._hits[index] >= fault.times:
-                    continue
-                if fault.rate < 1.0 and self._rng.random() >= fault.rate:
-                    continue
-                self._hits[index] += 1
-                self.injected[fault.kind] += 1
-                self.injected_ops[f"{fault.kind} {op}"] += 1
-                return fault
-            return None
+            self.log.append(
+                Recorded(
+                    method,
+                    target,
+                    op,
+                    None if chosen is None else chosen.kind,
+                    request.headers.get("authorization"),
+                )
+            )
+            if chosen is not None:
+                self.injected[chosen.kind] += 1
+                self.injected_ops[f"{chosen.kind} {op}"] += 1
+            return chosen
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -335,56 +503,33 @@ class FaultProxy:
                     head = _without_header(head, "expect")
                     writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = await _read_body(reader, headers, until_eof=False)
-                method, target = head.split(b" ", 2)[:2]
-                op = classify_s3(method.decode(), target.decode("latin-1"))
-                fault = self._choose(op, target.decode("latin-1"))
                 request = _Message(head, headers, body)
-                if fault is not None and fault.kind in _ERROR_BODIES:
-                    status, payload = _ERROR_BODIES[fault.kind]
-                    writer.write(
-                        b"HTTP/1.1 " + status + b"\r\nContent-Type: application/xml\r\n"
-                        b"Content-Length: " + str(len(payload)).encode() + b"\r\n\r\n" + payload
-                    )
+                fault = self._choose(request)
+                kind = None if fault is None else fault.kind
+                if kind is not None and _is_status(kind):
+                    writer.write(_error_response(int(kind), self.dialect))
                     await writer.drain()
                     continue
-                if fault is not None and fault.kind == "reset" and body:
+                if kind == "reset" and body:
                     _reset(writer)
                     return
-                if fault is not None and fault.kind == "strip_header":
+                if fault is not None and kind == "strip_header":
                     request.head = _without_header(request.head, fault.header.lower())
                 if upstream is None:
                     upstream = await asyncio.open_connection(
                         self.upstream_host, self.upstream_port, limit=1 << 20
                     )
-                up_reader, up_writer = upstream
-                up_writer.write(request.header_bytes() + request.body)
-                await up_writer.drain()
-                response_head, response_headers = await _read_head(up_reader)
-                status_code = int(response_head.split(b" ", 2)[1])
-                no_body = method == b"HEAD" or status_code in (204, 304) or status_code < 200
-                closes = "close" in response_headers.get("connection", "").lower()
-                response_body = (
-                    b""
-                    if no_body
-                    else await _read_body(up_reader, response_headers, until_eof=closes)
-                )
-                if fault is not None and fault.kind == "drop_response":
+                response = await self._forward(request, upstream)
+                if kind == "drop_response":
                     writer.close()
                     return
-                if fault is not None and fault.kind in ("reset", "truncate"):
-                    if not response_body:  # nothing to cut: the whole reply is lost
-                        writer.close()
+                if fault is not None and kind in ("reset", "truncate", "corrupt"):
+                    if not await self._damage(writer, response, fault):
                         return
-                    cut = fault.nbytes if fault.nbytes is not None else len(response_body) // 2
-                    writer.write(response_head + b"\r\n\r\n" + response_body[:cut])
-                    await writer.drain()
-                    if fault.kind == "reset":
-                        _reset(writer)
-                    else:
-                        writer.close()
-                    return
-                writer.write(response_head + b"\r\n\r\n" + response_body)
+                    continue
+                writer.write(response.head + b"\r\n\r\n" + response.body)
                 await writer.drain()
+                closes = "close" in response.headers.get("connection", "").lower()
                 if closes or "close" in headers.get("connection", "").lower():
                     return
         except (ConnectionError, asyncio.IncompleteReadError, _Closed):
@@ -395,3 +540,42 @@ class FaultProxy:
                 upstream[1].close()
             if not writer.is_closing():
                 writer.close()
+
+    @staticmethod
+    async def _forward(
+        request: _Message, upstream: tuple[asyncio.StreamReader, asyncio.StreamWriter]
+    ) -> _Message:
+        """Send ``request`` upstream and read the whole response."""
+        up_reader, up_writer = upstream
+        up_writer.write(request.head + b"\r\n\r\n" + request.body)
+        await up_writer.drain()
+        head, headers = await _read_head(up_reader)
+        status = int(head.split(b" ", 2)[1])
+        method = request.head.split(b" ", 1)[0]
+        no_body = method == b"HEAD" or status in (204, 304) or status < 200
+        closes = "close" in headers.get("connection", "").lower()
+        body = b"" if no_body else await _read_body(up_reader, headers, until_eof=closes)
+        return _Message(head, headers, body)
+
+    @staticmethod
+    async def _damage(writer: asyncio.StreamWriter, response: _Message, fault: ProxyFault) -> bool:
+        """Send ``response`` damaged as ``fault`` says; whether the connection stays open."""
+        payload = _dechunk(response.body) if _is_chunked(response.headers) else response.body
+        head = _with_length(response.head, len(payload))
+        if fault.kind == "corrupt":
+            if payload:
+                payload = bytes([payload[0] ^ 0xFF]) + payload[1:]
+            writer.write(head + b"\r\n\r\n" + payload)
+            await writer.drain()
+            return "close" not in response.headers.get("connection", "").lower()
+        if not payload:  # nothing to cut: the whole reply is lost
+            writer.close()
+            return False
+        cut = fault.nbytes if fault.nbytes is not None else len(payload) // 2
+        writer.write(head + b"\r\n\r\n" + payload[:cut])
+        await writer.drain()
+        if fault.kind == "reset":
+            _reset(writer)
+        else:
+            writer.close()
+        return False

@@ -36,13 +36,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import IO, Any, Self
 
 __all__ = [
     "FuseMount",
     "SeaweedFS",
     "ServerError",
+    "Stoppable",
     "fuse_unavailable_reason",
     "free_ports",
     "process_is",
@@ -191,7 +191,21 @@ def _http_status(url: str, *, timeout: float = 2.0, context: Any = None) -> int 
         return None
 
 
-class _Managed:
+class Stoppable:
+    """A test server, mount or proxy that :meth:`stop` shuts down. As a context manager it
+    is stopped on exit; entering returns it as it is (classes that start on entry say so)."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+
+class _Managed(Stoppable):
     """A subprocess with a log file, started and stopped by PID."""
 
     program = "weed"
@@ -222,6 +236,22 @@ class _Managed:
             start_new_session=not tie_to_parent,
             preexec_fn=_die_with_parent if tie_to_parent else None,
         )
+
+    def ready(self) -> bool:
+        """Whether the process serves what it was started for."""
+        raise NotImplementedError
+
+    def _launch(
+        self, argv: Sequence[str], log: Path, *, tie_to_parent: bool, timeout: float, what: str
+    ) -> None:
+        """Spawn ``argv`` and poll :meth:`ready` until ``timeout``; if it never gets ready,
+        stop what was started and raise :class:`ServerError` with the log's tail."""
+        self._spawn(argv, log, tie_to_parent=tie_to_parent)
+        try:
+            wait_for(self.ready, timeout=timeout, what=what, alive=self.running, log=log)
+        except BaseException:
+            self.stop()
+            raise
 
     def _reap(self, timeout: float) -> None:
         if self._popen is not None:
@@ -433,18 +463,13 @@ class SeaweedFS(_Managed):
             return self
         for sub in ("data", "logs", "admin"):
             (self.workdir / sub).mkdir(parents=True, exist_ok=True)
-        self._spawn(self._argv(), self.workdir / "weed-mini.log", tie_to_parent=self.tie_to_parent)
-        try:
-            wait_for(
-                self.ready,
-                timeout=self.start_timeout,
-                what=f"SeaweedFS in {self.workdir}",
-                alive=self.running,
-                log=self.log_path,
-            )
-        except BaseException:
-            self._reap(timeout=10.0)
-            raise
+        self._launch(
+            self._argv(),
+            self.workdir / "weed-mini.log",
+            tie_to_parent=self.tie_to_parent,
+            timeout=self.start_timeout,
+            what=f"SeaweedFS in {self.workdir}",
+        )
         return self
 
     def ready(self) -> bool:
@@ -468,14 +493,6 @@ class SeaweedFS(_Managed):
 
     def __enter__(self) -> Self:
         return self.start()
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()
 
     # ------------------------------------------------------------------ helpers
 
@@ -602,18 +619,13 @@ class FuseMount(_Managed):
             f"-localSocket={state / 'mount.sock'}",
             "-dirAutoCreate",
         ]
-        self._spawn(argv, state / "weed-mount.log", tie_to_parent=self.server.tie_to_parent)
-        try:
-            wait_for(
-                self.ready,
-                timeout=self.start_timeout,
-                what=f"weed mount at {self.path}",
-                alive=self.running,
-                log=self.log_path,
-            )
-        except BaseException:
-            self.stop()
-            raise
+        self._launch(
+            argv,
+            state / "weed-mount.log",
+            tie_to_parent=self.server.tie_to_parent,
+            timeout=self.start_timeout,
+            what=f"weed mount at {self.path}",
+        )
         return self
 
     def ready(self) -> bool:
@@ -630,14 +642,3 @@ class FuseMount(_Managed):
         unmount(self.path)
         self._reap(timeout)
         unmount(self.path)  # in case the process died before the kernel let go
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.stop()

@@ -33,3 +33,11 @@ def seaweedfs_mount(seaweedfs: SeaweedFS) -> Iterator[FuseMount]:
         pytest.skip(reason)
     with seaweedfs.mount(seaweedfs.workdir / "mnt") as mount:
         yield mount
+
+
+@pytest.fixture(scope="session")
+def seaweedfs_second_mount(seaweedfs: SeaweedFS, seaweedfs_mount: FuseMount) -> Iterator[FuseMount]:
+    """A second ``weed mount`` of the same filer: another client of the same network
+    filesystem, for tests whose processes must not share one client's caches."""
+    with seaweedfs.mount(seaweedfs.workdir / "mnt-second") as mount:
+        yield mount

@@ -1,0 +1,317 @@
+"""The one restore path: select -> read -> verify -> rebuild.
+
+Every face that reads a checkpoint (``ckptstore.load``, ``CheckpointManager.restore``,
+``ckptstore.distributed.load``, the Lightning plug-in; the DCP reader for its byte ranges)
+goes through these stages, so they agree on what a request means and on what goes wrong:
+
+1. **select** (:func:`select`): which leaves of a committed step the caller wants. One rule on
+   every face:
+
+   * ``keys``: a leaf path (``"model/layer0/w"``) or a prefix (``"model"``), or a list of
+     them; only their bytes are read. Each key must name something in the step: a key that
+     matches nothing raises :class:`~ckptstore.errors.NotFoundError` naming every such key
+     (a typo is never silently dropped). An empty list is a ``ValueError``.
+   * ``target``: ``"numpy"``, ``"torch"`` or ``"jax"`` makes every array that; a state (a
+     nest of arrays, ``jax.ShapeDtypeStruct`` s and placeholders such as ``None``) names what
+     to read (its leaves' paths, when ``keys`` is not given, each of which must exist, as a
+     key would), gives each array's type, dtype and placement, and the result is built in the
+     target's own containers: named tuples, dataclasses, registered JAX pytree nodes (an
+     optax state, a flax ``TrainState``) come back as themselves.
+
+   A checkpoint another face wrote in its own format (DCP's) is refused here with
+   :class:`~ckptstore.errors.CheckpointFormatError` naming the face that reads it.
+2. **read** and **verify**: :func:`ckptstore.layout.restore.read_leaves` fetches exactly the
+   selected byte ranges, in parallel, straight into the destination arrays, and checks every
+   crc32c before anything is returned.
+3. **rebuild** (:func:`rebuild`): each host array becomes the array the caller asked for
+   (:func:`ckptstore.stage.stager.rebuild_leaf`: framework, device, dtype, sharding), and the
+   structure is put back (:func:`ckptstore.layout.tree.unflatten`).
+
+:func:`request` checks what was asked before any I/O (so a face can refuse bad arguments
+before its collectives); :func:`read` runs stages 1-2 on the event loop; :func:`rebuild` runs
+in the caller's thread,
+since building tensors on a device is not the loop's work. :func:`arestore` and
+:func:`restore` chain them for async and sync callers.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ckptstore import background
+from ckptstore.errors import CheckpointFormatError, NotFoundError
+from ckptstore.layout.commit import latest_step, read_manifest
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.restore import read_leaves
+from ckptstore.layout.tree import flatten, iter_leaves, select_paths, unflatten
+from ckptstore.stage.stager import ArrayKind, kind_named, rebuild_leaf, target_kind
+from ckptstore.stage.tree import expand
+from ckptstore.store.base import Store
+
+__all__ = [
+    "LeafRestore",
+    "Request",
+    "Selection",
+    "arestore",
+    "find_manifest",
+    "read",
+    "rebuild",
+    "request",
+    "restore",
+    "select",
+]
+
+#: A face's own way to turn one restored host array into its value:
+#: ``leaf(array, path, attrs)``, with the attrs its saver stored.
+LeafRestore = Callable[[np.ndarray[Any, Any], str, dict[str, Any] | None], Any]
+
+#: Formats of manifests that only one face can read, by the prefix of their metadata
+#: ``format``, with what reads them (DCP's writer flattens the state to DCP's names and
+#: serialises non-tensor values with ``torch.save``; only DCP's planner puts them back).
+_OWN_FACE = {
+    "ckptstore.dcp/": "torch.distributed.checkpoint.load(..., storage_reader="
+    "ckptstore.dcp.Reader(url))",
+}
+
+
+@dataclass(slots=True)
+class Selection:
+    """What a restore reads from one committed step, and how it rebuilds it.
+
+    Attributes:
+        manifest: the step's validated manifest.
+        where: the store URL, for messages.
+        asked: the request it answers.
+        leaves: indices of the array leaves to read.
+        accept: the path predicate of the selection (``None``: everything).
+        arrays: the verified host arrays by leaf index, once :func:`read` has run.
+    """
+
+    manifest: Manifest
+    where: str
+    asked: Request
+    leaves: list[int]
+    accept: Callable[[str], bool] | None = None
+    arrays: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)
+
+
+async def find_manifest(store: Store, step: int | None) -> Manifest:
+    """The validated manifest of ``step`` (``None``: the newest committed step).
+
+    Raises:
+        NotFoundError: nothing committed, or no such step.
+        CorruptCheckpointError: the manifest fails validation.
+    """
+    if step is None:
+        step = await latest_step(store)
+        if step is None:
+            raise NotFoundError(f"{store.url}: no committed checkpoint")
+    return await read_manifest(store, step)
+
+
+def _is_target_leaf(node: Any) -> bool:
+    return target_kind(node) is not None
+
+
+def _missing(manifest: Manifest, keys: list[str]) -> list[str]:
+    """The keys that name no leaf (nor any prefix of one) of ``manifest``."""
+    known = sorted(manifest.all_paths())
+    missing = []
+    for key in keys:
+        if key == "" and known:
+            continue
+        at = bisect.bisect_left(known, key)
+        if at < len(known) and known[at] == key:
+            continue
+        at = bisect.bisect_left(known, key + "/")
+        if at < len(known) and known[at].startswith(key + "/"):
+            continue
+        missing.append(key)
+    return missing
+
+
+def _as_keys(keys: str | Iterable[str]) -> list[str]:
+    wanted = [keys] if isinstance(keys, str) else list(keys)
+    bad = [key for key in wanted if not isinstance(key, str)]
+    if bad:
+        raise TypeError(f"keys are leaf paths or prefixes (str), not {bad[0]!r}")
+    if not wanted:
+        raise ValueError("keys is empty: nothing to load (keys=None loads every leaf)")
+    return wanted
+
+
+@dataclass(slots=True)
+class Request:
+    """What a caller asked of a restore, checked before any I/O (see :func:`request`).
+
+    Attributes:
+        keys: the paths and prefixes to read (``None``: every leaf).
+        kind: the array kind every array becomes (a ``target`` string), or ``None``.
+        like: the target state the result is built in, or ``None``.
+        likes: target leaves by path, when a state target gives types but ``keys`` select.
+    """
+
+    keys: list[str] | None = None
+    kind: ArrayKind | None = None
+    like: Any = None
+    likes: dict[str, Any] = field(default_factory=dict)
+
+
+def request(keys: str | Iterable[str] | None = None, target: Any = None) -> Request:
+    """Check ``keys`` and ``target`` (see the module docstring for the rule), before any I/O.
+
+    Raises:
+        ValueError: ``keys`` is empty, a target state holds no leaves, or an unknown
+            framework name.
+        TypeError: a key that is not a string.
+    """
+    asked = Request()
+    if isinstance(target, str):
+        asked.kind = kind_named(target)
+    elif target is not None:
+        leaves = list(iter_leaves(target, expand=expand, is_leaf=_is_target_leaf))
+        if keys is None:
+            if not leaves:
+                raise ValueError("the restore target holds no leaves to load")
+            asked.keys, asked.like = [path for path, _ in leaves], target
+        else:
+            asked.likes = dict(leaves)
+    if keys is not None:
+        asked.keys = _as_keys(keys)
+    return asked
+
+
+def select(manifest: Manifest, where: str, asked: Request) -> Selection:
+    """Stage 1: which leaves of ``manifest`` the request reads.
+
+    Raises:
+        NotFoundError: a key, or a leaf of a target state, that names nothing in the step;
+            the message names every such key.
+        CheckpointFormatError: the checkpoint is in a format only another face reads.
+    """
+    meta = manifest.metadata
+    form = meta.get("format") if isinstance(meta, dict) else None
+    for prefix, reader in _OWN_FACE.items():
+        if isinstance(form, str) and form.startswith(prefix):
+            raise CheckpointFormatError(
+                f"{where}: step {manifest.step} is a {form} checkpoint; read it with {reader}"
+            )
+    selection = Selection(manifest, where, asked, list(range(len(manifest.paths))))
+    if asked.keys is not None:
+        missing = _missing(manifest, asked.keys)
+        if missing:
+            named = ", ".join(repr(key) for key in missing[:5])
+            if len(missing) > 5:
+                named += f" and {len(missing) - 5} more"
+            known = sorted(manifest.all_paths())
+            raise NotFoundError(
+                f"{where}: step {manifest.step} has no leaf {named} (its paths look like "
+                f"{known[:3]})"
+            )
+        accept = select_paths(asked.keys)
+        selection.accept = accept
+        selection.leaves = [i for i, path in enumerate(manifest.paths) if accept(path)]
+    return selection
+
+
+async def read(store: Store, step: int | None, asked: Request, *, into: Any = None) -> Selection:
+    """Stages 1 and 2: select, then read and verify the selected leaves.
+
+    Args:
+        store: the store of the run's root.
+        step: the step (``None``: the newest committed one).
+        asked: what to read (:func:`request`).
+        into: a state of numpy arrays to fill in place, matched by path (dtype and shape
+            must equal the checkpoint's); they become the result's arrays.
+
+    Raises:
+        NotFoundError: no such step, a key or target leaf naming nothing, or a leaf of
+            ``into`` the step lacks.
+        CorruptCheckpointError: the manifest or any byte read fails verification.
+    """
+    manifest = await find_manifest(store, step)
+    selection = select(manifest, store.url, asked)
+    fill: dict[int, np.ndarray[Any, Any]] = {}
+    if into is not None:
+        index = {path: i for i, path in enumerate(manifest.paths)}
+        given = flatten(into, expand=expand)
+        for path, array in zip(given.paths, given.arrays, strict=True):
+            if path not in index:
+                raise NotFoundError(
+                    f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
+                )
+            fill[index[path]] = array
+    selection.arrays = await read_leaves(store, manifest, selection.leaves, fill)
+    return selection
+
+
+def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
+    """Stage 3: the state :func:`read` read, its arrays as asked, in the asked structure.
+
+    Args:
+        selection: what :func:`read` returned.
+        leaf: the face's own rebuild of each array leaf (replaces the target's rule).
+
+    Raises:
+        ValueError: a target leaf's shape differs from the checkpoint's (named by path).
+    """
+    manifest, asked = selection.manifest, selection.asked
+    paths, attrs = manifest.paths, manifest.attrs
+
+    kinds: dict[str, ArrayKind] = {}  # by saved framework; a restore runs this per leaf
+
+    def restore_leaf(array: Any, index: int, like: Any) -> Any:
+        if leaf is not None:
+            return leaf(array, paths[index], attrs[index])
+        if like is None and asked.likes:
+            like = asked.likes.get(paths[index])
+        leaf_attrs = attrs[index] or {}
+        try:
+            if like is not None and asked.kind is None:
+                return rebuild_leaf(array, leaf_attrs, None, like)
+            kind = asked.kind
+            if kind is None:  # as saved
+                name = str(leaf_attrs.get("framework", "numpy"))
+                kind = kinds.get(name) or kinds.setdefault(name, kind_named(name))
+            return kind.rebuild(array, leaf_attrs, None)
+        except ValueError as exc:
+            raise ValueError(
+                f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}: {exc}"
+            ) from None
+
+    if asked.like is not None:
+        return unflatten(
+            manifest.tree,
+            selection.arrays,
+            selected=selection.accept,
+            restore=restore_leaf,
+            like=asked.like,
+            expand=expand,
+            is_leaf=_is_target_leaf,
+        )
+    return unflatten(
+        manifest.tree, selection.arrays, selected=selection.accept, restore=restore_leaf
+    )
+
+
+async def arestore(
+    store: Store,
+    step: int | None,
+    asked: Request,
+    *,
+    into: Any = None,
+    leaf: LeafRestore | None = None,
+) -> Any:
+    """The whole restore path from a coroutine: :func:`read`, then :func:`rebuild`."""
+    return rebuild(await read(store, step, asked, into=into), leaf=leaf)
+
+
+def restore(store: Store, step: int | None, asked: Request) -> Any:
+    """The whole restore path for a synchronous caller: the reads on the background loop,
+    the rebuild in the calling thread."""
+    return rebuild(background.run(read(store, step, asked)))

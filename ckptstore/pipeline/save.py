@@ -1,0 +1,210 @@
+"""The one save path: stage -> plan -> write -> commit.
+
+Every face that saves calls this module and nothing below it:
+
+=====================================  =====================================================
+face                                   what it keeps of its own
+=====================================  =====================================================
+``ckptstore.save`` / ``asave``         nothing: :func:`save_flat` of its state
+``CheckpointManager.save``             when to save, retention; :func:`stage` in the
+                                       caller's thread, :func:`save_staged` in the background
+``ckptstore.manager.distributed``      the collectives: every rank :func:`stage`, :func:`plan`
+                                       and :func:`write`; the coordinator :func:`begin` and
+                                       :func:`commit`
+DCP ``Writer``                         DCP's planner types: every rank :func:`plan` and
+                                       :func:`write`; the coordinator :func:`begin`
+                                       (``prepare_global_plan``), :func:`commit` (``finish``)
+Lightning ``StoreCheckpointIO``        its hooks and its codec: :func:`save_flat`
+=====================================  =====================================================
+
+The stages:
+
+1. **stage**: a state's arrays to host arrays the writer may read (:mod:`ckptstore.stage`:
+   copied into a pooled arena, or let through in place when the caller waits for the save),
+   and the state's tree as :class:`~ckptstore.layout.tree.FlatState`.
+2. **plan**: which object and offset each leaf gets (:class:`~ckptstore.layout.plan.PackPlan`,
+   the one packer): small leaves packed into few objects at ``Settings.leaf_alignment``,
+   large ones objects of their own.
+3. **write**: every object under the attempt's prefix, packs built in the one buffer pool
+   (:data:`~ckptstore.store.buffers.host_buffers`), with each leaf's and object's crc32c;
+   durable when it returns; a failed writer removes what it wrote.
+4. **commit**: the manifest, once, with a put-if-absent (:mod:`ckptstore.layout.commit`).
+
+The protocol's rules (a fresh attempt prefix, durability before the manifest, the grace-period
+and size checks, what a lost response or a conflict means) live in
+:mod:`ckptstore.layout.commit`; this module is how faces reach them, so a capability added to a
+stage reaches every face. No stage does per-leaf async work: a plan is built in one pass,
+packs are filled with one copy per leaf in a worker thread, and one request goes out per
+object.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from ckptstore.layout.commit import (
+    Attempt,
+    CommitInfo,
+    ObjectWriter,
+    Written,
+    begin_attempt,
+    commit_attempt,
+    remove_objects,
+    write_checkpoint,
+    write_objects,
+)
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.plan import PackPlan
+from ckptstore.layout.tree import FlatState
+from ckptstore.stage.stager import StagedState, Stager
+from ckptstore.store.base import Store
+
+__all__ = [
+    "Attempt",
+    "CommitInfo",
+    "Written",
+    "begin",
+    "commit",
+    "discard",
+    "object_writer",
+    "plan",
+    "save_flat",
+    "save_staged",
+    "stage",
+    "write",
+]
+
+
+# --------------------------------------------------------------------------- 1. stage
+
+
+def stage(stager: Stager, state: Any, *, copy: bool = True) -> StagedState:
+    """Stage ``state`` and build its flat view, in the calling thread.
+
+    Everything that can refuse a state (an array ckptstore cannot store, a leaf that is
+    neither an array nor a plain value) fails here, in the caller's thread, before any
+    background work; the arena is given back on such a failure.
+
+    Args:
+        stager: whose pool and threads to use.
+        state: nested dicts, lists and tuples of numpy, torch or JAX arrays and plain values.
+        copy: ``False`` lets host arrays through without a copy (for a caller that waits for
+            the save before touching the state again).
+
+    Raises:
+        TypeError, UnsupportedLeafError: a leaf that cannot be stored, named by its path.
+    """
+    staged = stager.stage(state, copy=copy)
+    try:
+        staged.flat()
+    except BaseException:
+        staged.release()
+        raise
+    return staged
+
+
+# --------------------------------------------------------------------------- 2. plan
+
+
+def plan(
+    store: Store,
+    lengths: Sequence[int],
+    paths: Sequence[str] | None = None,
+    *,
+    pack_threshold: int | None = None,
+    pack_size: int | None = None,
+) -> PackPlan:
+    """Plan leaves of ``lengths`` bytes for ``store``: its settings and part limits, or the
+    ``pack_threshold`` and ``pack_size`` a face sets for itself (the DCP writer's).
+
+    Raises:
+        ValueError: a leaf larger than the store's largest object (named by ``paths``).
+    """
+    return PackPlan.for_store(
+        lengths,
+        store.settings,
+        store.capabilities,
+        paths,
+        pack_threshold=pack_threshold,
+        pack_size=pack_size,
+    )
+
+
+# --------------------------------------------------------------------------- 3. write
+
+
+async def write(
+    store: Store, arrays: Sequence[np.ndarray[Any, Any]], plan: PackPlan, prefix: str
+) -> Written:
+    """Write the objects of ``plan`` under ``prefix`` (an attempt's prefix, plus the writer's
+    own part such as ``r3-`` when several write one attempt); durable when it returns.
+
+    On a failure, what this writer wrote is removed (best effort; it is invisible without a
+    manifest either way) and the error is raised.
+    """
+    try:
+        return await write_objects(store, arrays, plan, prefix)
+    except Exception:
+        await remove_objects(store, prefix)
+        raise
+
+
+def object_writer(
+    store: Store, plan: PackPlan, prefix: str, arrays: Sequence[np.ndarray[Any, Any]]
+) -> ObjectWriter:
+    """The write stage one object at a time, for a face whose leaves become ready one after
+    another (the DCP writer resolves its items one by one): call ``write(i)`` once object
+    ``i``'s leaves are in ``arrays``, so its upload overlaps the preparation of the rest."""
+    return ObjectWriter(store, plan, prefix, arrays)
+
+
+async def discard(store: Store, prefix: str) -> None:
+    """Remove what a writer wrote under ``prefix`` for an attempt that will not commit (best
+    effort, never raises: the objects are invisible without a manifest, and garbage
+    collection removes whatever is left)."""
+    await remove_objects(store, prefix)
+
+
+# --------------------------------------------------------------------------- 4. commit
+
+
+async def begin(store: Store, step: int, metadata: Any = None) -> Attempt:
+    """Start an attempt at ``step`` (on the one writer that will commit it).
+
+    Raises:
+        CommitConflictError: ``step`` is already committed.
+        TypeError: ``metadata`` is not plain JSON.
+    """
+    return await begin_attempt(store, step, metadata)
+
+
+async def commit(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
+    """Commit ``manifest`` for ``attempt`` once every object it names is durable; see
+    :func:`ckptstore.layout.commit.commit_attempt` for what each failure means."""
+    return await commit_attempt(store, attempt, manifest)
+
+
+# --------------------------------------------------------------------------- whole saves
+
+
+async def save_flat(
+    store: Store, flat: FlatState, *, step: int, metadata: Any = None
+) -> CommitInfo:
+    """Plan, write and commit a flat state in this process (the arrays must not change
+    until it returns)."""
+    return await write_checkpoint(store, flat, step=step, metadata=metadata)
+
+
+async def save_staged(
+    store: Store, staged: StagedState, *, step: int, metadata: Any = None
+) -> CommitInfo:
+    """Plan, write and commit a state :func:`stage` copied (the background half of an async
+    save), once its device-to-host copies have landed; the caller releases ``staged`` when
+    this returns."""
+    if staged.fences:
+        await asyncio.to_thread(staged.wait_ready)
+    return await save_flat(store, staged.flat(), step=step, metadata=metadata)
