@@ -44,7 +44,15 @@ class Settings:
             reads of one large object.
         multipart_threshold: objects at least this many bytes are written as multipart uploads.
         max_concurrency: parallel requests one store keeps in flight.
-        max_inflight_bytes: bytes of request bodies one store keeps in flight.
+        max_inflight_bytes: bytes of request and response bodies one store keeps in flight
+            (puts, multipart parts, ranged reads), on every backend; a single body larger than
+            this goes alone. Bounds the memory a store's transfers pin.
+        retry_attempts: attempts per request of a network backend (S3, GCS, fsspec), the
+            first included, for failures worth retrying: throttling, 5xx, dropped
+            connections, bodies that arrive short or fail their checksum. A connection
+            refused on a store's first request is not retried: it fails at once.
+        retry_delay: seconds before the first retry; doubled per retry, with jitter.
+        retry_max_delay: longest wait between two attempts, in seconds.
         io_threads: threads for blocking POSIX I/O (writes and reads release the GIL).
         coalesce_gap: ranged reads of one object closer than this many bytes are merged.
         coalesce_limit: a merged ranged read is never larger than this many bytes.
@@ -78,6 +86,9 @@ class Settings:
     multipart_threshold: int = 64 << 20
     max_concurrency: int = 16
     max_inflight_bytes: int = 1 << 30
+    retry_attempts: int = 10
+    retry_delay: float = 0.1
+    retry_max_delay: float = 5.0
     io_threads: int = 8
     coalesce_gap: int = 1 << 20
     coalesce_limit: int = 64 << 20
@@ -95,12 +106,24 @@ class Settings:
             value = getattr(self, field.name)
             if field.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"Settings.{field.name} must be an int, got {value!r}")
+            if field.type == "float" and (
+                not isinstance(value, int | float) or isinstance(value, bool)
+            ):
+                raise TypeError(f"Settings.{field.name} must be a number, got {value!r}")
         if self.part_size <= 0:
             raise ValueError(f"Settings.part_size must be > 0, got {self.part_size}")
         if self.max_concurrency <= 0 or self.io_threads <= 0:
             raise ValueError("Settings.max_concurrency and Settings.io_threads must be > 0")
         if self.max_inflight_bytes < self.part_size:
             raise ValueError("Settings.max_inflight_bytes must be at least one part_size")
+        if self.retry_attempts < 1:
+            raise ValueError(f"Settings.retry_attempts must be >= 1, got {self.retry_attempts}")
+        if not 0 <= self.retry_delay <= self.retry_max_delay:
+            raise ValueError(
+                "Settings.retry_delay and Settings.retry_max_delay must satisfy "
+                f"0 <= retry_delay <= retry_max_delay, got {self.retry_delay} and "
+                f"{self.retry_max_delay}"
+            )
         if self.pack_size <= 0 or self.leaf_alignment <= 0:
             raise ValueError("Settings.pack_size and Settings.leaf_alignment must be > 0")
         if self.save_lease_seconds < 4:
@@ -133,10 +156,31 @@ def _coerce(values: Mapping[str, Any]) -> dict[str, Any]:
                 if lowered not in {"1", "0", "true", "false", "yes", "no"}:
                     raise ValueError(f"setting {name}={value!r} is not a boolean")
                 value = lowered in {"1", "true", "yes"}
+            elif types[name] == "float":
+                value = _parse_seconds(name, value)
+            elif types[name] == "int" and name.startswith("retry_"):
+                value = _parse_count(name, value)
             else:
                 value = parse_size(value)
         out[name] = value
     return out
+
+
+def _parse_seconds(name: str, value: str) -> float:
+    try:
+        seconds = float(value.strip().removesuffix("s"))
+    except ValueError:
+        raise ValueError(f"setting {name}={value!r} is not a number of seconds") from None
+    if seconds != seconds or seconds in (float("inf"), float("-inf")):
+        raise ValueError(f"setting {name}={value!r} is not a finite number of seconds")
+    return seconds
+
+
+def _parse_count(name: str, value: str) -> int:
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError(f"setting {name}={value!r} is not a whole number") from None
 
 
 @functools.cache

@@ -17,7 +17,10 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     └── StoreError             (OSError)            the backend failed after its retries
 
 Backends translate their client's exceptions into this tree in one table each; messages name
-the URL or key and say what to do next, and never carry credentials or signed query strings.
+the URL or key and say what to do next, and never carry credentials or signed query strings:
+every message passes through :func:`ckptstore.store.transport.redact` when the error is
+made, so a URL with ``?secret_access_key=...`` or a password in its userinfo cannot reach a
+traceback, a log line or the CLI's output through an error, whichever layer raised it.
 """
 
 from __future__ import annotations
@@ -39,7 +42,13 @@ __all__ = [
 
 
 class CkptStoreError(Exception):
-    """Base of every error raised by ckptstore."""
+    """Base of every error raised by ckptstore; its text arguments are redacted."""
+
+    def __init__(self, *args: object) -> None:
+        # Imported here: the store layer's transport module imports this one.
+        from ckptstore.store.transport import redact
+
+        super().__init__(*(redact(a) if isinstance(a, str) else a for a in args))
 
 
 class InvalidKeyError(CkptStoreError, ValueError):

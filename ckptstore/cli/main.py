@@ -39,6 +39,7 @@ from ckptstore.errors import (
 )
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
+from ckptstore.store.transport import redact, redact_data, redact_url
 
 if TYPE_CHECKING:
     from ckptstore.layout.manifest import Manifest
@@ -239,7 +240,7 @@ async def cli_store(
     except (TypeError, ValueError) as exc:
         if isinstance(exc, CkptStoreError):
             raise
-        raise UsageError(f"cannot open {url}: {exc}") from None
+        raise UsageError(f"cannot open {redact_url(url)}: {_one_line(exc)}") from None
     async with store:
         root = getattr(store, "root", None)
         local = store.capabilities.local_path and isinstance(root, str)
@@ -1018,8 +1019,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _one_line(exc: BaseException) -> str:
+    """The error's message on one line, credentials removed (a client library's message may
+    quote a URL or an option it was given)."""
     text = " ".join(str(exc).split()) or type(exc).__name__
-    return text
+    return redact(text)
 
 
 def _setup_error(exc: BaseException) -> str | None:
@@ -1081,13 +1084,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if failure.status is not None:
         return failure.status
     try:
+        # Output, like errors, never carries a credential: a command may echo the URL or
+        # the options it was given (bench reports the URL it measured).
         if args.json:
-            print(json.dumps(outcome.data, indent=2, sort_keys=False))
+            print(json.dumps(redact_data(outcome.data), indent=2, sort_keys=False))
         elif outcome.text:
-            print(outcome.text)
+            print(redact(outcome.text))
         sys.stdout.flush()
     except BrokenPipeError:  # `ckptstore show ... | head`: the reader has what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     if outcome.error is not None:
-        print(f"ckptstore {args.command}: error: {outcome.error}", file=sys.stderr)
+        print(f"ckptstore {args.command}: error: {redact(outcome.error)}", file=sys.stderr)
     return outcome.status

@@ -12,7 +12,10 @@ here, once, for every backend:
 * a large ``read_into`` becomes parallel ranged reads straight into the caller's buffer;
 * ``get_ranges`` and ``read_ranges_into`` merge nearby ranges and fetch the groups in parallel;
 * every single request runs under one per-store bound on concurrency
-  (``Settings.max_concurrency``), so callers may ``gather`` freely.
+  (``Settings.max_concurrency``), so callers may ``gather`` freely;
+* every put, part and ranged read holds its bytes in one per-store budget
+  (``Settings.max_inflight_bytes``), so the memory a store's transfers pin is bounded on
+  every backend, not only where a client library happens to bound it.
 
 Buffers passed to ``put`` are used through a ``memoryview`` and never copied in Python; a
 backend copies only where its medium must hold the bytes (the memory store keeps them).
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Self
@@ -36,7 +40,8 @@ from ckptstore.errors import (
     NotSupportedError,
 )
 from ckptstore.store.checksum import acrc32c, crc32c_combine
-from ckptstore.store.fanout import gather_all as _gather_all
+from ckptstore.store.fanout import gather_all
+from ckptstore.store.transport import ByteBudget, redact_url
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -202,6 +207,8 @@ class MultipartUpload(ABC):
         self.part_size = part_size
         self.mode = mode
         self._sizes: dict[int, int] = {}
+        #: The opening store's bounds on transfers (set by :class:`Store`; None: unbounded).
+        self.bounds: Callable[[int], contextlib.AbstractAsyncContextManager[None]] | None = None
 
     async def put_part(self, index: int, data: Buffer) -> None:
         """Upload part ``index`` (from 0) from a bytes-like object, without copying it."""
@@ -213,7 +220,11 @@ class MultipartUpload(ABC):
                 f"part {index} of {self.key!r} is {len(view)} bytes, over part_size "
                 f"{self.part_size}"
             )
-        await self._put_part(index, view)
+        if self.bounds is None:
+            await self._put_part(index, view)
+        else:
+            async with self.bounds(len(view)):
+                await self._put_part(index, view)
         self._sizes[index] = len(view)
 
     async def complete(self) -> ObjectMeta:
@@ -276,6 +287,7 @@ class Store(ABC):
     def __init__(self, *, settings: Settings | None = None) -> None:
         self.settings = settings if settings is not None else default_settings()
         self._slots: asyncio.Semaphore | None = None
+        self._budget: ByteBudget | None = None
 
     # ----------------------------------------------------------------- construction
 
@@ -295,12 +307,36 @@ class Store(ABC):
         """What this backend can do."""
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.url!r})"
+        return f"{type(self).__name__}({redact_url(self.url)!r})"
 
     def _limit(self) -> asyncio.Semaphore:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.settings.max_concurrency)
         return self._slots
+
+    def _bytes(self) -> ByteBudget:
+        """The budget of ``Settings.max_inflight_bytes`` every transfer holds its bytes in."""
+        if self._budget is None or self._budget.limit != self.settings.max_inflight_bytes:
+            self._budget = ByteBudget(self.settings.max_inflight_bytes)
+        return self._budget
+
+    @contextlib.asynccontextmanager
+    async def _transfer(self, nbytes: int) -> AsyncIterator[None]:
+        """Hold ``nbytes`` of the byte budget, then a concurrency slot: always in this order,
+        so that no transfer holds a slot while it waits for bytes another one holds."""
+        async with self._bytes().hold(nbytes), self._limit():
+            yield
+
+    async def _put_one(self, key: str, view: memoryview, mode: PutMode) -> None:
+        """One single-request put, within the byte budget and the concurrency bound."""
+        async with self._transfer(len(view)):
+            await self._put(key, view, mode)
+
+    async def _start_upload(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+        """:meth:`_create_multipart`, with each part put within the store's bounds."""
+        upload = await self._create_multipart(key, part_size, mode)
+        upload.bounds = self._transfer
+        return upload
 
     # ----------------------------------------------------------------- writes
 
@@ -329,8 +365,7 @@ class Store(ABC):
         if caps.multipart and len(view) >= self.settings.multipart_threshold:
             await self._put_parallel(key, view, mode)
             return
-        async with self._limit():
-            await self._put(key, view, mode)
+        await self._put_one(key, view, mode)
 
     async def create_multipart(
         self, key: str, *, mode: PutMode = "overwrite", part_size: int | None = None
@@ -354,7 +389,7 @@ class Store(ABC):
                 f"part_size {size} is outside this backend's limits "
                 f"[{caps.min_part_size}, {caps.max_part_size}]"
             )
-        return await self._create_multipart(key, size, mode)
+        return await self._start_upload(key, size, mode)
 
     def part_size_for(self, size: int) -> int:
         """The part size to upload ``size`` bytes in: the configured one, grown if needed so
@@ -372,14 +407,13 @@ class Store(ABC):
 
     async def _put_parallel(self, key: str, view: memoryview, mode: PutMode) -> None:
         part = self.part_size_for(len(view))
-        upload = await self._create_multipart(key, part, mode)
+        upload = await self._start_upload(key, part, mode)
         async with upload:
 
             async def send(index: int) -> None:
-                async with self._limit():
-                    await upload.put_part(index, view[index * part : (index + 1) * part])
+                await upload.put_part(index, view[index * part : (index + 1) * part])
 
-            await _gather_all(send(i) for i in range(max(1, -(-len(view) // part))))
+            await gather_all(send(i) for i in range(max(1, -(-len(view) // part))))
             await upload.complete()
 
     # ----------------------------------------------------------------- reads
@@ -451,13 +485,13 @@ class Store(ABC):
 
         async def fetch(offset: int) -> None:
             piece = view[offset : offset + part]
-            async with self._limit():
+            async with self._transfer(len(piece)):
                 if checksum:
                     crcs[offset] = await self._read_into_crc32c(key, start + offset, piece)
                 else:
                     await self._read_into(key, start + offset, piece)
 
-        await _gather_all(fetch(off) for off in range(0, len(view), part))
+        await gather_all(fetch(off) for off in range(0, len(view), part))
         crc = 0
         for offset in sorted(crcs):
             crc = crc32c_combine(crc, crcs[offset], min(part, len(view) - offset))
@@ -517,7 +551,7 @@ class Store(ABC):
                 if crcs is not None:
                     crcs[i] = await acrc32c(view)
 
-        await _gather_all(fetch(*group) for group in groups)
+        await gather_all(fetch(*group) for group in groups)
 
     async def get_ranges(
         self, key: str, ranges: Sequence[tuple[int, int]]
@@ -542,7 +576,7 @@ class Store(ABC):
                 start, end = ranges[i]
                 results[i] = view[start - g_start : end - g_start]
 
-        await _gather_all(fetch(*group) for group in groups)
+        await gather_all(fetch(*group) for group in groups)
         return [r if r is not None else memoryview(b"") for r in results]
 
     async def head(self, key: str) -> ObjectMeta:

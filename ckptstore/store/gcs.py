@@ -6,9 +6,11 @@ gcsfs accepts, or the usual Google environment), the endpoint (``endpoint_url=``
 The requests themselves are issued here against the JSON API, for four reasons gcsfs's
 ``_call`` cannot serve:
 
-* retries: gcsfs retries with a fixed 1-32 s backoff that no caller can tune; here the attempt
-  count and first delay are options, and a body that arrives short or fails its crc32c is
-  retried like a 503;
+* retries: gcsfs retries with a fixed 1-32 s backoff that no caller can tune; here they follow
+  the store's transport policy (:mod:`ckptstore.store.transport`, the same as every network
+  backend's: ``Settings.retry_attempts``, ``retry_delay``, ``retry_max_delay``, and no retries
+  for a first contact that finds no server), and a body that arrives short or fails its
+  crc32c is retried like a 503;
 * reads stream straight into the caller's buffer instead of being joined into a new ``bytes``;
 * uploads send the caller's ``memoryview`` without copying it into a multipart body;
 * every upload carries its crc32c, and the crc32c the server reports for the stored object is
@@ -25,7 +27,7 @@ carries ``ifGenerationMatch=0`` for ``mode="create"``, so the create stays one a
 put-if-absent. ``scripts/benchlib/gcs.py`` measures this against gcsfs's resumable ``pipe``.
 
 Credentials are never logged or put into error messages: errors name the ``gs://`` URL and
-the HTTP status only.
+the HTTP status only, and are translated in one table (:data:`_ERROR_TABLE`).
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import builtins
 import contextlib
 import datetime
 import json
-import random
 import re
 import uuid
 import warnings
@@ -48,30 +49,16 @@ import aiohttp
 import gcsfs.core
 import yarl
 
+from ckptstore import errors
 from ckptstore.config import Settings
-from ckptstore.errors import (
-    AlreadyExistsError,
-    CorruptCheckpointError,
-    InvalidRangeError,
-    InvalidURLError,
-    NotFoundError,
-    StoreError,
-)
-from ckptstore.store.base import (
-    TEMP_PREFIX,
-    Capabilities,
-    MultipartUpload,
-    ObjectMeta,
-    PutMode,
-    Store,
-    validate_prefix,
-)
+from ckptstore.store import base, transport
 from ckptstore.store.checksum import crc32c, crc32c_b64
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["GCSStore"]
 
 _T = TypeVar("_T")
+_log = transport.store_logger("ckptstore.gcs")
 
 #: Statuses GCS documents as transient: retry them with backoff.
 _RETRYABLE_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -85,8 +72,33 @@ _GCS_MAX_OBJECT = 5 << 40
 _BOUNDARY = "==ckptstore-part=="
 
 
+_CREDENTIALS_HINT = "check the credentials given as token= or in GOOGLE_APPLICATION_CREDENTIALS"
+#: HTTP status -> (exception class, what to tell the user), over the shared statuses.
+_ERROR_TABLE = transport.ErrorTable(
+    {
+        "401": (errors.StoreError, f"not authenticated (HTTP 401); {_CREDENTIALS_HINT}"),
+        "403": (errors.StoreError, f"permission denied (HTTP 403); {_CREDENTIALS_HINT}"),
+    },
+    extends=transport.HTTP_ERRORS,
+)
+
+
 class _Transient(Exception):
     """A failure worth retrying: a retryable status, a dropped connection, a broken body."""
+
+
+def _transient(exc: BaseException) -> bool:
+    return isinstance(
+        exc, _Transient | aiohttp.ClientConnectionError | aiohttp.ClientPayloadError | TimeoutError
+    )
+
+
+def _retries(value: object) -> int:
+    """``retries`` (the old option: retries after the first attempt) as ``retry_attempts``."""
+    count = int(str(value))
+    if count < 0:
+        raise ValueError(f"retries must be >= 0, got {count}")
+    return count + 1
 
 
 def _b64(crc: int) -> str:
@@ -112,10 +124,10 @@ def _parse_time(text: str | None) -> float | None:
 
 
 def _is_temp(name: str) -> bool:
-    return any(segment.startswith(TEMP_PREFIX) for segment in name.split("/"))
+    return any(segment.startswith(base.TEMP_PREFIX) for segment in name.split("/"))
 
 
-class GCSStore(Store):
+class GCSStore(base.Store):
     """Objects under ``gs://bucket/prefix``.
 
     Args:
@@ -128,14 +140,12 @@ class GCSStore(Store):
         project: the Google Cloud project (billing for requester-pays buckets).
         endpoint_url: ``http(s)://host:port`` of an emulator or private endpoint.
         requester_pays: bill requests to ``project`` on requester-pays buckets.
-        retries: attempts after the first for transient failures (429, 408, 5xx, dropped
-            connections, short or corrupt bodies).
-        retry_delay: seconds before the first retry; doubles per attempt (with full jitter),
-            capped at ``retry_max_delay``.
-        retry_max_delay: longest wait between attempts, in seconds.
         request_timeout: seconds one request may take in total (``None``: no limit).
         session_kwargs: passed to ``aiohttp.ClientSession`` (proxies, connector).
-        settings: tunables; see :class:`~ckptstore.config.Settings`.
+        settings: tunables, the retry policy among them (``retry_attempts``, ``retry_delay``,
+            ``retry_max_delay``); see :class:`~ckptstore.config.Settings`. ``from_url`` still
+            takes the old option ``retries`` (retries after the first attempt) for
+            ``retry_attempts``.
     """
 
     schemes = ("gs", "gcs")
@@ -151,9 +161,6 @@ class GCSStore(Store):
         project: str | None = None,
         endpoint_url: str | None = None,
         requester_pays: bool | str = False,
-        retries: int = 6,
-        retry_delay: float = 0.2,
-        retry_max_delay: float = 10.0,
         request_timeout: float | None = None,
         session_kwargs: dict[str, Any] | None = None,
         scheme: str = "gs",
@@ -161,16 +168,13 @@ class GCSStore(Store):
     ) -> None:
         super().__init__(settings=settings)
         if not bucket or "/" in bucket:
-            raise InvalidURLError(f"invalid GCS bucket name {bucket!r}")
-        if retries < 0 or retry_delay < 0 or retry_max_delay < 0:
-            raise ValueError("retries, retry_delay and retry_max_delay must be >= 0")
+            raise errors.InvalidURLError(f"invalid GCS bucket name {bucket!r}")
         self.bucket = bucket
         self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self._scheme = scheme
-        self.retries = retries
-        self.retry_delay = retry_delay
-        self.retry_max_delay = retry_max_delay
         self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        if endpoint_url is not None:
+            endpoint_url = transport.check_endpoint_url(endpoint_url)
         fs_options: dict[str, Any] = {
             "token": token,
             "endpoint_url": endpoint_url,
@@ -183,41 +187,43 @@ class GCSStore(Store):
             fs_options["project"] = project
         # The core class, not gcsfs's exported one: the experimental zonal-bucket subclass
         # probes every bucket over gRPC, and nothing here goes through its upload paths.
-        self._fs = gcsfs.core.GCSFileSystem(**fs_options)
+        try:
+            self._fs = gcsfs.core.GCSFileSystem(**fs_options)
+        except Exception as exc:  # gcsfs checks a token string with Google, and echoes it
+            raise errors.StoreError(
+                f"{self.url}: gcsfs could not use the credentials given as token= "
+                f"({type(exc).__name__}: {transport.redact(str(exc))}); give a service-account "
+                "file, 'anon', 'google_default' or leave token unset"
+            ) from None
         self._session: aiohttp.ClientSession | None = None
+        self._transport = transport.Transport(lambda: self.settings, self._fs._location, _log)
 
     # ----------------------------------------------------------------- construction
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> GCSStore:
         # docstring inherited
-        settings, rest = split_settings(options)
+        settings, rest = split_settings(options, {"retries": ("retry_attempts", _retries)})
         scheme, sep, path = url.partition("://")
+        shown = transport.redact_url(url)
         if not sep or scheme.lower() not in cls.schemes:
-            raise InvalidURLError(f"not a gs:// URL: {url!r}")
+            raise errors.InvalidURLError(f"not a gs:// URL: {shown!r}")
         bucket, _, prefix = path.partition("/")
         if not bucket:
-            raise InvalidURLError(f"{url!r} names no bucket; use gs://bucket/prefix")
+            raise errors.InvalidURLError(f"{shown!r} names no bucket; use gs://bucket/prefix")
         known = {
             "token",
             "project",
             "endpoint_url",
             "requester_pays",
-            "retries",
-            "retry_delay",
-            "retry_max_delay",
             "request_timeout",
             "session_kwargs",
         }
         unknown = set(rest) - known
         if unknown:
             raise TypeError(f"gcs store: unknown options {sorted(unknown)}; known: {sorted(known)}")
-        for name in ("retries",):
-            if isinstance(rest.get(name), str):
-                rest[name] = int(rest[name])
-        for name in ("retry_delay", "retry_max_delay", "request_timeout"):
-            if isinstance(rest.get(name), str):
-                rest[name] = float(rest[name])
+        if isinstance(rest.get("request_timeout"), str):
+            rest["request_timeout"] = float(rest["request_timeout"])
         if isinstance(rest.get("requester_pays"), str) and rest["requester_pays"].lower() in {
             "1",
             "0",
@@ -235,9 +241,9 @@ class GCSStore(Store):
         return f"{self._scheme}://{self.bucket}/{self._prefix}".rstrip("/")
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> base.Capabilities:
         # docstring inherited
-        return Capabilities(
+        return base.Capabilities(
             atomic_create=True,
             multipart=True,
             min_part_size=1,
@@ -270,6 +276,7 @@ class GCSStore(Store):
 
     async def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            transport.guard_client_loggers()
             self._session = await self._fs._set_session()
         return self._session
 
@@ -289,31 +296,38 @@ class GCSStore(Store):
         ``handle`` may raise :class:`_Transient` (a short or corrupt body) to retry. Error
         statuses are translated by :meth:`_raise_for`.
         """
-        last: BaseException | None = None
-        for attempt in range(self.retries + 1):
-            if attempt:
-                cap = min(self.retry_max_delay, self.retry_delay * (2 ** (attempt - 1)))
-                await asyncio.sleep(random.uniform(cap / 2, cap))
-            try:
-                session = await self._client()
-                async with session.request(
-                    method,
-                    yarl.URL(url, encoded=True),
-                    params=self._fs._get_params(params or {}),
-                    headers=self._fs._get_headers(headers),
-                    data=body() if body is not None else None,
-                    timeout=self._timeout,
-                ) as response:
-                    if response.status >= 300:
-                        await self._fail(response, what)
-                    return await handle(response)
-            except _Transient as exc:
-                last = exc
-            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as exc:
-                last = exc
-            except TimeoutError as exc:
-                last = exc
-        raise StoreError(f"{what} failed after {self.retries + 1} attempts: {last}") from last
+
+        async def attempt() -> _T:
+            session = await self._client()
+            async with session.request(
+                method,
+                yarl.URL(url, encoded=True),
+                params=self._fs._get_params(params or {}),
+                headers=self._fs._get_headers(headers),
+                data=body() if body is not None else None,
+                timeout=self._timeout,
+            ) as response:
+                if response.status >= 300:
+                    await self._fail(response, what)
+                return await handle(response)
+
+        try:
+            return await self._transport.run(attempt, transient=_transient, what=what)
+        except (_Transient, aiohttp.ClientError, TimeoutError) as exc:
+            raise self._gave_up(exc, what) from None
+
+    def _gave_up(self, exc: BaseException, what: str) -> errors.StoreError:
+        """The error for a request that failed on every attempt."""
+        tries = transport.attempts_made(exc)
+        failure = transport.wire_failure(exc)
+        if failure is not None and not isinstance(exc, _Transient):
+            return errors.StoreError(
+                f"{what} failed after {tries} attempt(s): {failure.phrase} "
+                f"({self._transport.endpoint})"
+            )
+        return errors.StoreError(
+            f"{what} failed after {tries} attempt(s): {transport.redact(str(exc))}"
+        )
 
     async def _fail(self, response: aiohttp.ClientResponse, what: str) -> None:
         """Raise for an error response: :class:`_Transient` if worth retrying."""
@@ -323,19 +337,13 @@ class GCSStore(Store):
         self._raise_for(response.status, text, what)
 
     def _raise_for(self, status: int, text: str, what: str) -> None:
-        message = _error_message(text)
+        message = transport.redact(_error_message(text))
+        entry = _ERROR_TABLE.lookup(status)
+        if entry is None:
+            raise errors.StoreError(f"{what}: HTTP {status}: {message}")
         if status == 404:
-            raise NotFoundError(f"{what}: not found ({message or 'HTTP 404'})")
-        if status == 412:
-            raise AlreadyExistsError(f"{what}: the object already exists (HTTP 412)")
-        if status == 416:
-            raise InvalidRangeError(f"{what}: the range lies past the end of the object")
-        if status in (401, 403):
-            raise StoreError(
-                f"{what}: permission denied (HTTP {status}); check the credentials given as "
-                "token= or in GOOGLE_APPLICATION_CREDENTIALS"
-            )
-        raise StoreError(f"{what}: HTTP {status}: {message}")
+            raise entry.error(f"{what}: {entry.hint} ({message or 'HTTP 404'})")
+        raise entry.error(f"{what}: {entry.hint}")
 
     # ----------------------------------------------------------------- writes
 
@@ -348,7 +356,7 @@ class GCSStore(Store):
         params = {"uploadType": "multipart"}
         if create:
             # If a first attempt commits but its response is lost, the retry gets 412 and
-            # this raises AlreadyExistsError; the commit layer tells that case apart by the
+            # this raises errors.AlreadyExistsError; the commit layer tells that case apart by the
             # attempt id inside the object, which a store cannot know.
             params["ifGenerationMatch"] = "0"
 
@@ -370,13 +378,15 @@ class GCSStore(Store):
         url = f"{self._fs._location}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
         return await self._request("POST", url, handle, what=what, params=params, body=body)
 
-    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+    async def _put(self, key: str, data: memoryview, mode: base.PutMode) -> None:
         # docstring inherited
         await self._upload(
             self._name(key), data, create=mode == "create", what=f"put {self.url}/{key}"
         )
 
-    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+    async def _create_multipart(
+        self, key: str, part_size: int, mode: base.PutMode
+    ) -> base.MultipartUpload:
         # docstring inherited
         return _ComposeUpload(self, key, part_size, mode)
 
@@ -424,9 +434,9 @@ class GCSStore(Store):
             return await self._request(
                 "GET", self._media_url(self._name(key)), handle, what=what, params={"alt": "media"}
             )
-        except StoreError as exc:
+        except errors.StoreError as exc:
             if "crc32c" in str(exc):
-                raise CorruptCheckpointError(str(exc)) from exc
+                raise errors.CorruptCheckpointError(str(exc)) from exc
             raise
 
     async def _read_into(self, key: str, start: int, out: memoryview) -> None:
@@ -466,7 +476,9 @@ class GCSStore(Store):
                 pos += take
             if pos < size:
                 if total is not None and total < end:
-                    raise InvalidRangeError(f"{what}: the range reaches past the end of the object")
+                    raise errors.InvalidRangeError(
+                        f"{what}: the range reaches past the end of the object"
+                    )
                 raise _Transient(f"body ended after {pos} of {size} bytes")
             expected = _hash_header(response, "crc32c")
             if whole and expected is not None and _is_identity(response) and _b64(crc) != expected:
@@ -482,7 +494,7 @@ class GCSStore(Store):
             headers={"Range": f"bytes={start}-{end - 1}"},
         )
 
-    async def _head(self, key: str) -> ObjectMeta:
+    async def _head(self, key: str) -> base.ObjectMeta:
         # docstring inherited
         async def handle(response: aiohttp.ClientResponse) -> dict[str, Any]:
             meta: dict[str, Any] = await response.json(content_type=None)
@@ -491,7 +503,7 @@ class GCSStore(Store):
         meta = await self._request(
             "GET", self._object_url(self._name(key)), handle, what=f"head {self.url}/{key}"
         )
-        return ObjectMeta(
+        return base.ObjectMeta(
             key, int(meta["size"]), str(meta.get("generation")), _parse_time(meta.get("updated"))
         )
 
@@ -524,7 +536,7 @@ class GCSStore(Store):
                 return
             params = {**params, "pageToken": token}
 
-    async def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+    async def _list(self, prefix: str) -> AsyncIterator[base.ObjectMeta]:
         # docstring inherited
         cut = len(self._prefix)
         async for page in self._list_pages(prefix, delimiter=None):
@@ -533,7 +545,7 @@ class GCSStore(Store):
                 name: str = item["name"]
                 if _is_temp(name[cut:]) or name.endswith("/"):
                     continue
-                yield ObjectMeta(
+                yield base.ObjectMeta(
                     name[cut:],
                     int(item["size"]),
                     str(item.get("generation")),
@@ -555,7 +567,7 @@ class GCSStore(Store):
         # A writer that dies between uploading parts and `compose` leaves its parts as
         # `.ckptstore-tmp.*` objects beside the key; they are never listed as keys, so only
         # this finds them.
-        validate_prefix(prefix)
+        base.validate_prefix(prefix)
         cut = len(self._prefix)
         stale: builtins.list[str] = []
         async for page in self._list_pages(prefix, delimiter=None):
@@ -580,27 +592,24 @@ class GCSStore(Store):
         """Delete up to 100 objects in one JSON API batch request; sub-requests that fail
         transiently are sent again in the next batch, missing objects are ignored."""
         pending = list(names)
-        for attempt in range(self.retries + 1):
-            if attempt:
-                cap = min(self.retry_max_delay, self.retry_delay * (2 ** (attempt - 1)))
-                await asyncio.sleep(random.uniform(cap / 2, cap))
+
+        async def send() -> None:
+            nonlocal pending
             statuses = await self._send_batch(pending)
-            failed = [n for n, s in zip(pending, statuses, strict=True) if s not in (200, 204, 404)]
-            hard = [
-                (n, s)
-                for n, s in zip(pending, statuses, strict=True)
-                if s not in (200, 204, 404) and s not in _RETRYABLE_STATUS
+            for name, status in zip(pending, statuses, strict=True):
+                if status not in (200, 204, 404) and status not in _RETRYABLE_STATUS:
+                    self._raise_for(status, "", f"delete {self._scheme}://{self.bucket}/{name}")
+            pending = [
+                n for n, s in zip(pending, statuses, strict=True) if s not in (200, 204, 404)
             ]
-            if hard:
-                name, status = hard[0]
-                self._raise_for(status, "", f"delete {self._scheme}://{self.bucket}/{name}")
-            if not failed:
-                return
-            pending = failed
-        raise StoreError(
-            f"delete of {len(pending)} objects under {self.url} failed after "
-            f"{self.retries + 1} attempts"
-        )
+            if pending:
+                raise _Transient(f"{len(pending)} of the batch's deletes failed transiently")
+
+        what = f"delete of {len(names)} objects under {self.url}"
+        try:
+            await self._transport.run(send, transient=_transient, what=what)
+        except _Transient as exc:
+            raise self._gave_up(exc, what) from None
 
     async def _send_batch(self, names: builtins.list[str]) -> builtins.list[int]:
         boundary = "==ckptstore-batch=="
@@ -636,15 +645,17 @@ class GCSStore(Store):
         )
 
 
-class _ComposeUpload(MultipartUpload):
+class _ComposeUpload(base.MultipartUpload):
     """Parts as temporary objects, joined by ``compose`` on complete, deleted after."""
 
-    def __init__(self, store: GCSStore, key: str, part_size: int, mode: PutMode) -> None:
+    def __init__(self, store: GCSStore, key: str, part_size: int, mode: base.PutMode) -> None:
         super().__init__(key, part_size, mode)
         self._store = store
         self._name = store._name(key)
-        head, _, base = self._name.rpartition("/")
-        self._temp_base = f"{head}/{TEMP_PREFIX}{base}" if head else f"{TEMP_PREFIX}{base}"
+        head, _, leaf = self._name.rpartition("/")
+        self._temp_base = (
+            f"{head}/{base.TEMP_PREFIX}{leaf}" if head else f"{base.TEMP_PREFIX}{leaf}"
+        )
         self._upload_id = uuid.uuid4().hex[:16]
         self._temps: set[str] = set()
 
@@ -658,7 +669,7 @@ class _ComposeUpload(MultipartUpload):
             name, data, create=False, what=f"put part {index} of {self._store.url}/{self.key}"
         )
 
-    async def _complete(self, part_count: int, size: int) -> ObjectMeta:
+    async def _complete(self, part_count: int, size: int) -> base.ObjectMeta:
         what = f"complete {self._store.url}/{self.key}"
         sources = [self._temp(f"{i:05d}") for i in range(part_count)]
         level = 0
@@ -680,11 +691,11 @@ class _ComposeUpload(MultipartUpload):
             sources, self._name, create=self.mode == "create", what=what
         )
         if int(meta.get("size", -1)) != size:
-            raise StoreError(f"{what}: composed {meta.get('size')} bytes, expected {size}")
+            raise errors.StoreError(f"{what}: composed {meta.get('size')} bytes, expected {size}")
         # The object is committed; temporaries that fail to go are left for `gc`.
-        with contextlib.suppress(StoreError):
+        with contextlib.suppress(errors.StoreError):
             await self._abort()
-        return ObjectMeta(
+        return base.ObjectMeta(
             self.key, size, str(meta.get("generation")), _parse_time(meta.get("updated"))
         )
 

@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl, urlsplit
 
 from ckptstore.errors import InvalidURLError, MissingDependencyError, NotSupportedError
 from ckptstore.store.base import Store
+from ckptstore.store.transport import redact_url, remember_secrets
 
 __all__ = ["BackendSpec", "open_store", "register_backend", "registered_schemes"]
 
@@ -127,11 +128,19 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     text = os.fspath(url)
     if not isinstance(text, str) or not text:
         raise InvalidURLError(f"a store URL must be a non-empty string, got {url!r}")
+    remember_secrets(options)
     scheme = _scheme_of(text)
     cls = _spec_for(scheme).load(scheme)
     if cls.url_query_options and "?" in text:
         parts = urlsplit(text)
-        for name, value in parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True):
+        try:
+            query = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=True)
+        except ValueError:
+            raise InvalidURLError(
+                f"{redact_url(text)!r}: the query is not a list of name=value options"
+            ) from None
+        remember_secrets(dict(query))
+        for name, value in query:
             if name in options and options[name] != value:
                 raise InvalidURLError(
                     f"option {name!r} is given both in the URL query and as a keyword"

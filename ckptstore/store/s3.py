@@ -18,12 +18,16 @@ Why each piece is the way it is:
   are verified by length here and by crc32c in the checkpoint layer, which knows the expected
   value of every range; ``response_checksum_validation="when_required"`` keeps botocore from
   asking for whole-object checksums a ranged read cannot use.
-* **Retries at two levels.** botocore's ``standard`` (or ``adaptive``) mode retries throttling
-  (503 SlowDown), 5xx and broken connections of a request. Errors while *reading a response
-  body* happen after botocore has returned, so :meth:`S3Store._read_into` retries those itself:
-  a reset, a timeout or a body shorter than its range restarts that range. A 409
-  ``ConditionalRequestConflict`` and a 400 ``BadDigest`` (the body was damaged in transit) are
-  retried here too.
+* **Retries follow the store's transport policy** (:mod:`ckptstore.store.transport`:
+  ``Settings.retry_attempts``, ``retry_delay``, ``retry_max_delay``), the same as every other
+  network backend's. botocore is told to make one attempt per call, and each call is retried
+  here: throttling (503 SlowDown and the other throttling codes), 5xx, 408/429, a 409
+  ``ConditionalRequestConflict``, a 400 ``BadDigest`` (the body was damaged in transit) and
+  broken connections. Errors while *reading a response body* happen after botocore has
+  returned, so a ranged read retries the whole GET: a reset, a timeout or a body shorter than
+  its range restarts that range. One loop for both means the delays, the attempt count and the
+  rule for a first contact that finds no server (fail at once) are the transport's, not
+  botocore's. ``retry_mode="adaptive"`` keeps botocore's client-side rate limiting.
 * **Put-if-absent** is ``If-None-Match: *`` on PutObject and on CompleteMultipartUpload; 412
   means another writer won. A server that ignores the header would let two writers both
   "win", so the first create on a store runs a probe (write a scratch object twice with the
@@ -37,6 +41,7 @@ Why each piece is the way it is:
 * **Errors** are translated in one table (:data:`_ERROR_TABLE`); messages name the
   ``s3://`` URL and the fix, and never carry credentials or signatures (AWS echoes the
   signature in SignatureDoesNotMatch bodies, so only the code and message are kept).
+  ``endpoint_url`` is validated when the store is opened, and may not carry a password.
 """
 
 from __future__ import annotations
@@ -47,8 +52,6 @@ import binascii
 import builtins
 import contextlib
 import hashlib
-import logging
-import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -64,32 +67,15 @@ import crc32c as _crc32c
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 
+from ckptstore import errors
 from ckptstore.config import Settings
-from ckptstore.errors import (
-    AlreadyExistsError,
-    CkptStoreError,
-    InvalidRangeError,
-    InvalidURLError,
-    NotFoundError,
-    NotSupportedError,
-    StoreError,
-)
-from ckptstore.store.base import (
-    TEMP_PREFIX,
-    Capabilities,
-    MultipartUpload,
-    ObjectMeta,
-    PutMode,
-    Store,
-    validate_key,
-    validate_prefix,
-)
+from ckptstore.store import base, transport
 from ckptstore.store.checksum import acrc32c
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["S3Store", "StaleUpload"]
 
-_log = logging.getLogger("ckptstore.s3")
+_log = transport.store_logger("ckptstore.s3")
 _T = TypeVar("_T")
 
 _MIN_PART = 5 << 20  # S3: every part but the last
@@ -156,43 +142,96 @@ class _ViewBody(aiohttp.payload.Payload):
 
 # ---------------------------------------------------------------------------- errors
 
-#: Error code (or HTTP status as a string) -> (exception class, what to tell the user).
-_ERROR_TABLE: dict[str, tuple[type[CkptStoreError], str]] = {
-    "NoSuchKey": (NotFoundError, "does not exist"),
-    "404": (NotFoundError, "does not exist"),
-    "NotFound": (NotFoundError, "does not exist"),
-    "NoSuchBucket": (NotFoundError, "the bucket does not exist; create it or fix the URL"),
-    "NoSuchUpload": (NotFoundError, "the multipart upload was aborted or already completed"),
-    "PreconditionFailed": (AlreadyExistsError, "already exists"),
-    "412": (AlreadyExistsError, "already exists"),
-    "InvalidRange": (InvalidRangeError, "the byte range lies past the end of the object"),
-    "416": (InvalidRangeError, "the byte range lies past the end of the object"),
-    "AccessDenied": (
-        StoreError,
-        "access denied; check the credentials (options, AWS_* environment, profile) and the "
-        "bucket policy",
-    ),
-    "403": (StoreError, "forbidden; check the credentials and the bucket policy"),
-    "InvalidAccessKeyId": (
-        StoreError,
-        "the access key id is unknown to this endpoint; check AWS_ACCESS_KEY_ID, the profile, "
-        "or the access_key_id option",
-    ),
-    "SignatureDoesNotMatch": (
-        StoreError,
-        "the request signature was rejected; check the secret key and the region",
-    ),
-    "ExpiredToken": (StoreError, "the session token has expired; refresh the credentials"),
-    "SlowDown": (StoreError, "the server kept throttling (503 SlowDown) after every retry"),
-    "BadDigest": (StoreError, "the server kept receiving bytes that fail their checksum"),
-    "ConditionalRequestConflict": (
-        StoreError,
-        "a concurrent conditional write kept conflicting (409) after every retry",
-    ),
-}
+#: Error code (or HTTP status as a string) -> (exception class, what to tell the user), over
+#: the statuses every HTTP store shares.
+_ERROR_TABLE = transport.ErrorTable(
+    {
+        "NoSuchKey": (errors.NotFoundError, "does not exist"),
+        "NotFound": (errors.NotFoundError, "does not exist"),
+        "NoSuchBucket": (
+            errors.NotFoundError,
+            "the bucket does not exist; create it or fix the URL",
+        ),
+        "NoSuchUpload": (
+            errors.NotFoundError,
+            "the multipart upload was aborted or already completed",
+        ),
+        "PreconditionFailed": (errors.AlreadyExistsError, "already exists"),
+        "InvalidRange": (
+            errors.InvalidRangeError,
+            "the byte range lies past the end of the object",
+        ),
+        "AccessDenied": (
+            errors.StoreError,
+            "access denied; check the credentials (options, AWS_* environment, profile) and the "
+            "bucket policy",
+        ),
+        "403": (errors.StoreError, "forbidden; check the credentials and the bucket policy"),
+        "InvalidAccessKeyId": (
+            errors.StoreError,
+            "the access key id is unknown to this endpoint; check AWS_ACCESS_KEY_ID, the profile, "
+            "or the access_key_id option",
+        ),
+        "SignatureDoesNotMatch": (
+            errors.StoreError,
+            "the request signature was rejected; check the secret key and the region",
+        ),
+        "ExpiredToken": (
+            errors.StoreError,
+            "the session token has expired; refresh the credentials",
+        ),
+        "SlowDown": (
+            errors.StoreError,
+            "the server kept throttling (503 SlowDown) after every retry",
+        ),
+        "BadDigest": (
+            errors.StoreError,
+            "the server kept receiving bytes that fail their checksum",
+        ),
+        "ConditionalRequestConflict": (
+            errors.StoreError,
+            "a concurrent conditional write kept conflicting (409) after every retry",
+        ),
+    },
+    extends=transport.HTTP_ERRORS,
+)
 
-#: Codes retried by this module (botocore does not retry them).
-_RETRY_CODES = frozenset({"ConditionalRequestConflict", "409", "BadDigest"})
+#: Error codes worth another attempt: throttling, timeouts and internal errors (the codes
+#: botocore's standard retry mode knows), a conditional write that met a concurrent one
+#: (409), and a body the server received damaged (BadDigest).
+_RETRY_CODES = frozenset(
+    {
+        "Throttling",
+        "ThrottlingException",
+        "ThrottledException",
+        "RequestThrottledException",
+        "TooManyRequestsException",
+        "RequestLimitExceeded",
+        "BandwidthLimitExceeded",
+        "RequestThrottled",
+        "SlowDown",
+        "PriorRequestNotComplete",
+        "RequestTimeout",
+        "RequestTimeoutException",
+        "InternalError",
+        "ConditionalRequestConflict",
+        "BadDigest",
+    }
+)
+#: HTTP statuses worth another attempt, whatever the code.
+_RETRY_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+def _transient(exc: BaseException) -> bool:
+    """Whether a failed call is worth another attempt."""
+    if isinstance(exc, errors.CkptStoreError):
+        return False  # decided already (a range past the end, a closed store)
+    if isinstance(exc, bx.ClientError):
+        code, status = _error_code(exc)
+        return code in _RETRY_CODES or status in _RETRY_STATUS
+    if isinstance(exc, bx.SSLError | bx.NoCredentialsError | bx.PartialCredentialsError):
+        return False  # another attempt meets the same certificate or the same missing keys
+    return isinstance(exc, bx.HTTPClientError | bx.ConnectionError | _BodyError | OSError)
 
 
 def _error_code(exc: BaseException) -> tuple[str, int]:
@@ -253,33 +292,10 @@ class StaleUpload:
     initiated: float
 
 
-class _ByteBudget:
-    """At most ``limit`` bytes of request bodies in flight; a request larger than the limit
-    runs alone."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.in_flight = 0
-        self._changed = asyncio.Condition()
-
-    @contextlib.asynccontextmanager
-    async def hold(self, nbytes: int) -> AsyncIterator[None]:
-        need = min(nbytes, self.limit)
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.in_flight + need <= self.limit)
-            self.in_flight += need
-        try:
-            yield
-        finally:
-            async with self._changed:
-                self.in_flight -= need
-                self._changed.notify_all()
-
-
 # ---------------------------------------------------------------------------- the store
 
 
-class S3Store(Store):
+class S3Store(base.Store):
     """Objects under ``s3://bucket/prefix`` of Amazon S3 or any S3-compatible server.
 
     Args:
@@ -298,10 +314,11 @@ class S3Store(Store):
         single_writer: promise that no other process writes this prefix; lets
             ``mode="create"`` work on a server that ignores ``If-None-Match`` (non-atomic).
         retry_mode: botocore retry mode, ``"standard"`` or ``"adaptive"`` (client-side rate
-            limiting on throttling).
-        max_attempts: attempts per request, botocore's and this module's body retries alike.
+            limiting on throttling). The attempts and delays are ``settings``'
+            ``retry_attempts``, ``retry_delay`` and ``retry_max_delay``; ``from_url`` still
+            takes the old option ``max_attempts`` for ``retry_attempts``.
         connect_timeout, read_timeout: seconds.
-        settings: part size, concurrency and the other tunables.
+        settings: part size, concurrency, retries and the other tunables.
     """
 
     schemes: ClassVar[tuple[str, ...]] = ("s3",)
@@ -326,27 +343,26 @@ class S3Store(Store):
         verify: bool | str | None = None,
         single_writer: bool = False,
         retry_mode: str = "standard",
-        max_attempts: int = 10,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
         settings: Settings | None = None,
     ) -> None:
         super().__init__(settings=settings)
         if not bucket or "/" in bucket:
-            raise InvalidURLError(f"invalid S3 bucket name {bucket!r}")
+            raise errors.InvalidURLError(f"invalid S3 bucket name {bucket!r}")
         prefix = prefix.strip("/")
         if prefix:
-            validate_key(prefix)
+            base.validate_key(prefix)
         if retry_mode not in ("standard", "adaptive", "legacy"):
             raise ValueError(f"retry_mode must be 'standard' or 'adaptive', got {retry_mode!r}")
-        if max_attempts < 1:
-            raise ValueError(f"max_attempts must be >= 1, got {max_attempts}")
         if (access_key_id is None) != (secret_access_key is None):
             raise ValueError("give both access_key_id and secret_access_key, or neither")
         self.bucket = bucket
         self.prefix = prefix
         self._root = prefix + "/" if prefix else ""
-        self.endpoint_url = endpoint_url.rstrip("/") if endpoint_url else None
+        self.endpoint_url = (
+            transport.check_endpoint_url(endpoint_url) if endpoint_url is not None else None
+        )
         self.region = region
         self.path_style = endpoint_url is not None if path_style is None else path_style
         self.profile = profile
@@ -354,7 +370,6 @@ class S3Store(Store):
         self.verify = verify
         self.single_writer = single_writer
         self.retry_mode = retry_mode
-        self.max_attempts = max_attempts
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self._access_key_id = _Secret(access_key_id) if access_key_id is not None else None
@@ -366,7 +381,9 @@ class S3Store(Store):
         self._client_cm: Any = None
         self._client_loop: asyncio.AbstractEventLoop | None = None
         self._client_ready: asyncio.Future[Any] | None = None
-        self._budget: _ByteBudget | None = None
+        self._transport = transport.Transport(
+            lambda: self.settings, self.endpoint_url or "AWS S3", _log
+        )
         # None: not probed yet; True/False: whether If-None-Match is honoured
         self._conditional: dict[str, bool] = {}
         self._probe_lock: asyncio.Lock | None = None
@@ -378,17 +395,19 @@ class S3Store(Store):
     @classmethod
     def from_url(cls, url: str, **options: Any) -> S3Store:
         # docstring inherited
-        settings, rest = split_settings(options)
+        settings, rest = split_settings(options, {"max_attempts": ("retry_attempts", int)})
         parts = urlsplit(url)
         if parts.scheme.lower() != "s3":
-            raise InvalidURLError(f"not an s3:// URL: {url!r}")
+            raise errors.InvalidURLError(f"not an s3:// URL: {transport.redact_url(url)!r}")
         if parts.username or parts.password:
-            raise InvalidURLError(
+            raise errors.InvalidURLError(
                 "credentials do not belong in an s3:// URL; pass access_key_id/"
                 "secret_access_key options or use the AWS environment or a profile"
             )
         if not parts.netloc:
-            raise InvalidURLError(f"{url!r} names no bucket (s3://bucket/prefix)")
+            raise errors.InvalidURLError(
+                f"{transport.redact_url(url)!r} names no bucket (s3://bucket/prefix)"
+            )
         kwargs: dict[str, Any] = {}
         for name in ("endpoint_url", "region", "profile", "retry_mode"):
             if name in rest:
@@ -399,8 +418,6 @@ class S3Store(Store):
         for name in ("path_style", "anonymous", "single_writer"):
             if name in rest:
                 kwargs[name] = parse_bool(name, rest.pop(name))
-        if "max_attempts" in rest:
-            kwargs["max_attempts"] = int(rest.pop("max_attempts"))
         for name in ("connect_timeout", "read_timeout"):
             if name in rest:
                 kwargs[name] = float(rest.pop(name))
@@ -413,8 +430,8 @@ class S3Store(Store):
             raise TypeError(
                 f"S3Store: unknown options {sorted(rest)}; known: endpoint_url, region, "
                 "path_style, profile, access_key_id, secret_access_key, session_token, "
-                "anonymous, verify, single_writer, retry_mode, max_attempts, connect_timeout, "
-                "read_timeout and the Settings fields"
+                "anonymous, verify, single_writer, retry_mode, connect_timeout, read_timeout, "
+                "max_attempts (the old name of retry_attempts) and the Settings fields"
             )
         return cls(parts.netloc, parts.path, settings=settings, **kwargs)
 
@@ -424,9 +441,9 @@ class S3Store(Store):
         return f"s3://{self.bucket}/{self.prefix}".rstrip("/")
 
     @property
-    def capabilities(self) -> Capabilities:
+    def capabilities(self) -> base.Capabilities:
         # docstring inherited
-        return Capabilities(
+        return base.Capabilities(
             atomic_create=True,  # checked by a probe on first use; see _require_conditional
             multipart=True,
             min_part_size=_MIN_PART,
@@ -435,7 +452,8 @@ class S3Store(Store):
         )
 
     def __repr__(self) -> str:
-        where = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        endpoint = transport.redact_url(self.endpoint_url) if self.endpoint_url else ""
+        where = f", endpoint_url={endpoint!r}" if endpoint else ""
         return f"S3Store({self.url!r}{where})"
 
     def _where(self, key: str) -> str:
@@ -452,7 +470,8 @@ class S3Store(Store):
             max_pool_connections=self.settings.max_concurrency + 4,
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
-            retries={"mode": self.retry_mode, "total_max_attempts": self.max_attempts},
+            # one attempt per botocore call: the transport policy retries (see the module doc)
+            retries={"mode": self.retry_mode, "total_max_attempts": 1},
             s3={
                 "addressing_style": "path" if self.path_style else "auto",
                 "payload_signing_enabled": False,
@@ -467,10 +486,10 @@ class S3Store(Store):
     async def _get_client(self) -> Any:
         loop = asyncio.get_running_loop()
         if self._closed:
-            raise StoreError(f"{self.url}: the store is closed")
+            raise errors.StoreError(f"{self.url}: the store is closed")
         if self._client_ready is not None:
             if self._client_loop is not loop:
-                raise StoreError(
+                raise errors.StoreError(
                     f"{self.url}: this store's client belongs to another event loop; open one "
                     "store per loop (sync callers share ckptstore.background's loop)"
                 )
@@ -488,6 +507,7 @@ class S3Store(Store):
         return client
 
     async def _open_client(self) -> Any:
+        transport.guard_client_loggers()
         session = AioSession(profile=self.profile) if self.profile else AioSession()
         kwargs: dict[str, Any] = {"config": self._config()}
         if self.endpoint_url:
@@ -513,71 +533,55 @@ class S3Store(Store):
         if cm is not None:
             await cm.__aexit__(None, None, None)
 
-    def _bytes(self) -> _ByteBudget:
-        if self._budget is None or self._budget.limit != self.settings.max_inflight_bytes:
-            self._budget = _ByteBudget(self.settings.max_inflight_bytes)
-        return self._budget
-
     # ------------------------------------------------------------------ requests and errors
 
-    def _translate(self, exc: BaseException, op: str, key: str) -> CkptStoreError:
+    def _translate(self, exc: BaseException, op: str, key: str) -> errors.CkptStoreError:
         """Map a botocore/aiohttp exception to ckptstore's tree (never echoing credentials)."""
+        if isinstance(exc, errors.CkptStoreError):
+            return exc  # translated already (a first contact that found no server)
         where = self._where(key) if key else f"s3://{self.bucket}/{self._root}"
+        tries = transport.attempts_made(exc)
         if isinstance(exc, bx.ClientError):
             code, status = _error_code(exc)
-            entry = _ERROR_TABLE.get(code) or _ERROR_TABLE.get(str(status))
+            entry = _ERROR_TABLE.lookup(code, status)
             message = str(exc.response.get("Error", {}).get("Message", "") or "")
-            tries = _retry_attempts(exc) + 1
             if entry is not None:
-                cls, what = entry
-                if code == "NoSuchBucket" or (cls is NotFoundError and op == "list"):
-                    return cls(f"{op} {where}: bucket {self.bucket!r}: {what}")
-                return cls(f"{op} {where}: {what} ({code or status})")
-            return StoreError(
-                f"{op} {where} failed after {tries} attempt(s): HTTP {status} {code}: {message}"
+                if code == "NoSuchBucket" or (entry.error is errors.NotFoundError and op == "list"):
+                    return entry.error(f"{op} {where}: bucket {self.bucket!r}: {entry.hint}")
+                return entry.error(f"{op} {where}: {entry.hint} ({code or status})")
+            return errors.StoreError(
+                f"{op} {where} failed after {tries} attempt(s): HTTP {status} {code}: "
+                f"{transport.redact(message)}"
             )
         if isinstance(exc, bx.NoCredentialsError | bx.PartialCredentialsError):
-            return StoreError(
+            return errors.StoreError(
                 f"{op} {where}: no S3 credentials found; set AWS_ACCESS_KEY_ID/"
                 "AWS_SECRET_ACCESS_KEY, choose a profile, pass access_key_id/secret_access_key, "
                 "or anonymous=True for a public bucket"
             )
-        if isinstance(exc, bx.EndpointConnectionError | bx.ConnectTimeoutError):
-            return StoreError(
-                f"{op} {where}: cannot reach {self.endpoint_url or 'AWS S3'} after "
-                f"{self.max_attempts} attempt(s) ({type(exc).__name__}); check endpoint_url "
-                "and the network"
+        failure = transport.wire_failure(exc)
+        if failure is not None and not isinstance(exc, _BodyError):
+            fix = "; check endpoint_url and the network" if failure.never_connected else ""
+            return errors.StoreError(
+                f"{op} {where} failed after {tries} attempt(s): {failure.phrase} "
+                f"({self._transport.endpoint}){fix}"
             )
-        if isinstance(exc, bx.BotoCoreError | _BodyError | OSError):
-            return StoreError(
-                f"{op} {where} failed after {self.max_attempts} attempt(s): "
-                f"{type(exc).__name__}: {exc}"
-            )
-        return StoreError(f"{op} {where} failed: {type(exc).__name__}")
+        return errors.StoreError(
+            f"{op} {where} failed after {tries} attempt(s): {type(exc).__name__}: "
+            f"{transport.redact(str(exc))}"
+        )
 
     def _raise(self, exc: BaseException, op: str, key: str) -> NoReturn:
         raise self._translate(exc, op, key) from None
 
-    async def _backoff(self, attempt: int) -> None:
-        await asyncio.sleep(min(2.0, 0.05 * (2**attempt)) * random.uniform(0.5, 1.0))
-
     async def _call(
         self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
     ) -> _T:
-        """One API call, with this module's retries on top of botocore's; raw botocore
-        exceptions propagate (callers translate them, some inspect them first)."""
-        attempt = 0
-        while True:
-            try:
-                return await fn(**params)
-            except bx.ClientError as exc:
-                code, status = _error_code(exc)
-                if (code in _RETRY_CODES or status == 409) and attempt + 1 < self.max_attempts:
-                    _log.debug("%s %s: %s, retrying", op, self._where(key), code or status)
-                    attempt += 1
-                    await self._backoff(attempt)
-                    continue
-                raise
+        """One API call under the transport policy's retries; the last raw botocore
+        exception propagates (callers translate it, some inspect it first)."""
+        return await self._transport.run(
+            lambda: fn(**params), transient=_transient, what=f"{op} {self._where(key)}"
+        )
 
     async def _request(
         self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
@@ -649,7 +653,7 @@ class S3Store(Store):
                         )
         if self._conditional[kind] or self.single_writer:
             return self._conditional[kind]
-        raise NotSupportedError(
+        raise errors.NotSupportedError(
             "put(mode='create')",
             "S3Store",
             f"the server at {self.endpoint_url or 'AWS S3'} ignored If-None-Match: * on "
@@ -662,7 +666,7 @@ class S3Store(Store):
 
     async def _probe(self, kind: str) -> bool:
         client = await self._get_client()
-        name = f"{TEMP_PREFIX}probe-{uuid.uuid4().hex}"
+        name = f"{base.TEMP_PREFIX}probe-{uuid.uuid4().hex}"
         full = self._root + name
         try:
             for attempt in range(2):
@@ -678,7 +682,7 @@ class S3Store(Store):
                             IfNoneMatch="*",
                         )
                     else:
-                        await self._probe_multipart(client, full)
+                        await self._probe_multipart(client, name)
                 except bx.ClientError as exc:
                     if _precondition_failed(exc):
                         if attempt == 1:
@@ -690,26 +694,48 @@ class S3Store(Store):
             with contextlib.suppress(Exception):
                 await client.delete_object(Bucket=self.bucket, Key=full)
 
-    async def _probe_multipart(self, client: Any, full: str) -> None:
-        created = await client.create_multipart_upload(Bucket=self.bucket, Key=full)
+    async def _probe_multipart(self, client: Any, name: str) -> None:
+        full = self._root + name
+        what = "probe conditional write"
+        created = await self._call(
+            what, name, client.create_multipart_upload, Bucket=self.bucket, Key=full
+        )
         upload_id = created["UploadId"]
         try:
-            part = await client.upload_part(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=1, Body=b"probe"
-            )
-            await client.complete_multipart_upload(
+            part = await self._call(
+                what,
+                name,
+                client.upload_part,
                 Bucket=self.bucket,
                 Key=full,
                 UploadId=upload_id,
-                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": part["ETag"]}]},
-                IfNoneMatch="*",
+                PartNumber=1,
+                Body=b"probe",
             )
+            await self._complete_probe(client, name, upload_id, part["ETag"])
         except BaseException:
             with contextlib.suppress(Exception):
                 await client.abort_multipart_upload(
                     Bucket=self.bucket, Key=full, UploadId=upload_id
                 )
             raise
+
+    async def _complete_probe(self, client: Any, name: str, upload_id: str, etag: str) -> None:
+        try:
+            await self._call(
+                "probe conditional write",
+                name,
+                client.complete_multipart_upload,
+                Bucket=self.bucket,
+                Key=self._root + name,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": [{"PartNumber": 1, "ETag": etag}]},
+                IfNoneMatch="*",
+            )
+        except bx.ClientError as exc:
+            if _error_code(exc)[0] != "NoSuchUpload":
+                raise
+            # a retry after a lost reply: the first Complete landed (the key is ours alone)
 
     async def _landed(
         self, key: str, size: int, expected_etag: Callable[[], Awaitable[str]]
@@ -719,7 +745,7 @@ class S3Store(Store):
         the size matches."""
         try:
             meta = await self._head(key)
-        except NotFoundError:
+        except errors.NotFoundError:
             return False
         if meta.size != size or meta.etag is None:
             return False
@@ -730,7 +756,7 @@ class S3Store(Store):
     async def _checksum(self, data: memoryview) -> str:
         return _b64_crc(await acrc32c(data))
 
-    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+    async def _put(self, key: str, data: memoryview, mode: base.PutMode) -> None:
         # docstring inherited
         client = await self._get_client()
         params: dict[str, Any] = {
@@ -743,10 +769,9 @@ class S3Store(Store):
             if await self._require_conditional("put"):
                 params["IfNoneMatch"] = "*"
             elif await self._exists_raw(key):  # single_writer on a server without conditions
-                raise AlreadyExistsError(f"{self._where(key)} already exists")
+                raise errors.AlreadyExistsError(f"{self._where(key)} already exists")
         try:
-            async with self._bytes().hold(len(data)):
-                await self._call("put", key, client.put_object, **params)
+            await self._call("put", key, client.put_object, **params)
         except bx.ClientError as exc:
             if mode == "create" and _precondition_failed(exc):
                 # A retried request (botocore's, or aiohttp's own resend on a dropped
@@ -759,7 +784,7 @@ class S3Store(Store):
                         self._where(key),
                     )
                     return
-                raise AlreadyExistsError(
+                raise errors.AlreadyExistsError(
                     f"{self._where(key)} already exists (put-if-absent lost to another writer)"
                 ) from None
             self._raise(exc, "put", key)
@@ -769,27 +794,28 @@ class S3Store(Store):
     async def _exists_raw(self, key: str) -> bool:
         try:
             await self._head(key)
-        except NotFoundError:
+        except errors.NotFoundError:
             return False
         return True
 
-    async def _put_parallel(self, key: str, view: memoryview, mode: PutMode) -> None:
+    async def _put_parallel(self, key: str, view: memoryview, mode: base.PutMode) -> None:
         # Put-if-absent of a large object stays one PutObject (up to 5 GiB): a conditional
         # PutObject was atomic under races on every server measured, a conditional
         # CompleteMultipartUpload was not (moto 5.2.1, SeaweedFS 4.48: several winners).
         if mode == "create":
             if len(view) > _MAX_PART:
-                raise NotSupportedError(
+                raise errors.NotSupportedError(
                     f"put(mode='create') of {len(view)} bytes",
                     "S3Store",
                     "one PutObject holds at most 5 GiB; use create_multipart(mode='create')",
                 )
-            async with self._limit():
-                await self._put(key, view, mode)
+            await self._put_one(key, view, mode)
             return
         await super()._put_parallel(key, view, mode)
 
-    async def _create_multipart(self, key: str, part_size: int, mode: PutMode) -> MultipartUpload:
+    async def _create_multipart(
+        self, key: str, part_size: int, mode: base.PutMode
+    ) -> base.MultipartUpload:
         # docstring inherited
         client = await self._get_client()
         conditional = False
@@ -797,7 +823,7 @@ class S3Store(Store):
         if mode == "create":
             conditional = await self._require_conditional("multipart")
             if not conditional and await self._exists_raw(key):
-                raise AlreadyExistsError(f"{self._where(key)} already exists")
+                raise errors.AlreadyExistsError(f"{self._where(key)} already exists")
             if await self._require_conditional("put"):
                 lock = await self._claim_create_lock(key)
         try:
@@ -827,7 +853,7 @@ class S3Store(Store):
         :meth:`abort_stale_uploads`.
         """
         parent, _, name = key.rpartition("/")
-        lock = (parent + "/" if parent else "") + f"{TEMP_PREFIX}create-lock.{name}"
+        lock = (parent + "/" if parent else "") + f"{base.TEMP_PREFIX}create-lock.{name}"
         client = await self._get_client()
         try:
             await self._call(
@@ -841,7 +867,7 @@ class S3Store(Store):
             )
         except bx.ClientError as exc:
             if _precondition_failed(exc):
-                raise AlreadyExistsError(
+                raise errors.AlreadyExistsError(
                     f"{self._where(key)} is being created by another writer (it holds "
                     f"{self._where(lock)}; if that writer crashed, abort_stale_uploads removes "
                     "the lock)"
@@ -874,13 +900,12 @@ class S3Store(Store):
         return await self._read_range(key, start, out, checksum=True)
 
     async def _read_range(self, key: str, start: int, out: memoryview, *, checksum: bool) -> int:
-        """One ranged GET into ``out`` within the byte budget; with ``checksum``, returns the
-        crc32c of the bytes (else 0)."""
+        """One ranged GET into ``out``; with ``checksum``, returns the crc32c of the bytes
+        (else 0)."""
         if len(out) == 0:
             await self._head(key)
             return 0
-        async with self._bytes().hold(len(out)):
-            return await self._retrying_read(key, start, out, [], checksum=checksum)
+        return await self._retrying_read(key, start, out, [], checksum=checksum)
 
     async def _retrying_read(
         self,
@@ -895,26 +920,22 @@ class S3Store(Store):
         object into a new buffer put in ``whole``), restarting on broken bodies. With
         ``checksum``, returns the crc32c of the bytes (of the attempt that succeeded)."""
         client = await self._get_client()
-        attempt = 0
-        while True:
-            try:
-                return await self._fetch(client, key, start, out, whole, checksum)
-            except bx.ClientError as exc:
-                code, status = _error_code(exc)
-                if out is not None and (code == "InvalidRange" or status == 416):
-                    raise InvalidRangeError(
-                        f"range [{start}, {start + len(out)}) reaches past the end of "
-                        f"{self._where(key)}"
-                    ) from None
-                if status == 404 and code != "NoSuchKey":
-                    await self._raise_missing_bucket(client, key)
-                self._raise(exc, "read", key)
-            except (_BodyError, bx.BotoCoreError, OSError) as exc:
-                attempt += 1
-                if attempt >= self.max_attempts:
-                    self._raise(exc, "read", key)
-                _log.debug("read %s: %s, retrying", self._where(key), exc)
-                await self._backoff(attempt)
+        try:
+            return await self._call(
+                "read", key, lambda: self._fetch(client, key, start, out, whole, checksum)
+            )
+        except bx.ClientError as exc:
+            code, status = _error_code(exc)
+            if out is not None and (code == "InvalidRange" or status == 416):
+                raise errors.InvalidRangeError(
+                    f"range [{start}, {start + len(out)}) reaches past the end of "
+                    f"{self._where(key)}"
+                ) from None
+            if status == 404 and code != "NoSuchKey":
+                await self._raise_missing_bucket(client, key)
+            self._raise(exc, "read", key)
+        except (_BodyError, bx.BotoCoreError, OSError) as exc:
+            self._raise(exc, "read", key)
 
     async def _fetch(
         self,
@@ -941,7 +962,7 @@ class S3Store(Store):
                 end = start + len(out)
                 total = _total_size(response.get("ContentRange"))
                 if total is not None and total < end:
-                    raise InvalidRangeError(
+                    raise errors.InvalidRangeError(
                         f"range [{start}, {end}) reaches past the end of {self._where(key)} "
                         f"({total} bytes)"
                     )
@@ -966,7 +987,7 @@ class S3Store(Store):
             body.close()
         return crc
 
-    async def _head(self, key: str) -> ObjectMeta:
+    async def _head(self, key: str) -> base.ObjectMeta:
         # docstring inherited
         client = await self._get_client()
         try:
@@ -980,7 +1001,7 @@ class S3Store(Store):
         except (bx.BotoCoreError, OSError) as exc:
             self._raise(exc, "head", key)
         modified = response.get("LastModified")
-        return ObjectMeta(
+        return base.ObjectMeta(
             key,
             int(response["ContentLength"]),
             response.get("ETag"),
@@ -996,7 +1017,7 @@ class S3Store(Store):
             await client.head_bucket(Bucket=self.bucket)
         except bx.ClientError as exc:
             if _error_code(exc)[1] == 404:
-                raise NotFoundError(
+                raise errors.NotFoundError(
                     f"{self._where(key)}: bucket {self.bucket!r} does not exist at "
                     f"{self.endpoint_url or 'AWS S3'}; create it or fix the URL"
                 ) from None
@@ -1007,12 +1028,12 @@ class S3Store(Store):
 
     # ------------------------------------------------------------------ listing, deletes
 
-    async def _list(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+    async def _list(self, prefix: str) -> AsyncIterator[base.ObjectMeta]:
         # docstring inherited
         # S3 lists in UTF-8 byte order, but not every S3-compatible server does: SeaweedFS
         # walks its directory tree, so "a/b" comes before "a.x". The pages are gathered and
         # sorted (one pass to check, a sort only if needed) to keep the contract's order.
-        found: builtins.list[ObjectMeta] = []
+        found: builtins.list[base.ObjectMeta] = []
         ordered = True
         async for meta in self._list_pages(prefix):
             if found and meta.key < found[-1].key:
@@ -1023,7 +1044,7 @@ class S3Store(Store):
         for meta in found:
             yield meta
 
-    async def _list_pages(self, prefix: str) -> AsyncIterator[ObjectMeta]:
+    async def _list_pages(self, prefix: str) -> AsyncIterator[base.ObjectMeta]:
         cut = len(self._root)
         async for page in self._list_v2_pages(prefix):
             for item in page.get("Contents", ()):
@@ -1031,7 +1052,7 @@ class S3Store(Store):
                 if not _listable(key):
                     continue
                 modified = item.get("LastModified")
-                yield ObjectMeta(
+                yield base.ObjectMeta(
                     key,
                     int(item["Size"]),
                     item.get("ETag"),
@@ -1070,7 +1091,7 @@ class S3Store(Store):
             shown = ", ".join(failed[:5]) + (
                 f" and {len(failed) - 5} more" if len(failed) > 5 else ""
             )
-            raise StoreError(
+            raise errors.StoreError(
                 f"delete under s3://{self.bucket}/{self._root}: {len(failed)} key(s) were not "
                 f"deleted: {shown}"
             )
@@ -1109,7 +1130,7 @@ class S3Store(Store):
 
     async def remove_stale_writes(self, prefix: str = "", *, older_than: float) -> int:
         # docstring inherited
-        validate_prefix(prefix)
+        base.validate_prefix(prefix)
         return await self._remove_before(prefix, older_than, count_locks=True)
 
     async def _remove_before(self, prefix: str, cutoff: float, *, count_locks: bool) -> int:
@@ -1126,7 +1147,7 @@ class S3Store(Store):
         stale_locks = [
             key
             async for key, modified in self._scratch_objects(prefix)
-            if f"{TEMP_PREFIX}create-lock." in key and modified <= cutoff
+            if f"{base.TEMP_PREFIX}create-lock." in key and modified <= cutoff
         ]
         if stale_locks:
             await self._delete(stale_locks)
@@ -1138,7 +1159,7 @@ class S3Store(Store):
         async for page in self._list_v2_pages(prefix):
             for item in page.get("Contents", ()):
                 key = item["Key"][cut:]
-                if TEMP_PREFIX in key:
+                if base.TEMP_PREFIX in key:
                     yield key, item["LastModified"].timestamp()
 
 
@@ -1146,7 +1167,7 @@ def _listable(key: str) -> bool:
     """Keys this store shows: valid keys that are not our in-progress scratch objects."""
     if not key or key.endswith("/"):
         return False
-    return not any(segment.startswith(TEMP_PREFIX) for segment in key.split("/"))
+    return not any(segment.startswith(base.TEMP_PREFIX) for segment in key.split("/"))
 
 
 def _total_size(content_range: str | None) -> int | None:
@@ -1173,7 +1194,7 @@ def _multipart_etag(part_etags: builtins.list[str]) -> str:
     return f"{hashlib.md5(joined, usedforsecurity=False).hexdigest()}-{len(part_etags)}"
 
 
-class _S3Upload(MultipartUpload):
+class _S3Upload(base.MultipartUpload):
     """One S3 multipart upload; parts carry their crc32c, complete may be conditional."""
 
     def __init__(
@@ -1182,7 +1203,7 @@ class _S3Upload(MultipartUpload):
         key: str,
         upload_id: str,
         part_size: int,
-        mode: PutMode,
+        mode: base.PutMode,
         conditional: bool,
         lock: str | None = None,
     ) -> None:
@@ -1203,21 +1224,20 @@ class _S3Upload(MultipartUpload):
         store = self._store
         client = await store._get_client()
         crc = await store._checksum(data)
-        async with store._bytes().hold(len(data)):
-            response = await store._request(
-                f"put_part {index} of",
-                self.key,
-                client.upload_part,
-                Bucket=store.bucket,
-                Key=store._root + self.key,
-                UploadId=self._upload_id,
-                PartNumber=index + 1,
-                Body=_ViewBody(data),
-                ChecksumCRC32C=crc,
-            )
+        response = await store._request(
+            f"put_part {index} of",
+            self.key,
+            client.upload_part,
+            Bucket=store.bucket,
+            Key=store._root + self.key,
+            UploadId=self._upload_id,
+            PartNumber=index + 1,
+            Body=_ViewBody(data),
+            ChecksumCRC32C=crc,
+        )
         self._parts[index] = (response["ETag"], crc)
 
-    async def _complete(self, part_count: int, size: int) -> ObjectMeta:
+    async def _complete(self, part_count: int, size: int) -> base.ObjectMeta:
         meta = await self._complete_upload(part_count, size)
         await self._release_lock()
         return meta
@@ -1227,7 +1247,7 @@ class _S3Upload(MultipartUpload):
         if lock is not None:
             await self._store._release_create_lock(lock)
 
-    async def _complete_upload(self, part_count: int, size: int) -> ObjectMeta:
+    async def _complete_upload(self, part_count: int, size: int) -> base.ObjectMeta:
         store = self._store
         client = await store._get_client()
         if part_count == 0:  # S3 refuses an upload without parts; an empty object is one put
@@ -1259,7 +1279,7 @@ class _S3Upload(MultipartUpload):
                 self._finished = True
                 return await store._head(self.key)
             if self.mode == "create" and _precondition_failed(exc):
-                raise AlreadyExistsError(
+                raise errors.AlreadyExistsError(
                     f"{store._where(self.key)} already exists (put-if-absent lost to another "
                     "writer)"
                 ) from None
@@ -1267,7 +1287,7 @@ class _S3Upload(MultipartUpload):
         except (bx.BotoCoreError, OSError) as exc:
             store._raise(exc, "complete_multipart", self.key)
         self._finished = True
-        return ObjectMeta(self.key, size, response.get("ETag"))
+        return base.ObjectMeta(self.key, size, response.get("ETag"))
 
     async def _abort(self) -> None:
         try:
