@@ -42,7 +42,6 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
-from ckptstore.layout.dtypes import dtype_name
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     MANIFEST_NAME,
@@ -214,14 +213,7 @@ async def write_checkpoint(
     n = len(flat.arrays)
     if not len(flat.paths) == len(flat.attrs) == n:
         raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
-    dtypes = []
-    for path, array in zip(flat.paths, flat.arrays, strict=True):
-        name = dtype_name(array.dtype)
-        if name is None:
-            from ckptstore.layout.tree import UnsupportedLeafError
-
-            raise UnsupportedLeafError(path, f"dtype {array.dtype} cannot be stored")
-        dtypes.append(name)
+    dtypes = flat.dtype_names()
     if plan is None:
         plan = PackPlan.for_store(flat.nbytes, store.settings, store.capabilities, flat.paths)
     elif plan.leaf_length != flat.nbytes:
@@ -250,7 +242,7 @@ async def write_checkpoint(
         object_crcs=written.object_crc,
         paths=flat.paths,
         dtypes=dtypes,
-        shapes=[list(a.shape) for a in flat.arrays],
+        shapes=flat.shapes,
         leaf_object=plan.leaf_object,
         leaf_offset=plan.leaf_offset,
         leaf_length=plan.leaf_length,

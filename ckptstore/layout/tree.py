@@ -195,6 +195,25 @@ class FlatState:
         """Bytes of each array leaf."""
         return [a.nbytes for a in self.arrays]
 
+    @property
+    def shapes(self) -> list[list[int]]:
+        """Shape of each array leaf, as the manifest records it."""
+        return [list(a.shape) for a in self.arrays]
+
+    def dtype_names(self) -> list[str]:
+        """The manifest's dtype name of each array leaf.
+
+        Raises:
+            UnsupportedLeafError: naming the first leaf whose dtype no checkpoint can hold.
+        """
+        names = []
+        for path, array in zip(self.paths, self.arrays, strict=True):
+            name = dtype_name(array.dtype)
+            if name is None:
+                raise UnsupportedLeafError(path, f"dtype {array.dtype} cannot be stored")
+            names.append(name)
+        return names
+
 
 def escape_key(key: str | int) -> str:
     """One path segment for a dict key."""

@@ -57,7 +57,6 @@ from typing import Any, Protocol
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
 from ckptstore.layout.commit import CommitInfo, latest_step
-from ckptstore.layout.dtypes import dtype_name
 from ckptstore.layout.keys import check_step, step_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import FlatState, escape_key, join_path
@@ -546,17 +545,12 @@ def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreE
 
 
 def _describe(flat: FlatState, step: int) -> _Part:
-    dtypes = []
-    for array in flat.arrays:
-        name = dtype_name(array.dtype)
-        assert name is not None  # flatten refuses the others
-        dtypes.append(name)
     return _Part(
         step=step,
         tree=flat.tree,
         paths=flat.paths,
-        dtypes=dtypes,
-        shapes=[list(a.shape) for a in flat.arrays],
+        dtypes=flat.dtype_names(),
+        shapes=flat.shapes,
         nbytes=flat.nbytes,
         attrs=flat.attrs,
     )
