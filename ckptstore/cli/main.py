@@ -657,6 +657,12 @@ async def _gc(args: argparse.Namespace) -> Outcome:
             f"kept {count(len(report.kept_recent), 'uncommitted attempt')} within the grace "
             "period (possibly saves in progress)"
         )
+    if report.reclaimed or report.kept_referenced:
+        lines.append(
+            f"removed {count(len(report.reclaimed), 'attempt')} of deleted steps that nothing "
+            f"references any more; kept {count(len(report.kept_referenced), 'attempt')} of "
+            "deleted steps that later steps reference"
+        )
     if report.invalid_steps:
         lines.append(
             f"left steps with an invalid manifest untouched: {report.invalid_steps} "

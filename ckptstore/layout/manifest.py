@@ -294,8 +294,8 @@ class Manifest:
             if where == step:
                 if not key.startswith(prefix):
                     raise _Invalid(f"object {key!r} is not under its attempt prefix {prefix!r}")
-            elif not ATTEMPT_RE.fullmatch(key.split("/", 1)[0]) or "/" not in key:
-                # a reference: an object under some attempt of another step of this root
+            elif key.count("/") != 1 or not ATTEMPT_RE.fullmatch(key.split("/", 1)[0]):
+                # a reference: an object right under an attempt of another step of this root
                 raise _Invalid(f"referenced object {where}/{key!r} is not under an attempt prefix")
             try:
                 validate_key(f"{where}/{key}")

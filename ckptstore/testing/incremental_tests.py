@@ -249,7 +249,12 @@ class IncrementalTests:
             assert not (await verify_step(store, 3)).ok, what
             await store.delete([manifest_key(3)])
         # outside the root and at its own step are refused by validation itself
-        for bad_step, bad_key in ((1, f"{base.attempt}/../../x"), (3, good.object_keys[ref])):
+        for bad_step, bad_key in (
+            (1, f"{base.attempt}/../../x"),
+            (1, f"{base.attempt}/deeper/x"),
+            (1, f"not-an-attempt/{name}"),
+            (3, good.object_keys[ref]),
+        ):
             data = with_ref(bad_step, bad_key).encode()
             with pytest.raises(CorruptCheckpointError, match="invalid manifest"):
                 Manifest.parse(data, step=3)
