@@ -335,9 +335,24 @@ def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
     """A manifest of the references alone (no leaves), to hold and check them."""
     steps, keys, lengths, crcs = _reference_columns(reuse)
     return Manifest(
-        attempt.step, attempt.id, attempt.started, None, None, keys, lengths, crcs,
-        [], [], [], [], [], [], [], [], object_steps=steps,
-    )  # fmt: skip
+        step=attempt.step,
+        attempt=attempt.id,
+        created=attempt.started,
+        metadata=None,
+        tree=None,
+        object_keys=keys,
+        object_lengths=lengths,
+        object_crcs=crcs,
+        paths=[],
+        dtypes=[],
+        shapes=[],
+        leaf_object=[],
+        leaf_offset=[],
+        leaf_length=[],
+        leaf_crc=[],
+        attrs=[],
+        object_steps=steps,
+    )
 
 
 def _add_references(manifest: Manifest, reuse: Reuse) -> None:
