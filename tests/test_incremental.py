@@ -3,6 +3,7 @@ SeaweedFS stores, plus what only one backend needs: the CLI's view of references
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from collections.abc import AsyncIterator
@@ -80,15 +81,19 @@ def test_show_reports_own_and_referenced_bytes(
 # ---------------------------------------------------------------------- the manager
 
 
-def _changed_bytes(before: dict[str, Any], after: dict[str, Any]) -> tuple[int, int]:
+def _changed_bytes(
+    before: dict[str, tuple[int, bytes]], after: dict[str, tuple[int, bytes]]
+) -> tuple[int, int]:
     """Bytes and count of the leaves whose bytes differ between two flat snapshots."""
-    changed = [k for k in after if k not in before or before[k] != after[k]]
-    return sum(len(after[k]) for k in changed), len(changed)
+    changed = [k for k in after if before.get(k) != after[k]]
+    return sum(after[k][0] for k in changed), len(changed)
 
 
-def _flat_bytes(state: Any, path: str = "") -> dict[str, bytes]:
+def _flat_bytes(state: Any, path: str = "") -> dict[str, tuple[int, bytes]]:
+    """Every array leaf's length and sha256 by path (a digest, not the bytes: the 200 MiB
+    variant keeps ten snapshots), computed from the arrays themselves."""
     if isinstance(state, dict):
-        out: dict[str, bytes] = {}
+        out: dict[str, tuple[int, bytes]] = {}
         for key, value in state.items():
             out.update(_flat_bytes(value, f"{path}/{key}"))
         return out
@@ -97,10 +102,11 @@ def _flat_bytes(state: Any, path: str = "") -> dict[str, bytes]:
         for i, value in enumerate(state):
             out.update(_flat_bytes(value, f"{path}/{i}"))
         return out
-    if isinstance(state, np.ndarray):
-        return {path: state.tobytes()}
     if hasattr(state, "detach"):  # a torch tensor
-        return {path: state.detach().contiguous().view(-1).view(torch_uint8()).numpy().tobytes()}
+        state = state.detach().contiguous().view(-1).view(torch_uint8()).numpy()
+    if isinstance(state, np.ndarray):
+        data = np.ascontiguousarray(state).reshape(-1).view(np.uint8)
+        return {path: (data.nbytes, hashlib.sha256(data).digest())}
     return {}
 
 
@@ -174,10 +180,10 @@ def _torch_fine_tuning(root: Path, base_mib: int) -> None:
             "optim": optim.state_dict(),
         }
 
-    snapshots: dict[int, dict[str, bytes]] = {}
+    snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
     counting = KeyCountingStore(LocalStore(root))
     with ckptstore.CheckpointManager(counting, async_save=False) as manager:
-        previous: dict[str, bytes] = {}
+        previous: dict[str, tuple[int, bytes]] = {}
         for step in range(1, 11):
             x = torch.randn(4, width)
             out = sum(layer(x) for layer in base[:2]) + x @ adapter["down"] @ adapter["up"]
