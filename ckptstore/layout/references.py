@@ -219,12 +219,15 @@ async def _leased(store: Store, now: float) -> set[str] | None:
     """Attempt prefixes unexpired leases name; ``None`` when one cannot be read as a lease
     (then it may name anything)."""
     named: set[str] = set()
-    lease_keys = []
-    for step_dir in await store.list_prefixes(""):
-        if parse_step(step_dir) is None:
-            continue
-        keys = await store.list_keys(step_dir)
-        lease_keys += [k for k in keys if k.endswith("/" + LEASE_NAME) and k.count("/") == 2]
+    # one listing of attempt prefixes per step and one read per attempt, rather than a
+    # listing of every object of the root
+    steps = [p for p in await store.list_prefixes("") if parse_step(p) is not None]
+    lease_keys = [
+        attempt + LEASE_NAME
+        for attempts in await gather_all(store.list_prefixes(step) for step in steps)
+        for attempt in attempts
+        if ATTEMPT_RE.fullmatch(attempt.rstrip("/").rsplit("/", 1)[-1])
+    ]
     for body in await gather_all(read_lease(store, key) for key in lease_keys):
         if body is None or body.expires <= now:
             continue
