@@ -80,6 +80,11 @@ class Settings:
             this many seconds, and garbage collection never removes an attempt whose lease
             has not expired, whatever its grace period; a save whose lease lapsed refuses to
             commit (see ``ckptstore.layout.lease``).
+        incremental: saves record an xxh3-128 hash of every leaf and write only the leaves
+            that changed since the newest committed step, referencing that step's objects
+            for the rest (docs/format.md, "Incremental saves"). Costs one hashing pass over
+            the state (about 0.1 s per GiB, in the background) and one manifest read per
+            save; deleting a step then reads every manifest.
     """
 
     part_size: int = 32 << 20
@@ -100,6 +105,7 @@ class Settings:
     manifest_max_bytes: int = 256 << 20
     gc_grace_seconds: int = 6 * 3600
     save_lease_seconds: int = 120
+    incremental: bool = True
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -11,6 +11,8 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     ├── AlreadyExistsError     (FileExistsError)    put-if-absent found the key present
     │   └── CommitConflictError                     another attempt committed this step first
     ├── CorruptCheckpointError (ValueError)         bytes or a manifest fail verification
+    │   └── BrokenReferenceError                    a reference to an earlier step's object
+    │                                               that is not a committed object of it
     ├── CheckpointFormatError  (ValueError)         an intact checkpoint another face must read
     ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 __all__ = [
     "AlreadyExistsError",
+    "BrokenReferenceError",
     "CheckpointFormatError",
     "CkptStoreError",
     "CommitConflictError",
@@ -82,6 +85,12 @@ class CommitConflictError(AlreadyExistsError):
 
 class CorruptCheckpointError(CkptStoreError, ValueError):
     """Bytes read back fail their crc32c or length, or a manifest fails validation."""
+
+
+class BrokenReferenceError(CorruptCheckpointError):
+    """A manifest references an object of another step that is not a committed object of
+    it: outside the root, at an attempt that never committed, at a step with no record left,
+    or with another length or crc32c than its own manifest gives it."""
 
 
 class CheckpointFormatError(CkptStoreError, ValueError):

@@ -156,10 +156,11 @@ def make_state(seed: int) -> dict[str, Any]:
 
 @pytest.fixture
 def run_dir(tmp_path: Path) -> Path:
-    """A checkpoint root with steps 5 and 10 (step 10 carries metadata)."""
+    """A checkpoint root with steps 5 and 10 (step 10 carries metadata), each a full save so
+    the tests that damage a step's files find all of its bytes there."""
     root = tmp_path / "run"
     ckptstore.save(root, make_state(5), step=5)
-    ckptstore.save(root, make_state(10), step=10, metadata={"loss": 0.25})
+    ckptstore.save(root, make_state(10), step=10, metadata={"loss": 0.25}, full=True)
     return root
 
 

@@ -337,3 +337,20 @@ def test_a_forked_child_hashes_on_its_own_pool(fresh_hash_pool: None) -> None:
             os._exit(2)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_pack_groups_never_share_a_pack() -> None:
+    """An incremental save's unchanged leaves and changed leaves go to separate packs, so a
+    pack of unchanged ones can be reused whole by the next save."""
+    groups = [i % 2 for i in range(40)]  # interleaved in state order
+    plan = PackPlan.build(
+        [1000] * 40, pack_threshold=4096, pack_size=8192, alignment=64, groups=groups
+    )
+    for obj in plan.objects:
+        assert len({groups[leaf] for leaf in obj.leaves}) == 1, obj
+    first = [groups[obj.leaves[0]] for obj in plan.objects]
+    assert first == sorted(first)  # lower groups first
+    # within a group, state order and aligned offsets as always
+    for obj in plan.objects:
+        assert list(obj.leaves) == sorted(obj.leaves)
+        assert all(plan.leaf_offset[leaf] % 64 == 0 for leaf in obj.leaves)

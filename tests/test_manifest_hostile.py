@@ -38,7 +38,7 @@ STATE = {
 }
 
 
-def envelope(body: bytes, *, version: int = 1, crc: int | None = None) -> bytes:
+def envelope(body: bytes, *, version: int = 2, crc: int | None = None) -> bytes:
     crc = crc32c(body) if crc is None else crc
     head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc},"body":'.encode()
     return head + body + b"}"
@@ -167,7 +167,7 @@ async def test_hostile_manifest_rejected_before_data(
         ("not json", lambda good: b"\x80\x04\x95pickle"),
         ("flipped body byte", lambda good: good[:-20] + bytes([good[-20] ^ 1]) + good[-19:]),
         ("wrong crc", lambda good: good.replace(b'"crc32c":', b'"crc32c":1', 1)),
-        ("future version", lambda good: good.replace(b'"version":1', b'"version":2', 1)),
+        ("future version", lambda good: good.replace(b'"version":2', b'"version":3', 1)),
         ("no envelope", lambda good: good[good.index(b'"body":') + 7 : -1]),
         ("deep json", lambda good: envelope(b"[" * 100_000 + b"]" * 100_000)),
         ("body not object", lambda good: envelope(b"[1,2]")),

@@ -419,7 +419,7 @@ async def _show(args: argparse.Namespace) -> Outcome:
             "dtype": manifest.dtypes[i],
             "shape": list(manifest.shapes[i]),
             "nbytes": manifest.leaf_length[i],
-            "object": manifest.object_keys[manifest.leaf_object[i]]
+            "object": manifest.object_key(manifest.leaf_object[i])
             if manifest.leaf_object[i] >= 0
             else None,
             "offset": manifest.leaf_offset[i],
@@ -428,11 +428,15 @@ async def _show(args: argparse.Namespace) -> Outcome:
         for i in range(len(manifest.paths))
     ]
     values = [{"path": path, "value": value} for path, value in plain_values(manifest.tree)]
+    referenced = set(manifest.references())
     objects = [
-        {"key": key, "nbytes": length, "crc32c": crc}
-        for key, length, crc in zip(
-            manifest.object_keys, manifest.object_lengths, manifest.object_crcs, strict=True
-        )
+        {
+            "key": manifest.object_key(i),
+            "nbytes": manifest.object_lengths[i],
+            "crc32c": manifest.object_crcs[i],
+            "referenced": i in referenced,
+        }
+        for i in range(len(manifest.object_keys))
     ]
     data = {
         "url": url,
@@ -448,6 +452,9 @@ async def _show(args: argparse.Namespace) -> Outcome:
         f"  committed  {_when(summary.created)} (attempt {summary.attempt})",
         f"  size       {format_bytes(summary.nbytes)} in {count(summary.objects, 'object')}, "
         f"{count(summary.leaves, 'array')}, {count(len(values), 'plain value')}",
+        f"  own        {format_bytes(summary.own_bytes)} written by this step",
+        f"  referenced {format_bytes(summary.referenced_bytes)} of earlier steps' objects, "
+        f"from {count(len(manifest.referenced_attempts()), 'attempt')}",
         f"  metadata   {json.dumps(manifest.metadata)}",
         "",
         render_table(
@@ -649,6 +656,12 @@ async def _gc(args: argparse.Namespace) -> Outcome:
         lines.append(
             f"kept {count(len(report.kept_recent), 'uncommitted attempt')} within the grace "
             "period or still leased by a running save"
+        )
+    if report.reclaimed or report.kept_referenced:
+        lines.append(
+            f"removed {count(len(report.reclaimed), 'attempt')} of deleted steps that nothing "
+            f"references any more; kept {count(len(report.kept_referenced), 'attempt')} of "
+            "deleted steps that later steps reference"
         )
     if report.invalid_steps:
         lines.append(

@@ -37,11 +37,13 @@ import numpy as np
 
 from ckptstore.errors import (
     AlreadyExistsError,
+    BrokenReferenceError,
     CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
     StoreError,
 )
+from ckptstore.layout.incremental import Reuse, leaf_hashes, plan_reuse
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     MANIFEST_NAME,
@@ -50,7 +52,6 @@ from ckptstore.layout.keys import (
     manifest_key,
     new_attempt_id,
     parse_step,
-    step_prefix,
 )
 from ckptstore.layout.lease import SaveLease
 from ckptstore.layout.manifest import Manifest
@@ -94,6 +95,8 @@ class CommitInfo:
         objects: data objects written (the manifest not included).
         nbytes: bytes of data objects written.
         manifest_bytes: size of the manifest.
+        referenced_objects: objects of earlier steps the manifest references instead.
+        referenced_bytes: bytes over those objects (not written by this save).
     """
 
     step: int
@@ -101,6 +104,8 @@ class CommitInfo:
     objects: int
     nbytes: int
     manifest_bytes: int
+    referenced_objects: int = 0
+    referenced_bytes: int = 0
 
 
 def check_metadata(metadata: Any) -> None:
@@ -184,9 +189,17 @@ async def write_checkpoint(
     metadata: Any = None,
     plan: PackPlan | None = None,
     packed: Mapping[int, Any] | None = None,
+    incremental: bool | None = None,
+    full: bool = False,
 ) -> CommitInfo:
     """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it:
     :func:`begin_attempt`, :func:`write_objects`, :func:`commit_attempt` in one process.
+
+    An incremental save (:mod:`ckptstore.layout.incremental`) hashes every leaf, and, unless
+    ``full``, writes only the leaves that changed since the newest committed step, whose
+    objects its manifest references for the rest; the references are held against deletion
+    before any data is written (:func:`ckptstore.layout.references.hold_references`), and if
+    that fails (the base is being deleted) the save writes everything instead.
 
     Args:
         store: the store; its root is the checkpoint root.
@@ -198,6 +211,10 @@ async def write_checkpoint(
             by default one is made with :meth:`PackPlan.for_store`.
         packed: pack buffers a stager already filled, by object index; their leaves are not
             copied again.
+        incremental: record leaf hashes and reuse unchanged leaves of the newest committed
+            step (default ``Settings.incremental``; never with a ``plan`` given).
+        full: with ``incremental``, record the hashes but reference nothing (a full save
+            that bounds the chain of references).
 
     Returns:
         What was written.
@@ -214,14 +231,36 @@ async def write_checkpoint(
     if not len(flat.paths) == len(flat.attrs) == n:
         raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
     dtypes = flat.dtype_names()
+    if incremental is None:
+        incremental = store.settings.incremental and plan is None
+    hashes: list[str | None] | None = None
+    reuse: Reuse | None = None
+    if incremental:
+        if plan is not None:
+            raise ValueError("an incremental save makes its own plan; do not pass one")
+        hashes = await in_hash_thread(leaf_hashes, flat.arrays)
+        base = None if full else await _base_manifest(store, step)
+        if base is not None:
+            reuse = plan_reuse(base, flat.paths, dtypes, flat.shapes, hashes)
     if plan is None:
-        plan = PackPlan.for_store(flat.nbytes, store.settings, store.capabilities, flat.paths)
+        plan = _plan(store, flat, reuse)
     elif plan.leaf_length != flat.nbytes:
         raise ValueError("the plan was made for leaves of other sizes")
+
+    # imported here: the references module builds on this one
+    from ckptstore.layout.references import hold_references
 
     attempt = await begin_attempt(store, step)
     prefix = attempt.prefix
     try:
+        if reuse is not None and reuse.objects:
+            try:
+                assert attempt.lease is not None
+                await hold_references(store, attempt.lease, _references_of(attempt, reuse))
+            except BrokenReferenceError:
+                # the base is being deleted meanwhile: write everything this time
+                reuse = None
+                plan = _plan(store, flat, None)
         written = await write_objects(store, flat.arrays, plan, prefix, packed)
     except Exception:
         # The attempt is invisible without a manifest; removing its objects now only spares
@@ -243,13 +282,96 @@ async def write_checkpoint(
         paths=flat.paths,
         dtypes=dtypes,
         shapes=flat.shapes,
-        leaf_object=plan.leaf_object,
-        leaf_offset=plan.leaf_offset,
-        leaf_length=plan.leaf_length,
+        leaf_object=list(plan.leaf_object),
+        leaf_offset=list(plan.leaf_offset),
+        leaf_length=flat.nbytes,
         leaf_crc=written.leaf_crc,
         attrs=flat.attrs,
+        object_steps=[step] * len(plan.objects),
+        leaf_hash=hashes,
     )
+    if reuse is not None and reuse.objects:
+        _add_references(manifest, reuse)
     return await commit_attempt(store, attempt, manifest)
+
+
+async def _base_manifest(store: Store, step: int) -> Manifest | None:
+    """The newest committed step other than ``step``, the base of an incremental save, or
+    ``None`` (nothing committed, or its manifest fails validation: then save in full)."""
+    for candidate in reversed(await committed_steps(store)):
+        if candidate == step:
+            continue
+        try:
+            return await read_manifest(store, candidate)
+        except (NotFoundError, CorruptCheckpointError):
+            return None
+    return None
+
+
+def _plan(store: Store, flat: FlatState, reuse: Reuse | None) -> PackPlan:
+    """The plan of the leaves to write: all, or those ``reuse`` does not take from the base,
+    kept apart by group."""
+    if reuse is None:
+        return PackPlan.for_store(flat.nbytes, store.settings, store.capabilities, flat.paths)
+    lengths = [0 if j >= 0 else n for j, n in zip(reuse.leaf_source, flat.nbytes, strict=True)]
+    return PackPlan.for_store(
+        lengths, store.settings, store.capabilities, flat.paths, groups=reuse.groups
+    )
+
+
+def _reference_columns(reuse: Reuse) -> tuple[list[int], list[str], list[int], list[int]]:
+    """Steps, keys, lengths and crc32c of the base objects ``reuse`` references, as the base
+    names them (so references stay flat: always at the step that wrote the object)."""
+    base = reuse.base
+    return (
+        [base.object_step(o) for o in reuse.objects],
+        [base.object_keys[o] for o in reuse.objects],
+        [base.object_lengths[o] for o in reuse.objects],
+        [base.object_crcs[o] for o in reuse.objects],
+    )
+
+
+def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
+    """A manifest of the references alone (no leaves), to hold and check them."""
+    steps, keys, lengths, crcs = _reference_columns(reuse)
+    return Manifest(
+        step=attempt.step,
+        attempt=attempt.id,
+        created=attempt.started,
+        metadata=None,
+        tree=None,
+        object_keys=keys,
+        object_lengths=lengths,
+        object_crcs=crcs,
+        paths=[],
+        dtypes=[],
+        shapes=[],
+        leaf_object=[],
+        leaf_offset=[],
+        leaf_length=[],
+        leaf_crc=[],
+        attrs=[],
+        object_steps=steps,
+    )
+
+
+def _add_references(manifest: Manifest, reuse: Reuse) -> None:
+    """Append the referenced objects to ``manifest``'s object table and point the reused
+    leaves at them, with the base's offsets and crc32c."""
+    steps, keys, lengths, crcs = _reference_columns(reuse)
+    own = len(manifest.object_keys)
+    position = {obj: own + k for k, obj in enumerate(reuse.objects)}
+    base = reuse.base
+    manifest.object_keys.extend(keys)
+    manifest.object_lengths.extend(lengths)
+    manifest.object_crcs.extend(crcs)
+    assert manifest.object_steps is not None  # one per own object
+    manifest.object_steps.extend(steps)
+    for leaf, j in enumerate(reuse.leaf_source):
+        if j >= 0:
+            manifest.leaf_object[leaf] = position[base.leaf_object[j]]
+            manifest.leaf_offset[leaf] = base.leaf_offset[j]
+            manifest.leaf_crc[leaf] = base.leaf_crc[j]
 
 
 async def write_objects(
@@ -426,12 +548,15 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         # visible: remove them now rather than leave them to garbage collection.
         await remove_objects(store, attempt.prefix)
         raise
+    referenced = manifest.references()
     return CommitInfo(
         attempt.step,
         attempt.id,
-        len(manifest.object_keys),
-        sum(manifest.object_lengths),
+        len(manifest.object_keys) - len(referenced),
+        manifest.own_bytes,
         len(data),
+        len(referenced),
+        manifest.referenced_bytes,
     )
 
 
@@ -550,21 +675,13 @@ def is_own_key(key: str) -> bool:
 
 
 async def delete_step(store: Store, step: int) -> None:
-    """Delete a step: its manifest first (so it is invisible from then on), then the objects
-    of its attempts. Keys under the step that ckptstore did not write are left alone.
-
-    Do not delete a step while a save of that same step is running: its objects would be
-    deleted under it and the save would fail, or commit a manifest naming deleted objects
-    (which a load then reports as missing, never as wrong data). Callers that can race, like
-    the Lightning plugin, serialise the two.
+    """Delete a step, keeping what later steps reference: see
+    :func:`ckptstore.layout.references.delete_step`.
 
     Raises:
         NotFoundError: there is nothing of ``step`` to delete.
     """
-    check_step(step)
-    keys = [k for k in await store.list_keys(step_prefix(step)) if is_own_key(k)]
-    if not keys:
-        raise NotFoundError(f"{store.url}: no step {step} to delete")
-    mkey = manifest_key(step)
-    await store.delete([mkey])
-    await store.delete(k for k in keys if k != mkey)
+    # imported here: the references module builds on this one
+    from ckptstore.layout.references import delete_step as delete_referenced
+
+    await delete_referenced(store, step)

@@ -12,6 +12,11 @@ prefix when all of these hold:
   A running save renews its lease, so its attempt is never removed, whatever grace period the
   collector was given, and a save whose lease lapsed refuses to commit.
 
+An attempt that holds ``committed.json`` is a committed attempt whose step was deleted while
+later steps referenced its objects (:mod:`ckptstore.layout.references`); no grace period
+applies to it: it is removed exactly when nothing references it any more, by the same
+:func:`~ckptstore.layout.references.reclaim` that deleting a step uses.
+
 It never touches the attempt a valid manifest names (so never the newest committed step),
 never a step whose manifest fails validation (it cannot know what that manifest names; the
 step is reported instead), and never a key whose shape ckptstore does not write. Finally it
@@ -31,6 +36,7 @@ from ckptstore.errors import CorruptCheckpointError, NotFoundError
 from ckptstore.layout.commit import read_manifest
 from ckptstore.layout.keys import ATTEMPT_RE, attempt_time, parse_step, step_prefix
 from ckptstore.layout.lease import LEASE_NAME, lease_expiry
+from ckptstore.layout.references import RECORD_NAME, reclaim
 from ckptstore.store.base import Store
 
 __all__ = ["GCReport", "collect_garbage"]
@@ -50,6 +56,9 @@ class GCReport:
             period or their save's lease has not expired (saves in progress).
         invalid_steps: steps whose manifest fails validation, left untouched.
         stale_writes: abandoned in-progress writes the store removed.
+        reclaimed: attempts of deleted steps that nothing references any more, removed.
+        kept_referenced: attempts of deleted steps kept because later steps (or a running
+            save) reference them.
     """
 
     removed: list[str] = field(default_factory=list)
@@ -57,6 +66,8 @@ class GCReport:
     kept_recent: list[str] = field(default_factory=list)
     invalid_steps: list[int] = field(default_factory=list)
     stale_writes: int = 0
+    reclaimed: list[str] = field(default_factory=list)
+    kept_referenced: list[str] = field(default_factory=list)
 
 
 async def collect_garbage(
@@ -76,6 +87,7 @@ async def collect_garbage(
     cutoff = now - grace
     report = GCReport()
     oldest_kept = math.inf  # start of the oldest attempt kept, as a save in progress
+    retired: list[str] = []  # committed attempts of deleted steps
     steps = sorted(s for s in map(parse_step, await store.list_prefixes("")) if s is not None)
     for step in steps:
         prefix = step_prefix(step)
@@ -89,7 +101,9 @@ async def collect_garbage(
         doomed: dict[str, list[str]] = {}
         keep = await _committed_attempt(store, step)
         if keep is not _INVALID:
-            doomed, kept_start = await _idle_attempts(store, prefix, attempts, keep, cutoff, report)
+            doomed, kept_start = await _idle_attempts(
+                store, prefix, attempts, keep, cutoff, report, retired
+            )
             oldest_kept = min(oldest_kept, kept_start)
             if doomed:
                 # A save that committed while its attempt was looked at has dropped its lease
@@ -104,6 +118,12 @@ async def collect_garbage(
             await store.delete(keys)
             report.removed.append(attempt_dir)
             report.removed_objects += len(keys)
+    if retired:
+        reclaimed = await reclaim(store, retired)
+        report.reclaimed = reclaimed.removed
+        report.removed_objects += reclaimed.removed_objects
+        report.kept_referenced = reclaimed.kept_referenced
+        report.invalid_steps = sorted({*report.invalid_steps, *reclaimed.invalid_steps})
     # In-progress writes of kept attempts (an S3 multipart upload of a running save, say)
     # began after their attempt did: leave everything that young alone, with a quarter of a
     # lease period for clocks that disagree (see ckptstore.layout.lease).
@@ -120,10 +140,12 @@ async def _idle_attempts(
     keep: str | None,
     cutoff: float,
     report: GCReport,
+    retired: list[str],
 ) -> tuple[dict[str, list[str]], float]:
     """The attempts under the step ``prefix`` idle since before ``cutoff``, with the keys to
     delete of each, and the start of the oldest attempt kept as a possible save in progress
-    (those are added to ``report.kept_recent``)."""
+    (those are added to ``report.kept_recent``). Committed attempts of a deleted step go to
+    ``retired`` instead."""
     doomed: dict[str, list[str]] = {}
     oldest_kept = math.inf
     for attempt_dir in attempts:
@@ -135,6 +157,9 @@ async def _idle_attempts(
         objects = [meta async for meta in store.list(attempt_dir)]
         if not objects:
             continue  # nothing to delete: see GCReport.removed
+        if any(meta.key == attempt_dir + RECORD_NAME for meta in objects):
+            retired.append(attempt_dir)
+            continue
         signs = [started, *(m.last_modified for m in objects if m.last_modified is not None)]
         lease_key = attempt_dir + LEASE_NAME
         if any(meta.key == lease_key for meta in objects):

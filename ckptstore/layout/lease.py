@@ -31,6 +31,10 @@ by default): the collector compares the expiry the saver wrote with its own cloc
 saver's attempt stays protected until its last lease expires, then the grace period applies
 as before.
 
+A save that references objects of earlier attempts (an incremental save) also lists those
+attempts' prefixes in its lease (``refs``, :meth:`SaveLease.hold`): deleting a step honours
+them the way the collector honours the expiry (:mod:`ckptstore.layout.references`).
+
 The lease is the first object of an attempt and an ordinary key under its prefix, so
 ``delete_step``, a failed save's own clean-up and the collector remove it with the rest.
 """
@@ -45,12 +49,13 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from ckptstore.errors import CkptStoreError
 from ckptstore.layout.keys import attempt_prefix
 from ckptstore.store.base import Store
 
-__all__ = ["LEASE_NAME", "SaveLease", "held_lease", "lease_expiry"]
+__all__ = ["LEASE_NAME", "LeaseBody", "SaveLease", "held_lease", "lease_expiry", "read_lease"]
 
 #: The lease's name inside an attempt prefix.
 LEASE_NAME = "lease.json"
@@ -73,6 +78,8 @@ class SaveLease:
         self._valid_until = math.inf
         self._lapse: str | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Attempt prefixes (``<step>/<attempt>/``) whose objects this save references.
+        self.refs: list[str] = []
 
     @classmethod
     async def take(cls, store: Store, step: int, attempt: str) -> SaveLease:
@@ -93,6 +100,7 @@ class SaveLease:
             "period": self.period,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            "refs": self.refs,
         }
         await self.store.put(self.key, json.dumps(body).encode())
         landed = time.monotonic()
@@ -106,6 +114,17 @@ class SaveLease:
             # A failed renewal is tried again at the next tick; check() sees a lapse.
             with contextlib.suppress(Exception):
                 await self._renew()
+
+    async def hold(self, refs: list[str]) -> None:
+        """Name the attempt prefixes this save is about to reference, and return once the
+        lease saying so has landed (every renewal repeats them). Deleting a step leaves an
+        attempt named by an unexpired lease alone.
+
+        Raises:
+            StoreError: the lease could not be written; the save must not reference them.
+        """
+        self.refs = sorted(set(self.refs) | set(refs))
+        await self._renew()
 
     def check(self) -> None:
         """Raise unless the lease has been held without a gap and has a quarter of its period
@@ -155,12 +174,27 @@ async def held_lease(store: Store, step: int, attempt: str) -> AsyncIterator[Sav
         await lease.release()
 
 
-async def lease_expiry(store: Store, key: str) -> float | None:
-    """When the lease at ``key`` expires (seconds since the epoch), for a collector.
+@dataclass(frozen=True, slots=True)
+class LeaseBody:
+    """What a collector or a deleter reads of a lease.
 
-    ``None`` when there is no lease there (any more). A lease that cannot be read as one
-    protects its attempt for one default period from its write time as the store reports it,
-    so damage to it neither crashes a collection nor makes it delete early.
+    Attributes:
+        expires: when it expires (seconds since the epoch).
+        refs: attempt prefixes its save references; ``None`` when the lease cannot be read
+            as one (a deleter then treats it as naming every attempt).
+    """
+
+    expires: float
+    refs: list[str] | None
+
+
+async def read_lease(store: Store, key: str) -> LeaseBody | None:
+    """The lease at ``key``, for a collector or a deleter; ``None`` when there is no lease
+    there (any more).
+
+    A lease that cannot be read as one protects its attempt for one default period from its
+    write time as the store reports it, and names every attempt, so damage to it neither
+    crashes a collection nor makes it delete early.
     """
     try:
         meta = await store.head(key)
@@ -168,10 +202,23 @@ async def lease_expiry(store: Store, key: str) -> float | None:
     except FileNotFoundError:
         return None
     try:
-        expires = json.loads(data)["expires"]
-        if type(expires) in (int, float) and math.isfinite(expires):
-            return float(expires)
-    except (ValueError, TypeError, KeyError):
+        body = json.loads(data)
+        expires, refs = body["expires"], body.get("refs", [])
+        if (
+            type(expires) in (int, float)
+            and math.isfinite(expires)
+            and type(refs) is list
+            and all(type(r) is str for r in refs)
+        ):
+            return LeaseBody(float(expires), refs)
+    except (ValueError, TypeError, KeyError, AttributeError):
         pass
     written = meta.last_modified if meta.last_modified is not None else time.time()
-    return written + store.settings.save_lease_seconds
+    return LeaseBody(written + store.settings.save_lease_seconds, None)
+
+
+async def lease_expiry(store: Store, key: str) -> float | None:
+    """When the lease at ``key`` expires (seconds since the epoch), for a collector; see
+    :func:`read_lease`."""
+    body = await read_lease(store, key)
+    return None if body is None else body.expires

@@ -9,6 +9,10 @@ every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces 
 (:func:`~ckptstore.store.checksum.crc32c_combine`), so no leaf is read twice and memory stays
 at ``max_concurrency`` chunks. It reports every problem found instead of stopping at the first.
 
+Both read an incremental step's referenced objects like its own: verify checks each
+reference against its attempt's committed record, then its bytes; copy writes them under the
+new attempt, so the step is self-contained at the destination.
+
 **Copy** streams a committed step from one store to another (any backends) and commits it at
 the destination with the commit protocol of :mod:`ckptstore.layout.commit`:
 
@@ -41,6 +45,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptstore.errors import (
+    BrokenReferenceError,
     CommitConflictError,
     CorruptCheckpointError,
     InvalidRangeError,
@@ -50,6 +55,7 @@ from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.references import check_references
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
@@ -85,6 +91,9 @@ class StepSummary:
         leaves: number of array leaves.
         created: when it was committed (seconds since the epoch).
         attempt: the save attempt whose objects the manifest names.
+        own_bytes: bytes over the objects this step's attempt wrote.
+        referenced_bytes: bytes over the objects of earlier steps it references (an
+            incremental save's); ``nbytes`` is the sum of the two.
     """
 
     step: int
@@ -93,6 +102,8 @@ class StepSummary:
     leaves: int
     created: float
     attempt: str
+    own_bytes: int = 0
+    referenced_bytes: int = 0
 
 
 def summarize_step(manifest: Manifest) -> StepSummary:
@@ -104,6 +115,8 @@ def summarize_step(manifest: Manifest) -> StepSummary:
         leaves=len(manifest.paths),
         created=manifest.created,
         attempt=manifest.attempt,
+        own_bytes=manifest.own_bytes,
+        referenced_bytes=manifest.referenced_bytes,
     )
 
 
@@ -139,7 +152,7 @@ class Damage:
     """One problem found by :func:`verify_step`.
 
     Attributes:
-        kind: ``"manifest"``, ``"object"`` or ``"leaf"``.
+        kind: ``"manifest"``, ``"reference"``, ``"object"`` or ``"leaf"``.
         name: the manifest key, object key (relative to the store root) or leaf path.
         problem: what is wrong, e.g. ``"crc32c mismatch: recorded 1, read 2"``.
     """
@@ -307,7 +320,9 @@ async def verify_manifest(
 
 
 async def verify_step(store: Store, step: int, *, progress: Progress | None = None) -> VerifyReport:
-    """Verify committed ``step``: its manifest, then every byte of its data.
+    """Verify committed ``step``: its manifest, its references (each referenced object must
+    be a committed object of its attempt, :func:`~ckptstore.layout.references.
+    check_references`), then every byte of its data, referenced objects included.
 
     A manifest that fails validation is reported as damage (nothing else can be checked).
 
@@ -318,7 +333,14 @@ async def verify_step(store: Store, step: int, *, progress: Progress | None = No
         manifest = await read_manifest(store, step)
     except CorruptCheckpointError as exc:
         return VerifyReport(step, damage=[Damage("manifest", manifest_key(step), str(exc))])
-    return await verify_manifest(store, manifest, progress=progress)
+    broken: list[Damage] = []
+    try:
+        await check_references(store, manifest)
+    except BrokenReferenceError as exc:
+        broken.append(Damage("reference", manifest_key(step), str(exc)))
+    report = await verify_manifest(store, manifest, progress=progress)
+    report.damage[:0] = broken
+    return report
 
 
 # ----------------------------------------------------------------- copy
@@ -373,8 +395,9 @@ async def copy_step(
 
     Raises:
         NotFoundError: ``step`` is not committed at ``src``.
-        CorruptCheckpointError: the source manifest or data fails verification, or the copy
-            fails verification at the destination; nothing is committed.
+        CorruptCheckpointError: the source manifest or data fails verification (a reference
+            included), or the copy fails verification at the destination; nothing is
+            committed.
         CommitConflictError: ``dst`` already holds a different checkpoint at ``step``.
     """
     manifest = await read_manifest(src, step)
@@ -390,13 +413,15 @@ async def copy_step(
             "and differs from the source; remove it first (ckptstore rm)"
         )
 
+    await check_references(src, manifest)
     started = time.time()
     attempt = new_attempt_id(started)
     prefix = attempt_prefix(step, attempt)
     copied = dataclasses.replace(
         manifest,
         attempt=attempt,
-        object_keys=[f"{attempt}/{key.split('/', 1)[1]}" for key in manifest.object_keys],
+        object_keys=[_copied_name(manifest, attempt, i) for i in range(len(manifest.object_keys))],
+        object_steps=None,  # every object is the copy's own: a self-contained step
     )
     # A copy is a save attempt at the destination: it holds the same lease a save does.
     async with held_lease(dst, step, attempt) as lease:
@@ -410,6 +435,14 @@ async def copy_step(
         lease.check()
         await commit_manifest(dst, copied)
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
+
+
+def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:
+    """The key of object ``index`` in the copy: under the copy's attempt, a referenced one
+    prefixed with its step (two attempts may both have a ``pack-000000``)."""
+    name = manifest.object_keys[index].split("/", 1)[1]
+    where = manifest.object_step(index)
+    return f"{attempt}/{name}" if where == manifest.step else f"{attempt}/s{where}-{name}"
 
 
 async def _check_copy(dst: Store, copied: Manifest, progress: Progress | None) -> None:

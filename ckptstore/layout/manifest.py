@@ -46,13 +46,18 @@ from ckptstore.store.checksum import crc32c
 
 __all__ = ["FORMAT_VERSION", "MAX_LEAF_BYTES", "Manifest"]
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+#: Versions this release reads: 1 (no references, no hashes) and 2.
+READABLE_VERSIONS = (1, 2)
 #: No leaf or object may claim more bytes than this (keeps every sum inside int64).
 MAX_LEAF_BYTES = 1 << 60
 
 _ENVELOPE = re.compile(rb'\{"format":"ckptstore","version":(\d{1,6}),"crc32c":(\d{1,10}),"body":')
-_OBJECT_FIELDS = ("key", "length", "crc32c")
-_LEAF_FIELDS = ("path", "dtype", "shape", "object", "offset", "length", "crc32c", "attrs")
+_OBJECT_FIELDS = ("key", "length", "crc32c", "step")
+_LEAF_FIELDS = ("path", "dtype", "shape", "object", "offset", "length", "crc32c", "attrs", "hash")
+#: Columns a version-1 manifest does not have.
+_V2_COLUMNS = ("step", "hash")
+_HASH_RE = re.compile(r"[0-9a-f]{32}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +82,10 @@ class Manifest:
         leaf_crc: crc32c per leaf.
         attrs: JSON attributes per leaf (a stager's device, requires_grad...), or ``None``.
         value_paths: paths of the plain-value leaves of the tree (filled by :meth:`parse`).
+        object_steps: the step each object lives in, or ``None`` when all are the manifest's
+            own. An object of another step is a reference to an earlier save's object.
+        leaf_hash: xxh3-128 (32 hex digits) of each leaf's bytes, or ``None`` per leaf or
+            for all; an incremental save compares against it.
     """
 
     step: int
@@ -96,11 +105,37 @@ class Manifest:
     leaf_crc: list[int]
     attrs: list[dict[str, Any] | None]
     value_paths: list[str] = field(default_factory=list)
+    object_steps: list[int] | None = None
+    leaf_hash: list[str | None] | None = None
 
     # ------------------------------------------------------------------ encoding
 
     def encode(self) -> bytes:
-        """The manifest's bytes (envelope and body)."""
+        """The manifest's bytes (envelope and body).
+
+        A manifest with neither references nor hashes is written as version 1, which older
+        releases read too.
+        """
+        objects: dict[str, Any] = {
+            "key": self.object_keys,
+            "length": self.object_lengths,
+            "crc32c": self.object_crcs,
+        }
+        leaves: dict[str, Any] = {
+            "path": self.paths,
+            "dtype": self.dtypes,
+            "shape": self.shapes,
+            "object": self.leaf_object,
+            "offset": self.leaf_offset,
+            "length": self.leaf_length,
+            "crc32c": self.leaf_crc,
+            "attrs": self.attrs if any(a is not None for a in self.attrs) else None,
+        }
+        version = 1
+        if self.object_steps is not None and self.references():
+            objects["step"], version = self.object_steps, 2
+        if self.leaf_hash is not None and any(h is not None for h in self.leaf_hash):
+            leaves["hash"], version = self.leaf_hash, 2
         body = json.dumps(
             {
                 "step": self.step,
@@ -108,35 +143,46 @@ class Manifest:
                 "created": self.created,
                 "metadata": self.metadata,
                 "tree": self.tree,
-                "objects": {
-                    "key": self.object_keys,
-                    "length": self.object_lengths,
-                    "crc32c": self.object_crcs,
-                },
-                "leaves": {
-                    "path": self.paths,
-                    "dtype": self.dtypes,
-                    "shape": self.shapes,
-                    "object": self.leaf_object,
-                    "offset": self.leaf_offset,
-                    "length": self.leaf_length,
-                    "crc32c": self.leaf_crc,
-                    "attrs": self.attrs if any(a is not None for a in self.attrs) else None,
-                },
+                "objects": objects,
+                "leaves": leaves,
             },
             separators=(",", ":"),
             allow_nan=True,
         ).encode()
-        head = (
-            f'{{"format":"ckptstore","version":{FORMAT_VERSION},"crc32c":{crc32c(body)},"body":'
-        ).encode()
-        return head + body + b"}"
+        head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc32c(body)},"body":'
+        return head.encode() + body + b"}"
 
     # ------------------------------------------------------------------ accessors
 
+    def object_step(self, index: int) -> int:
+        """The step object ``index`` lives in (another step's for a reference)."""
+        return self.step if self.object_steps is None else self.object_steps[index]
+
     def object_key(self, index: int) -> str:
         """Key of object ``index`` relative to the store root."""
-        return f"{self.step}/{self.object_keys[index]}"
+        return f"{self.object_step(index)}/{self.object_keys[index]}"
+
+    def references(self) -> list[int]:
+        """Indices of the objects that live in other steps' attempts."""
+        steps = self.object_steps
+        if steps is None:
+            return []
+        return [i for i, s in enumerate(steps) if s != self.step]
+
+    def referenced_attempts(self) -> set[str]:
+        """Prefixes (``<step>/<attempt>/``) of the other attempts whose objects it references."""
+        return {self.object_key(i).rsplit("/", 1)[0] + "/" for i in self.references()}
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes over the objects this step's own attempt wrote."""
+        refs = set(self.references())
+        return sum(n for i, n in enumerate(self.object_lengths) if i not in refs)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Bytes over the objects of earlier steps it references."""
+        return sum(self.object_lengths[i] for i in self.references())
 
     def dtype(self, leaf: int) -> np.dtype[Any]:
         """The numpy dtype of leaf ``leaf``."""
@@ -185,10 +231,11 @@ class Manifest:
         if match is None:
             raise reject("not a ckptstore manifest (unrecognised envelope)")
         version = int(match.group(1))
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS:
             raise reject(
-                f"format version {version}; this ckptstore reads version {FORMAT_VERSION} "
-                "(upgrade ckptstore to read newer checkpoints)"
+                f"format version {version}; this ckptstore reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))} (upgrade ckptstore to read newer "
+                "checkpoints)"
             )
         if not data.endswith(b"}"):
             raise reject("truncated (no closing brace)")
@@ -202,7 +249,7 @@ class Manifest:
         except (ValueError, RecursionError) as exc:
             raise reject(f"body is not valid JSON ({str(exc)[:200]})") from None
         try:
-            return cls._validate(doc, step)
+            return cls._validate(doc, step, version)
         except _Invalid as exc:
             raise reject(str(exc)) from None
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
@@ -211,7 +258,7 @@ class Manifest:
             raise reject(f"unexpected structure ({type(exc).__name__}: {exc})") from None
 
     @classmethod
-    def _validate(cls, doc: Any, expected_step: int | None) -> Manifest:
+    def _validate(cls, doc: Any, expected_step: int | None, version: int) -> Manifest:
         if type(doc) is not dict:
             raise _Invalid("body is not a JSON object")
         step = doc.get("step")
@@ -225,23 +272,37 @@ class Manifest:
         created = doc.get("created")
         if type(created) not in (int, float):
             raise _Invalid("created is not a number")
-        objects = _table(doc.get("objects"), "objects", _OBJECT_FIELDS)
-        leaves = _table(doc.get("leaves"), "leaves", _LEAF_FIELDS, optional=("attrs",))
+        newer = () if version >= 2 else _V2_COLUMNS
+        objects = _table(
+            doc.get("objects"), "objects", _OBJECT_FIELDS, optional=("step",), absent=newer
+        )
+        leaves = _table(
+            doc.get("leaves"), "leaves", _LEAF_FIELDS, optional=("attrs", "hash"), absent=newer
+        )
 
         # ---- objects
         keys = objects["key"]
         nobj = len(keys)
         if set(map(type, keys)) - {str}:
             raise _Invalid("an object key is not a string")
+        object_steps = objects.get("step")
+        if object_steps is not None:
+            _ints(object_steps, "objects.step", nobj, 0, MAX_STEP)
         prefix = attempt + "/"
-        for key in keys:
-            if not key.startswith(prefix):
-                raise _Invalid(f"object {key!r} is not under its attempt prefix {prefix!r}")
+        for i, key in enumerate(keys):
+            where = step if object_steps is None else object_steps[i]
+            if where == step:
+                if not key.startswith(prefix):
+                    raise _Invalid(f"object {key!r} is not under its attempt prefix {prefix!r}")
+            elif key.count("/") != 1 or not ATTEMPT_RE.fullmatch(key.split("/", 1)[0]):
+                # a reference: an object right under an attempt of another step of this root
+                raise _Invalid(f"referenced object {where}/{key!r} is not under an attempt prefix")
             try:
-                validate_key(f"{step}/{key}")
+                validate_key(f"{where}/{key}")
             except InvalidKeyError as exc:
-                raise _Invalid(f"object key {key!r}: {exc.reason}") from None
-        if len(set(keys)) != nobj:
+                raise _Invalid(f"object key {where}/{key!r}: {exc.reason}") from None
+        placed = list(zip(object_steps or [step] * nobj, keys, strict=True))
+        if len(set(placed)) != nobj:
             raise _Invalid("object keys repeat")
         olen = _ints(objects["length"], "objects.length", nobj, 0, MAX_LEAF_BYTES)
         _ints(objects["crc32c"], "objects.crc32c", nobj, 0, 0xFFFFFFFF)
@@ -261,6 +322,12 @@ class Manifest:
         loff = _ints(leaves["offset"], "leaves.offset", n, 0, MAX_LEAF_BYTES)
         llen = _ints(leaves["length"], "leaves.length", n, 0, MAX_LEAF_BYTES)
         _ints(leaves["crc32c"], "leaves.crc32c", n, 0, 0xFFFFFFFF)
+        hashes = leaves.get("hash")
+        if hashes is not None:
+            _length(hashes, "leaves.hash", n)
+            for digest in hashes:
+                if digest is not None and not (type(digest) is str and _HASH_RE.fullmatch(digest)):
+                    raise _Invalid(f"leaf hash {digest!r} is not 32 hex digits")
         attrs = leaves.get("attrs")
         if attrs is None:
             attrs = [None] * n
@@ -320,6 +387,8 @@ class Manifest:
             leaf_crc=leaves["crc32c"],
             attrs=attrs,
             value_paths=value_paths,
+            object_steps=object_steps,
+            leaf_hash=hashes,
         )
 
 
@@ -328,17 +397,24 @@ class _Invalid(Exception):
 
 
 def _table(
-    value: Any, name: str, fields: Sequence[str], optional: Sequence[str] = ()
+    value: Any,
+    name: str,
+    fields: Sequence[str],
+    optional: Sequence[str] = (),
+    absent: Sequence[str] = (),
 ) -> dict[str, Any]:
+    """Check a column table; ``absent`` columns are unknown in this manifest's version."""
     if type(value) is not dict:
         raise _Invalid(f"{name} is not an object")
-    unknown = set(value) - set(fields)
+    unknown = set(value) - (set(fields) - set(absent))
     if unknown:
         raise _Invalid(f"{name} has unknown fields {sorted(unknown)[:5]}")
     for column in fields:
-        if column not in value and column not in optional:
+        if column in optional and value.get(column) is None:
+            continue
+        if column not in value:
             raise _Invalid(f"{name}.{column} is missing")
-        if column not in optional and type(value[column]) is not list:
+        if type(value[column]) is not list:
             raise _Invalid(f"{name}.{column} is not a list")
     return value
 

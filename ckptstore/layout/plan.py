@@ -9,7 +9,10 @@ a filesystem, so a state of 20,000 small tensors must not become 20,000 objects.
 * smaller leaves are packed, in state order (so one module's leaves share few objects), into
   pack objects of at most ``Settings.pack_size`` bytes, each leaf at an offset that is a
   multiple of ``Settings.leaf_alignment`` so it can be viewed in place with its dtype;
-* empty leaves take no object at all.
+* empty leaves take no object at all;
+* leaves of different ``groups`` never share a pack (an incremental save keeps the leaves
+  that did not change apart from those that did, :mod:`ckptstore.layout.incremental`, so a
+  pack of unchanged leaves can be reused whole next time).
 
 The plan is plain data (``leaf_object``, ``leaf_offset``, ``objects[i].size``), so a stager
 can allocate the pack buffers itself and copy device memory straight into each leaf's slot;
@@ -80,6 +83,7 @@ class PackPlan:
         alignment: int,
         max_object_size: int = 1 << 62,
         paths: Sequence[str] | None = None,
+        groups: Sequence[int] | None = None,
     ) -> PackPlan:
         """Plan leaves of the given byte ``lengths``.
 
@@ -90,6 +94,8 @@ class PackPlan:
             alignment: offsets inside a pack are multiples of this (a power of two).
             max_object_size: the largest object the store can hold; a leaf over it fails.
             paths: leaf paths, to name a leaf in errors.
+            groups: per leaf, a group number; packs hold leaves of one group, lower groups
+                first (default: one group, state order).
 
         Raises:
             ValueError: a leaf larger than ``max_object_size``.
@@ -109,9 +115,17 @@ class PackPlan:
                 objects.append(PlannedObject(name, fill, tuple(members), True))
                 members, fill = [], 0
 
-        for index, length in enumerate(lengths):
+        order: Sequence[int] = range(len(lengths))
+        if groups is not None:
+            order = sorted(order, key=groups.__getitem__)  # stable: state order in a group
+        group = None
+        for index in order:
+            length = lengths[index]
             if length == 0:
                 continue
+            if groups is not None and groups[index] != group:
+                close_pack()
+                group = groups[index]
             if length >= threshold:
                 if length > max_object_size:
                     where = f"{paths[index]!r}" if paths is not None else f"#{index}"
@@ -146,9 +160,11 @@ class PackPlan:
         *,
         pack_threshold: int | None = None,
         pack_size: int | None = None,
+        groups: Sequence[int] | None = None,
     ) -> PackPlan:
         """Plan with the thresholds in ``settings`` (or the ``pack_threshold`` and
-        ``pack_size`` given, as the DCP writer's own) and the limits of a backend."""
+        ``pack_size`` given, as the DCP writer's own) and the limits of a backend; ``groups``
+        as in :meth:`build`."""
         caps = capabilities
         largest = caps.max_part_size * caps.max_parts if caps.multipart else caps.max_part_size
         pack_size = min(settings.pack_size if pack_size is None else pack_size, largest)
@@ -159,6 +175,7 @@ class PackPlan:
             alignment=settings.leaf_alignment,
             max_object_size=largest,
             paths=paths,
+            groups=groups,
         )
 
     @property

@@ -34,6 +34,13 @@ buffer), about 0.5 us per leaf, whereas deriving the object's crc32c from the re
 crc32cs with :func:`~ckptstore.store.checksum.crc32c_combine` (no pass over the bytes, but
 GF(2) arithmetic in Python) took about 10 us per leaf, twenty times as much.
 
+A manifest that references objects of earlier steps (an incremental save) has each
+referenced attempt checked first (:func:`ckptstore.layout.references.check_references`: one
+record read per attempt): the object must be a committed object of it, with the length and
+crc32c its own record gives; a reference that is not raises
+:class:`~ckptstore.errors.BrokenReferenceError` before any data is read. Referenced bytes are
+then read and verified exactly like the step's own.
+
 A mismatch, a short, long or missing object raises
 :class:`~ckptstore.errors.CorruptCheckpointError` naming the object and, where one is to
 blame, the leaf, with the recorded and the computed checksums when they differ.
@@ -51,6 +58,7 @@ import numpy as np
 from ckptstore.errors import CorruptCheckpointError, InvalidRangeError, NotFoundError
 from ckptstore.layout.commit import gather_all
 from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.references import check_references
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 
@@ -103,7 +111,13 @@ async def read_leaves(
         manifest: a validated manifest.
         leaves: leaf indices to read.
         into: caller arrays to fill, by leaf index (dtype and shape must match exactly).
+
+    Raises:
+        BrokenReferenceError: a referenced object is not a committed object of its attempt.
+        CorruptCheckpointError: an object is missing, of the wrong size, or fails a crc32c.
     """
+    if manifest.references():
+        await check_references(store, manifest)
     into = into or {}
     out: dict[int, np.ndarray[Any, Any]] = {}
     by_object: dict[int, list[int]] = defaultdict(list)

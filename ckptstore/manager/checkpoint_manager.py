@@ -66,6 +66,10 @@ class CheckpointManager:
         async_save: ``save`` returns after staging; ``False`` waits for the commit.
         max_in_flight: async saves writing at once; the next save waits for one to finish.
         stager: the stager (and so the buffer pool) to use; one per manager by default.
+        full_every: with ``Settings.incremental`` (the default), make every this-many-th
+            save of this manager, its first included, a full save that references no
+            earlier step, so old steps' objects stop being kept alive by newer steps
+            (Orbax-style); ``None``: only ``save(..., full=True)`` is full.
         **store_options: options for a URL ``url``, given as on every face
             (:mod:`ckptstore.pipeline.root`); refused with an open Store.
     """
@@ -83,12 +87,15 @@ class CheckpointManager:
         async_save: bool = True,
         max_in_flight: int = 1,
         stager: Stager | None = None,
+        full_every: int | None = None,
         **store_options: Any,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
             raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep}")
         if keep_period is not None and keep_period < 1:
             raise ValueError(f"keep_period must be >= 1 or None, got {keep_period}")
+        if full_every is not None and full_every < 1:
+            raise ValueError(f"full_every must be >= 1 or None, got {full_every}")
         if save_interval_steps < 1:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if best_mode not in ("min", "max"):
@@ -102,6 +109,8 @@ class CheckpointManager:
         self.best_fn = best_fn
         self.best_mode = best_mode
         self.async_save = async_save
+        self.full_every = full_every
+        self._saves = 0  # saves started by this manager, for full_every
         self._store, self._owns_store = open_root(url, store_options)
         if stager is None:
             stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
@@ -130,6 +139,7 @@ class CheckpointManager:
         metadata: Any = None,
         force: bool = False,
         metrics: Any = None,
+        full: bool = False,
     ) -> bool:
         """Save ``state`` as ``step`` if the interval says so (or ``force``).
 
@@ -145,6 +155,8 @@ class CheckpointManager:
             metadata: JSON stored with the step (see :meth:`metadata`).
             force: save even if ``step`` is off the interval.
             metrics: JSON metrics for ``best_fn``.
+            full: write every leaf and reference no earlier step (an incremental save
+                otherwise writes only what changed; see ``full_every``).
 
         Returns:
             Whether a save was started.
@@ -165,12 +177,18 @@ class CheckpointManager:
         except (TypeError, ValueError) as exc:
             raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
 
+        every = self.full_every
+        full = full or (every is not None and self._saves % every == 0)
+        self._saves += 1
+
         def stage() -> StagedState:
             # in the caller's thread, so an unstorable leaf fails this call, not a later one
             return save_path.stage(self._stager, state)
 
         async def write(staged: StagedState) -> None:
-            await save_path.save_staged(self._store, staged, step=step, metadata=document)
+            await save_path.save_staged(
+                self._store, staged, step=step, metadata=document, full=full
+            )
             self._info[step] = (manager_meta["time"], metrics)
             await self._retain()
 

@@ -54,9 +54,19 @@ __all__ = [
 
 
 async def asave(
-    root: Root, state: Any, *, step: int, metadata: Any = None, **store_options: Any
+    root: Root,
+    state: Any,
+    *,
+    step: int,
+    metadata: Any = None,
+    full: bool = False,
+    **store_options: Any,
 ) -> CommitInfo:
     """Save ``state`` as step ``step`` under ``root`` and commit it.
+
+    With ``Settings.incremental`` (the default), only leaves that changed since the newest
+    committed step are written; the manifest references that step's objects for the rest
+    (docs/format.md, "Incremental saves").
 
     Args:
         root: URL, path or Store of the run's checkpoint root.
@@ -65,6 +75,7 @@ async def asave(
             the arrays must not change until the save returns.
         step: the step number (an int >= 0); each step is written once.
         metadata: JSON stored in the manifest (returned by :func:`aread_manifest`).
+        full: write every leaf and reference nothing, even with ``Settings.incremental``.
         **store_options: options for a URL ``root`` (see :mod:`ckptstore.pipeline.root`).
 
     Raises:
@@ -79,7 +90,9 @@ async def asave(
         staged = save_path.stage(stager, state, copy=False)
         try:
             async with aopened(root, store_options) as store:
-                return await save_path.save_staged(store, staged, step=step, metadata=metadata)
+                return await save_path.save_staged(
+                    store, staged, step=step, metadata=metadata, full=full
+                )
         finally:
             staged.release()
     finally:
@@ -174,10 +187,18 @@ async def agc(root: Root, *, grace: float | None = None, **store_options: Any) -
 
 
 def save(
-    root: Root, state: Any, *, step: int, metadata: Any = None, **store_options: Any
+    root: Root,
+    state: Any,
+    *,
+    step: int,
+    metadata: Any = None,
+    full: bool = False,
+    **store_options: Any,
 ) -> CommitInfo:
     """Blocking :func:`asave`."""
-    return background.run(asave(root, state, step=step, metadata=metadata, **store_options))
+    return background.run(
+        asave(root, state, step=step, metadata=metadata, full=full, **store_options)
+    )
 
 
 def load(

@@ -25,6 +25,9 @@ The stages:
 2. **plan**: which object and offset each leaf gets (:class:`~ckptstore.layout.plan.PackPlan`,
    the one packer): small leaves packed into few objects at ``Settings.leaf_alignment``,
    large ones objects of their own.
+   An incremental save (``Settings.incremental``) first hashes every leaf and plans only
+   the leaves that changed since the newest committed step; its manifest references that
+   step's objects for the rest (:mod:`ckptstore.layout.incremental`).
 3. **write**: every object under the attempt's prefix, packs built in the one buffer pool
    (:data:`~ckptstore.store.buffers.host_buffers`), with each leaf's and object's crc32c;
    durable when it returns; a failed writer removes what it wrote.
@@ -192,19 +195,20 @@ async def commit(store: Store, attempt: Attempt, manifest: Manifest) -> CommitIn
 
 
 async def save_flat(
-    store: Store, flat: FlatState, *, step: int, metadata: Any = None
+    store: Store, flat: FlatState, *, step: int, metadata: Any = None, full: bool = False
 ) -> CommitInfo:
     """Plan, write and commit a flat state in this process (the arrays must not change
-    until it returns)."""
-    return await write_checkpoint(store, flat, step=step, metadata=metadata)
+    until it returns). With ``Settings.incremental`` only what changed since the newest
+    committed step is written, unless ``full`` (:mod:`ckptstore.layout.incremental`)."""
+    return await write_checkpoint(store, flat, step=step, metadata=metadata, full=full)
 
 
 async def save_staged(
-    store: Store, staged: StagedState, *, step: int, metadata: Any = None
+    store: Store, staged: StagedState, *, step: int, metadata: Any = None, full: bool = False
 ) -> CommitInfo:
     """Plan, write and commit a state :func:`stage` copied (the background half of an async
     save), once its device-to-host copies have landed; the caller releases ``staged`` when
     this returns."""
     if staged.fences:
         await asyncio.to_thread(staged.wait_ready)
-    return await save_flat(store, staged.flat(), step=step, metadata=metadata)
+    return await save_flat(store, staged.flat(), step=step, metadata=metadata, full=full)

@@ -1,4 +1,5 @@
-"""Test support shipped with ckptstore: the backend conformance suite and the checkpoint suite,
+"""Test support shipped with ckptstore: the backend conformance suite, the checkpoint suite and
+the incremental-save suite,
 and what they run against: real servers (:mod:`~ckptstore.testing.servers`,
 :mod:`~ckptstore.testing.fakegcs`) and an HTTP fault proxy for S3 and GCS
 (:mod:`~ckptstore.testing.proxy`).
@@ -14,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["BAD_KEYS", "CheckpointTests", "StoreTests", "assert_same_state"]
+__all__ = ["BAD_KEYS", "CheckpointTests", "IncrementalTests", "StoreTests", "assert_same_state"]
 
 #: Where each public name lives.
 _SUITES = {
@@ -22,6 +23,7 @@ _SUITES = {
     "StoreTests": "ckptstore.testing.store_tests",
     "CheckpointTests": "ckptstore.testing.checkpoint_tests",
     "assert_same_state": "ckptstore.testing.checkpoint_tests",
+    "IncrementalTests": "ckptstore.testing.incremental_tests",
 }
 
 

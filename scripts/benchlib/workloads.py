@@ -11,7 +11,11 @@ suite now takes its states, or the sizes of its objects, from here:
   attention, MLP, biases and layer norms, a final norm and an output head; quick runs: 2
   layers of width 256) with an Adam-like optimizer state in ``torch.optim`` layout: two moment
   copies and a 0-d ``step`` per parameter, the param groups as plain values, and an epoch
-  counter. 456 MiB in 496 arrays, 370 of them under 1 MiB.
+  counter. 456 MiB in 496 arrays, 370 of them under 1 MiB;
+* **fine-tuning**: a frozen 200 MiB base (200 float32 matrices of 1 MiB and 24 small norms), a
+  trainable low-rank adapter and the Adam moments of the adapter only (quick runs: an 8 MiB
+  base); each training step changes the adapter and its moments, never the base. It is the
+  state of the incremental-save tests (:class:`ckptstore.testing.incremental_tests.FineTuning`).
 
 States are numpy arrays of random values, drawn from fixed seeds so every suite and every run
 sees the same bytes; :func:`as_torch` turns one into torch tensors that share its memory, for
@@ -34,6 +38,7 @@ __all__ = [
     "as_torch",
     "big",
     "big_shape",
+    "fine_tuning",
     "map_leaves",
     "small",
     "small_count",
@@ -107,6 +112,15 @@ def transformer(quick: bool) -> dict[str, Any]:
     }
     groups = [{"lr": 3e-4, "betas": [0.9, 0.999], "eps": 1e-8, "params": list(range(len(model)))}]
     return {"model": model, "optim": {"state": state, "param_groups": groups}, "epoch": 3}
+
+
+def fine_tuning(quick: bool) -> Any:
+    """A :class:`~ckptstore.testing.incremental_tests.FineTuning` run: ``.state`` is the
+    state, ``.train_step()`` changes its trainable part, ``.changed_bytes()`` says by how
+    much."""
+    from ckptstore.testing.incremental_tests import FineTuning
+
+    return FineTuning(base_large=8 if quick else 200)
 
 
 #: The workloads by the name the result tables show.

@@ -1,0 +1,108 @@
+"""Incremental saves: which leaves are unchanged since the base step, and what is reused.
+
+Fine-tuning keeps most of a state frozen from one save to the next; an incremental save
+writes only what changed and references the base step's objects for the rest
+(docs/format.md, "Incremental saves", has the whole design and the measurements behind it):
+
+* a leaf is unchanged when its path, dtype, shape and length equal a base leaf's and the
+  xxh3-128 of its staged bytes equals the hash the base recorded (:func:`leaf_hashes`, one
+  pass in a hashing thread, about as fast as crc32c; crc32c alone is too short to decide
+  equality, see the format page);
+* a base object is referenced only when every leaf the base keeps in it is unchanged, so a
+  reused pack is reused whole (:func:`plan_reuse`);
+* unchanged leaves of a base pack that also held changed ones are written again, in packs
+  of their own (the ``groups`` of :class:`~ckptstore.layout.plan.PackPlan`), so from the
+  next save on those packs are reused whole too.
+
+References are flat: a reused object is named at the step whose attempt wrote it, copied
+from the base manifest's own entry, so a restore never follows a chain.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ckptstore.layout.manifest import Manifest
+from ckptstore.store.checksum import as_uint8
+
+__all__ = ["STABLE", "CHANGED", "Reuse", "leaf_hashes", "plan_reuse"]
+
+#: Pack groups: unchanged leaves written again, and changed leaves, never share a pack.
+STABLE, CHANGED = 0, 1
+
+
+def leaf_hashes(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
+    """xxh3-128 (32 hex digits) of each leaf's bytes in C order; run it in a hashing
+    thread. About 0.1 s per GiB and 0.5 us per 4 KiB leaf on the development machine."""
+    import xxhash  # a dependency of ckptstore; imported here to keep `import ckptstore` light
+
+    digest = xxhash.xxh3_128_hexdigest
+    out: list[str | None] = []
+    for array in arrays:
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        out.append(digest(as_uint8(array)))  # type: ignore[arg-type]  # a buffer
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """What an incremental save takes from its base.
+
+    Attributes:
+        base: the base step's manifest.
+        leaf_source: per leaf, the base leaf whose bytes it reuses, or ``-1``.
+        objects: the base objects referenced (indices into the base's object table),
+            ascending.
+        groups: per leaf, :data:`STABLE` (unchanged, but its base pack cannot be reused
+            whole) or :data:`CHANGED`; the planner keeps the two apart.
+    """
+
+    base: Manifest
+    leaf_source: list[int]
+    objects: list[int]
+    groups: list[int]
+
+    @property
+    def reused(self) -> int:
+        """Leaves whose bytes are referenced rather than written."""
+        return sum(1 for j in self.leaf_source if j >= 0)
+
+
+def plan_reuse(
+    base: Manifest,
+    paths: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    hashes: Sequence[str | None],
+) -> Reuse:
+    """Decide which leaves reuse ``base``'s bytes (see the module docstring for the rule)."""
+    base_hash = base.leaf_hash or [None] * len(base.paths)
+    index = {path: j for j, path in enumerate(base.paths)}
+    match = [-1] * len(paths)
+    for i, path in enumerate(paths):
+        j = index.get(path, -1)
+        if (
+            j >= 0
+            and hashes[i] is not None
+            and base_hash[j] == hashes[i]
+            and base.dtypes[j] == dtypes[i]
+            and list(base.shapes[j]) == list(shapes[i])
+            and base.leaf_object[j] >= 0
+            and base.leaf_length[j] > 0
+        ):
+            match[i] = j
+    matched = {j for j in match if j >= 0}
+    members: dict[int, list[int]] = defaultdict(list)
+    for j, obj in enumerate(base.leaf_object):
+        if obj >= 0 and base.leaf_length[j] > 0:
+            members[obj].append(j)
+    whole = {obj for obj, leaves in members.items() if all(j in matched for j in leaves)}
+    source = [j if j >= 0 and base.leaf_object[j] in whole else -1 for j in match]
+    groups = [STABLE if j >= 0 and s < 0 else CHANGED for j, s in zip(match, source, strict=True)]
+    return Reuse(base, source, sorted(whole), groups)

@@ -1,0 +1,324 @@
+"""References to earlier steps' objects, and the rule that keeps them alive.
+
+An incremental save (:mod:`ckptstore.layout.incremental`) writes only what changed and makes
+its manifest reference the objects of earlier committed attempts for the rest
+(docs/format.md, "Incremental saves"). This module holds the three things that make that
+safe:
+
+* **The committed record of an attempt.** A reference may only point at a committed
+  attempt: one that ``<step>/manifest.json`` names, or, once that step was deleted while
+  later steps still reference its objects, one that holds ``<step>/<attempt>/committed.json``
+  (the step's manifest, copied there by :func:`delete_step` before the manifest goes).
+  :func:`check_references` refuses any reference whose object its attempt's record does not
+  list with the same length and crc32c.
+* **The deleter's side** (:func:`reclaim`): an attempt's objects are deleted only when no
+  committed manifest references them and no unexpired lease names them, decided with a
+  marker so that a save beginning to reference them meanwhile either sees the marker or is
+  seen by the deleter. The argument is in docs/format.md ("The gc rule").
+* **The saver's side** (:func:`hold_references`): name the attempts in the lease, then
+  look for markers, then for the records, in that order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from ckptstore.errors import BrokenReferenceError, CorruptCheckpointError, NotFoundError
+from ckptstore.layout.commit import committed_steps, gather_all, is_own_key, read_manifest
+from ckptstore.layout.keys import (
+    ATTEMPT_RE,
+    attempt_prefix,
+    check_step,
+    manifest_key,
+    parse_step,
+    step_prefix,
+)
+from ckptstore.layout.lease import LEASE_NAME, SaveLease, read_lease
+from ckptstore.layout.manifest import Manifest
+from ckptstore.store.base import Store
+
+__all__ = [
+    "MARKER_PREFIX",
+    "RECORD_NAME",
+    "ReclaimReport",
+    "attempt_record",
+    "check_references",
+    "delete_step",
+    "hold_references",
+    "reclaim",
+]
+
+#: The copy of a deleted step's manifest inside its attempt, kept while others reference it.
+RECORD_NAME = "committed.json"
+#: A deleter's marker inside an attempt it is about to reclaim: ``reclaim-<random>.json``.
+MARKER_PREFIX = "reclaim-"
+
+
+def _split(prefix: str) -> tuple[int, str]:
+    """``(step, attempt)`` of an attempt prefix ``<step>/<attempt>/``."""
+    step, attempt = prefix.rstrip("/").split("/")
+    parsed = parse_step(step)
+    assert parsed is not None  # from a validated manifest
+    assert ATTEMPT_RE.fullmatch(attempt)
+    return parsed, attempt
+
+
+async def attempt_record(store: Store, step: int, attempt: str) -> Manifest | None:
+    """The manifest that commits ``<step>/<attempt>/``: the step's manifest when it names
+    that attempt, else the attempt's ``committed.json``; ``None`` when neither exists.
+
+    Raises:
+        CorruptCheckpointError: the record found fails validation.
+    """
+    with contextlib.suppress(NotFoundError):
+        manifest = await read_manifest(store, step)
+        if manifest.attempt == attempt:
+            return manifest
+    key = attempt_prefix(step, attempt) + RECORD_NAME
+    cap = store.settings.manifest_max_bytes
+    try:
+        if (await store.head(key)).size > cap:
+            raise CorruptCheckpointError(f"{store.url}/{key}: over the {cap}-byte cap")
+        data = await store.get(key)
+    except NotFoundError:
+        return None
+    record = Manifest.parse(data, step=step, max_bytes=cap, source=f"{store.url}/{key}")
+    if record.attempt != attempt:
+        raise CorruptCheckpointError(
+            f"{store.url}/{key}: the record names attempt {record.attempt}, not {attempt}"
+        )
+    return record
+
+
+async def _has_marker(store: Store, prefix: str) -> bool:
+    return any(
+        key[len(prefix) :].startswith(MARKER_PREFIX) for key in await store.list_keys(prefix)
+    )
+
+
+async def check_references(store: Store, manifest: Manifest, *, markers: bool = False) -> None:
+    """Raise unless every object ``manifest`` references is a committed object of its
+    attempt, with the length and crc32c that attempt's own record gives it.
+
+    One record read per referenced attempt (all in flight at once). With ``markers``, an
+    attempt a deleter has marked for reclaiming is refused too, and the marker is looked for
+    before the record (the order :func:`hold_references` relies on).
+
+    Raises:
+        BrokenReferenceError: naming the first bad object and why.
+    """
+    by_attempt: dict[str, list[int]] = defaultdict(list)
+    for index in manifest.references():
+        by_attempt[manifest.object_key(index).rsplit("/", 1)[0] + "/"].append(index)
+
+    async def check(prefix: str, objects: list[int]) -> None:
+        step, attempt = _split(prefix)
+        first = manifest.object_key(objects[0])
+
+        def broken(why: str) -> BrokenReferenceError:
+            return BrokenReferenceError(
+                f"{store.url}: step {manifest.step} references {first!r}, but {why}"
+            )
+
+        if markers and await _has_marker(store, prefix):
+            raise broken(f"{prefix} is being reclaimed")
+        try:
+            record = await attempt_record(store, step, attempt)
+        except CorruptCheckpointError as exc:
+            raise broken(f"the record of {prefix} is invalid ({exc})") from None
+        if record is None:
+            raise broken(
+                f"{prefix} is not a committed attempt (step {step} does not name it and it "
+                f"holds no {RECORD_NAME})"
+            )
+        own = {
+            record.object_keys[i]: (record.object_lengths[i], record.object_crcs[i])
+            for i in range(len(record.object_keys))
+            if record.object_step(i) == step
+        }
+        for index in objects:
+            entry = own.get(manifest.object_keys[index])
+            wanted = (manifest.object_lengths[index], manifest.object_crcs[index])
+            if entry != wanted:
+                key = manifest.object_key(index)
+                why = "it is not an object of" if entry is None else "it differs from the one in"
+                raise BrokenReferenceError(
+                    f"{store.url}: step {manifest.step} references {key!r}, but {why} the "
+                    f"committed record of {prefix} (recorded {entry}, referenced {wanted})"
+                )
+
+    await gather_all(check(prefix, objects) for prefix, objects in by_attempt.items())
+
+
+async def hold_references(store: Store, lease: SaveLease, manifest: Manifest) -> None:
+    """The saver's side of the gc rule, before any data of an incremental save is written:
+    name the attempts ``manifest`` references in the save's lease, then check them
+    (:func:`check_references` with markers).
+
+    Raises:
+        BrokenReferenceError: an attempt is being reclaimed or no longer committed; the
+            caller saves those leaves again instead.
+        StoreError: the lease could not be written.
+    """
+    await lease.hold(sorted(manifest.referenced_attempts()))
+    await check_references(store, manifest, markers=True)
+
+
+# --------------------------------------------------------------------------- deleting
+
+
+@dataclass(slots=True)
+class ReclaimReport:
+    """What :func:`reclaim` did.
+
+    Attributes:
+        removed: attempt prefixes whose objects were deleted.
+        removed_objects: objects deleted under them.
+        kept_referenced: attempt prefixes kept because a committed manifest or a running
+            save references them.
+        invalid_steps: steps whose manifest fails validation; while there are any, nothing
+            is reclaimed (what they reference cannot be known).
+    """
+
+    removed: list[str] = field(default_factory=list)
+    removed_objects: int = 0
+    kept_referenced: list[str] = field(default_factory=list)
+    invalid_steps: list[int] = field(default_factory=list)
+
+
+async def _referenced(store: Store, report: ReclaimReport) -> set[str] | None:
+    """Attempt prefixes every committed manifest names or references; ``None`` (and the
+    steps in ``report.invalid_steps``) when a manifest fails validation."""
+    steps = await committed_steps(store)
+
+    async def one(step: int) -> Manifest | None:
+        try:
+            return await read_manifest(store, step)
+        except NotFoundError:
+            return None  # deleted meanwhile
+        except CorruptCheckpointError:
+            report.invalid_steps.append(step)
+            return None
+
+    manifests = await gather_all(one(step) for step in steps)
+    if report.invalid_steps:
+        return None
+    used: set[str] = set()
+    for manifest in manifests:
+        if manifest is not None:
+            used.add(attempt_prefix(manifest.step, manifest.attempt))
+            used |= manifest.referenced_attempts()
+    return used
+
+
+async def _leased(store: Store, now: float) -> set[str] | None:
+    """Attempt prefixes unexpired leases name; ``None`` when one cannot be read as a lease
+    (then it may name anything)."""
+    named: set[str] = set()
+    # one listing of attempt prefixes per step and one read per attempt, rather than a
+    # listing of every object of the root
+    steps = [p for p in await store.list_prefixes("") if parse_step(p) is not None]
+    lease_keys = [
+        attempt + LEASE_NAME
+        for attempts in await gather_all(store.list_prefixes(step) for step in steps)
+        for attempt in attempts
+        if ATTEMPT_RE.fullmatch(attempt.rstrip("/").rsplit("/", 1)[-1])
+    ]
+    for body in await gather_all(read_lease(store, key) for key in lease_keys):
+        if body is None or body.expires <= now:
+            continue
+        if body.refs is None:
+            return None
+        named.update(body.refs)
+    return named
+
+
+async def reclaim(store: Store, candidates: list[str]) -> ReclaimReport:
+    """Delete the objects of the attempt prefixes in ``candidates`` that nothing uses: no
+    committed manifest names or references them and no unexpired lease names them. See
+    docs/format.md ("The gc rule") for why a save that commits meanwhile never loses a byte.
+
+    Order: read every manifest; mark each unreferenced candidate; read every lease; read
+    every manifest again; delete a candidate neither names (its ``committed.json`` first,
+    then its objects, then the markers); unmark the others.
+    """
+    report = ReclaimReport()
+    used = await _referenced(store, report)
+    if used is None:
+        return report
+    doomed = [c for c in dict.fromkeys(candidates) if c not in used]
+    report.kept_referenced += [c for c in candidates if c in used]
+    if not doomed:
+        return report
+    marker = f"{MARKER_PREFIX}{secrets.token_hex(8)}.json"
+    await gather_all(store.put(prefix + marker, b"{}") for prefix in doomed)
+    try:
+        leased = await _leased(store, time.time())
+        used = await _referenced(store, report)
+        if leased is None or used is None:
+            report.kept_referenced += doomed
+            return report
+        for prefix in doomed:
+            if prefix in leased or prefix in used:
+                report.kept_referenced.append(prefix)
+                continue
+            keys = await store.list_keys(prefix)
+            record = prefix + RECORD_NAME
+            if record in keys:
+                await store.delete([record])  # no longer committed: never referenced again
+            markers = [k for k in keys if k[len(prefix) :].startswith(MARKER_PREFIX)]
+            data = [k for k in keys if k != record and k not in markers and k != prefix + marker]
+            await store.delete(data)
+            await store.delete([*markers, prefix + marker])
+            report.removed.append(prefix)
+            report.removed_objects += len(data)
+    finally:
+        with contextlib.suppress(Exception):
+            await store.delete(
+                [p + marker for p in doomed if p not in report.removed]  # kept ones
+            )
+    return report
+
+
+async def delete_step(store: Store, step: int) -> ReclaimReport:
+    """Delete a step: it is invisible from the moment its manifest goes, and every object of
+    it that no other committed manifest references (nor a running save) is deleted.
+
+    The step's manifest is first copied to ``<step>/<attempt>/committed.json``, so the
+    objects later steps reference stay objects of a committed attempt; then the manifest is
+    deleted; then :func:`reclaim` runs on every attempt of the step and every attempt it
+    referenced. Keys under the step
+    that ckptstore did not write are left alone.
+
+    Do not delete a step while a save of that same step is running: its objects would be
+    deleted under it and the save would fail, or commit a manifest naming deleted objects
+    (which a load then reports as missing, never as wrong data). Callers that can race, like
+    the Lightning plugin, serialise the two.
+
+    Raises:
+        NotFoundError: there is nothing of ``step`` to delete.
+    """
+    check_step(step)
+    keys = [k for k in await store.list_keys(step_prefix(step)) if is_own_key(k)]
+    if not keys:
+        raise NotFoundError(f"{store.url}: no step {step} to delete")
+    mkey = manifest_key(step)
+    attempts = sorted({k.rsplit("/", 1)[0] + "/" for k in keys if k.count("/") >= 2})
+    if mkey in keys:
+        try:
+            data = await store.get(mkey)
+            manifest = Manifest.parse(
+                data, step=step, max_bytes=store.settings.manifest_max_bytes, source=mkey
+            )
+        except (NotFoundError, CorruptCheckpointError):
+            pass  # nothing can reference an attempt of a manifest that is not valid
+        else:
+            await store.put(attempt_prefix(step, manifest.attempt) + RECORD_NAME, data)
+            # what only this step still referenced may be unreferenced from now on
+            attempts += sorted(manifest.referenced_attempts())
+        await store.delete([mkey])
+    return await reclaim(store, attempts)

@@ -1,0 +1,222 @@
+"""Incremental saves (ckptstore.testing.IncrementalTests) on memory, local, moto and
+SeaweedFS stores, plus what only one backend needs: the CLI's view of references."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.cli.main import main
+from ckptstore.store.local import LocalStore
+from ckptstore.store.memory import MemoryStore
+from ckptstore.store.s3 import S3Store
+from ckptstore.testing.incremental_tests import FineTuning, IncrementalTests, KeyCountingStore
+from ckptstore.testing.servers import SeaweedFS
+from tests.servers.moto import MotoS3
+
+
+class TestMemoryIncremental(IncrementalTests):
+    @pytest.fixture
+    async def store(self) -> AsyncIterator[MemoryStore]:
+        async with MemoryStore() as store:
+            yield store
+
+
+class TestLocalIncremental(IncrementalTests):
+    @pytest.fixture
+    async def store(self, tmp_path: Path) -> AsyncIterator[LocalStore]:
+        async with LocalStore(tmp_path / "ckpt") as store:
+            yield store
+
+
+@pytest.mark.s3
+class TestMotoIncremental(IncrementalTests):
+    @pytest.fixture
+    async def store(self, moto_s3: MotoS3) -> AsyncIterator[S3Store]:
+        async with S3Store(moto_s3.bucket, "ckpt", **moto_s3.options()) as store:
+            yield store
+
+
+@pytest.mark.s3
+class TestSeaweedFSIncremental(IncrementalTests):
+    @pytest.fixture
+    async def store(self, seaweedfs: SeaweedFS) -> AsyncIterator[S3Store]:
+        seaweedfs.create_bucket("incremental")
+        async with S3Store(
+            "incremental",
+            f"t-{uuid.uuid4().hex[:12]}",
+            endpoint_url=seaweedfs.s3_endpoint,
+            anonymous=True,
+        ) as store:
+            yield store
+            await store.delete(await store.list_keys())
+
+
+def test_show_reports_own_and_referenced_bytes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = FineTuning()
+    ckptstore.save(tmp_path, run.state, step=1)
+    run.train_step()
+    info = ckptstore.save(tmp_path, run.state, step=2)
+    assert main(["show", str(tmp_path), "2", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["own_bytes"] == info.nbytes
+    assert shown["referenced_bytes"] == info.referenced_bytes > 0
+    referenced = [o for o in shown["objects"] if o["referenced"]]
+    assert referenced
+    assert all(o["key"].startswith("1/") for o in referenced)
+    assert main(["show", str(tmp_path), "2"]) == 0
+    assert "referenced" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------- the manager
+
+
+def _changed_bytes(
+    before: dict[str, tuple[int, bytes]], after: dict[str, tuple[int, bytes]]
+) -> tuple[int, int]:
+    """Bytes and count of the leaves whose bytes differ between two flat snapshots."""
+    changed = [k for k in after if before.get(k) != after[k]]
+    return sum(after[k][0] for k in changed), len(changed)
+
+
+def _flat_bytes(state: Any, path: str = "") -> dict[str, tuple[int, bytes]]:
+    """Every array leaf's length and sha256 by path (a digest, not the bytes: the 200 MiB
+    variant keeps ten snapshots), computed from the arrays themselves."""
+    if isinstance(state, dict):
+        out: dict[str, tuple[int, bytes]] = {}
+        for key, value in state.items():
+            out.update(_flat_bytes(value, f"{path}/{key}"))
+        return out
+    if isinstance(state, list | tuple):
+        out = {}
+        for i, value in enumerate(state):
+            out.update(_flat_bytes(value, f"{path}/{i}"))
+        return out
+    if hasattr(state, "detach"):  # a torch tensor
+        state = state.detach().contiguous().view(-1).view(torch_uint8()).numpy()
+    if isinstance(state, np.ndarray):
+        data = np.ascontiguousarray(state).reshape(-1).view(np.uint8)
+        return {path: (data.nbytes, hashlib.sha256(data).digest())}
+    return {}
+
+
+def torch_uint8() -> Any:
+    import torch
+
+    return torch.uint8
+
+
+def test_manager_retention_keeps_what_kept_steps_reference(tmp_path: Path) -> None:
+    run = FineTuning()
+    expected: dict[int, Any] = {}
+    with ckptstore.CheckpointManager(
+        tmp_path, max_to_keep=2, async_save=False, full_every=4
+    ) as manager:
+        for step in range(1, 11):
+            run.train_step()
+            manager.save(step, run.state)
+            expected[step] = run.snapshot()
+        assert manager.all_steps() == [9, 10]
+        for step in (9, 10):
+            restored = manager.restore(step)
+            assert _flat_bytes(restored) == _flat_bytes(expected[step])
+    # saves 1, 5 and 9 were full: 9 and 10 reference nothing older than 9
+    manifest = ckptstore.read_manifest(tmp_path, 10)
+    assert {a.split("/")[0] for a in manifest.referenced_attempts()} == {"9"}
+    left = {p.name for p in tmp_path.iterdir() if p.is_dir()}
+    assert left == {"9", "10"}  # what only deleted steps used is gone
+
+
+def test_manager_without_full_every_keeps_the_base_alive(tmp_path: Path) -> None:
+    run = FineTuning()
+    with ckptstore.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as manager:
+        for step in range(1, 6):
+            run.train_step()
+            manager.save(step, run.state)
+        assert manager.all_steps() == [5]
+        assert _flat_bytes(manager.restore(5)) == _flat_bytes(run.state)
+    # step 1's base weights live on, under a committed record, for step 5
+    assert (tmp_path / "1").is_dir()
+    assert not (tmp_path / "1" / "manifest.json").exists()
+    assert list((tmp_path / "1").glob("attempt-*/committed.json"))
+    ckptstore.delete_step(tmp_path, 5)
+    assert not [p for p in tmp_path.iterdir() if p.is_dir()]
+
+
+# ---------------------------------------------------------------------- torch fine-tuning
+
+
+def _torch_fine_tuning(root: Path, base_mib: int) -> None:
+    """A frozen base of ``base_mib`` MiB, a trainable low-rank adapter, Adam on the adapter
+    only: every save writes only the changed bytes, every step restores bit-exact, and
+    restores still work after retention deleted any subset."""
+    torch = pytest.importorskip("torch")
+    torch.manual_seed(0)
+    width = 1024
+    layers = base_mib  # one 1024x256 float32 = 1 MiB per layer
+    base = torch.nn.ModuleList(torch.nn.Linear(width, 256) for _ in range(layers))
+    for p in base.parameters():
+        p.requires_grad_(False)
+    adapter = torch.nn.ParameterDict(
+        {"down": torch.nn.Parameter(torch.randn(width, 8) * 0.01),
+         "up": torch.nn.Parameter(torch.zeros(8, 256))}
+    )  # fmt: skip
+    optim = torch.optim.Adam(adapter.parameters(), lr=1e-3)
+
+    def state() -> dict[str, Any]:
+        return {
+            "base": base.state_dict(),
+            "adapter": adapter.state_dict(),
+            "optim": optim.state_dict(),
+        }
+
+    snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
+    counting = KeyCountingStore(LocalStore(root))
+    with ckptstore.CheckpointManager(counting, async_save=False) as manager:
+        previous: dict[str, tuple[int, bytes]] = {}
+        for step in range(1, 11):
+            x = torch.randn(4, width)
+            out = sum(layer(x) for layer in base[:2]) + x @ adapter["down"] @ adapter["up"]
+            optim.zero_grad()
+            out.square().mean().backward()
+            optim.step()
+            before = counting.data_bytes()
+            manager.save(step, state())
+            written = counting.data_bytes() - before
+            snapshot = _flat_bytes(state())
+            changed, leaves = _changed_bytes(previous, snapshot)
+            if step > 2:  # the first incremental save also repacks frozen small leaves
+                assert written <= 1.05 * changed + 64 * leaves, (step, written, changed)
+            previous = snapshots[step] = snapshot
+        for step, expected in snapshots.items():
+            assert _flat_bytes(manager.restore(step)) == expected
+    deleted: set[int] = set()
+    for batch in ((1,), (2, 3, 7), (4, 5, 6, 8, 9)):
+        for step in batch:
+            ckptstore.delete_step(root, step)
+        deleted.update(batch)
+        for step in sorted(set(snapshots) - deleted):
+            assert _flat_bytes(ckptstore.load(root, step, target="torch")) == snapshots[step]
+    ckptstore.delete_step(root, 10)
+    assert not [p for p in root.iterdir() if p.is_dir()]
+
+
+@pytest.mark.torch
+def test_torch_fine_tuning_writes_only_changed_bytes(tmp_path: Path) -> None:
+    _torch_fine_tuning(tmp_path, base_mib=8)
+
+
+@pytest.mark.torch
+@pytest.mark.slow
+def test_torch_fine_tuning_200_mib_base(tmp_path: Path) -> None:
+    _torch_fine_tuning(tmp_path, base_mib=200)
