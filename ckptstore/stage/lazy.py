@@ -46,6 +46,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from numpy.typing import NDArray
+
 from ckptstore.errors import TornSnapshotError
 from ckptstore.stage.stager import ArrayKind, CopyTask, DeviceCopies, _run_batch, _show
 
@@ -61,20 +63,33 @@ class LeafCopy:
         leaf: the source array (held until the copy is done).
         kind: its framework.
         version: its mutation counter at ``save()``.
-        tasks: the copies that move it into its slot of the arena.
-        on_device: its copies are device copies (checked at the fence or on landing).
+        dst: its slot in the arena.
+        device: the device copies that copy it, or ``None`` for a host leaf.
+        chunk_bytes: a large host leaf is copied in pieces of about this many bytes.
     """
 
     path: str
     leaf: Any
     kind: ArrayKind
     version: int
-    tasks: list[CopyTask]
-    on_device: bool = False
+    dst: NDArray[Any]
+    device: DeviceCopies | None
+    chunk_bytes: int
 
     @property
     def nbytes(self) -> int:
-        return sum(n for n, _ in self.tasks)
+        return int(self.dst.nbytes)
+
+    @property
+    def on_device(self) -> bool:
+        """Its copies are device copies (checked at the fence or once they landed)."""
+        return self.device is not None
+
+    def tasks(self) -> list[CopyTask]:
+        """The copies that move it into its slot (built in the background thread)."""
+        if self.device is not None:
+            return self.device.copies(self.leaf, self.dst)
+        return self.kind.copies(self.leaf, self.dst, self.chunk_bytes)
 
     def lost(self) -> TornSnapshotError | None:
         """The error to fail the save with if the source changed since ``save()``."""
@@ -143,7 +158,7 @@ class LazyCopy:
         host = [leaf for leaf in batch if not leaf.on_device]
         _check(host)  # a deleted array fails clearly here rather than obscurely in numpy
         try:
-            _run_batch([copy for leaf in batch for _, copy in leaf.tasks])
+            _run_batch([copy for leaf in batch for _, copy in leaf.tasks()])
         except Exception as exc:
             _check(host, exc)
             raise

@@ -98,8 +98,12 @@ class DeviceCopies(ABC):
     """
 
     @abstractmethod
-    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask] | None:
-        """Tasks that issue ``leaf``'s copy into ``dst``, or ``None`` for a host leaf."""
+    def owns(self, leaf: Any) -> bool:
+        """Whether ``leaf`` lives on one of this snapshot's devices (else it is a host leaf)."""
+
+    @abstractmethod
+    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask]:
+        """Tasks that issue the copy of ``leaf`` (one it owns) into ``dst``."""
 
     @abstractmethod
     def issued(self) -> None:
@@ -440,6 +444,8 @@ class Stager:
             copying = _Copying(now, self.threads, self.chunk_bytes)
             copying.start(self._helpers)
             copying.finish()
+        # Only what must happen now happens here (the counters, the events CUDA copies wait
+        # for); even the copy tasks are built by the background thread.
         devices: list[DeviceCopies] = []
         by_kind: dict[int, DeviceCopies | None] = {}
         later: list[LeafCopy] = []
@@ -448,16 +454,14 @@ class Stager:
                 continue
             path, leaf, kind = found[i]
             if id(kind) not in by_kind:
-                mine = [found[j][1] for j in versions if found[j][2] is kind]
-                device = by_kind[id(kind)] = kind.device_copies(mine)
+                mine = [found[j][1] for j, v in versions.items() if v is not None]
+                device = by_kind[id(kind)] = kind.device_copies([x for x in mine if kind.owns(x)])
                 if device is not None:
                     devices.append(device)
             device = by_kind[id(kind)]
-            tasks = device.copies(leaf, dsts[i]) if device is not None else None
-            on_device = tasks is not None
-            if tasks is None:
-                tasks = kind.copies(leaf, dsts[i], self.chunk_bytes)
-            later.append(LeafCopy(path, leaf, kind, version, tasks, on_device))
+            if device is not None and not device.owns(leaf):
+                device = None
+            later.append(LeafCopy(path, leaf, kind, version, dsts[i], device, self.chunk_bytes))
         staged = self._staged(state, found, specs, views, buffer)
         staged.flat()
         snapshot = LazyCopy(later, devices, self.chunk_bytes)

@@ -324,10 +324,11 @@ class _CudaCopies(DeviceCopies):
                 side.wait_event(queued)
                 self._streams[device] = (caller, side)
 
-    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask] | None:
+    def owns(self, leaf: Any) -> bool:
+        return bool(leaf.is_cuda)
+
+    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask]:
         src: torch.Tensor = leaf.detach()
-        if not src.is_cuda:
-            return None
         side = self._streams[src.device][1]
         out = _bytes_as_tensor(dst, src.dtype)
         return [(dst.nbytes, functools.partial(_copy_on, side, out, src, True))]
