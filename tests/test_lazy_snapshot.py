@@ -80,6 +80,43 @@ def test_numpy_leaves_have_no_counter_so_a_lazy_save_copies_them_in_the_call(
     assert not hold.reached.is_set()
 
 
+@pytest.mark.torch
+def test_the_arena_goes_back_to_the_pool_only_after_the_copy(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+
+    stager = Stager()
+    hold = Hold(monkeypatch, "w")
+    source = torch.arange(1 << 16, dtype=torch.float32)
+    staged = stager.stage({"w": source, "n": np.ones(3)}, lazy=True)
+    assert staged.snapshot is not None
+    hold.wait_reached()
+    releasing = threading.Thread(target=staged.release)
+    releasing.start()
+    releasing.join(0.2)
+    assert releasing.is_alive(), "the arena was given back while the copy still ran"
+    assert stager.pool.stats().lent_bytes > 0
+    hold.release()
+    releasing.join(DEADLINE)
+    assert stager.pool.stats().lent_bytes == 0
+    stager.close()
+
+
+@pytest.mark.torch
+def test_a_lazy_stage_holds_what_save_saw() -> None:
+    import torch
+
+    stager = Stager()
+    source = torch.arange(1 << 16, dtype=torch.float32)
+    staged = stager.stage({"w": source}, lazy=True)
+    staged.wait_ready()
+    source.add_(1)  # after the copy: no effect on the staged bytes
+    np.testing.assert_array_equal(staged.tree["w"], np.arange(1 << 16, dtype=np.float32))
+    staged.release()
+    stager.close()
+
+
 # ---------------------------------------------------------------------- torch
 
 
