@@ -367,6 +367,24 @@ def test_a_copy_error_surfaces_as_in_eager_mode(
 
 
 @pytest.mark.torch
+def test_a_finished_snapshot_keeps_no_source_alive(root: Path) -> None:
+    import gc
+    import weakref
+
+    import torch
+
+    weight = torch.ones(1 << 12)
+    gone = weakref.ref(weight)
+    with CheckpointManager(root, snapshot="lazy") as mgr:
+        mgr.save(1, {"w": weight})
+        mgr.wait_until_finished()
+        del weight
+        gc.collect()
+        assert gone() is None  # the manager (its fence included) holds no source
+        assert mgr.fence() is False
+
+
+@pytest.mark.torch
 def test_the_optimizer_hook_is_removed_at_close(root: Path) -> None:
     model, opt = _torch_training()
     before = _global_step_hooks()

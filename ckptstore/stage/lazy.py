@@ -118,11 +118,6 @@ class LazyCopy:
         self._error: BaseException | None = None
         self._storages: set[int] | None = None
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes this copy moves."""
-        return sum(leaf.nbytes for leaf in self._leaves)
-
     def start(self, executor: ThreadPoolExecutor) -> None:
         """Begin copying on ``executor``'s thread."""
         executor.submit(self._run)
@@ -216,6 +211,9 @@ class LazyCopy:
             for device in self._devices:
                 device.wait()
             self._check_devices()
+        # Checked and landed: let the sources and the arena's views go, so a fence that
+        # still holds this copy keeps neither the training state nor an old arena alive.
+        self._leaves = []
         if self._error is not None:
             raise self._error
 
