@@ -16,6 +16,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     ├── CheckpointFormatError  (ValueError)         an intact checkpoint another face must read
     ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
+    ├── TornSnapshotError      (RuntimeError)       a lazy snapshot's source changed before its copy
     └── StoreError             (OSError)            the backend failed after its retries
 
 Backends translate their client's exceptions into this tree in one table each; messages name
@@ -41,6 +42,7 @@ __all__ = [
     "NotFoundError",
     "NotSupportedError",
     "StoreError",
+    "TornSnapshotError",
 ]
 
 
@@ -111,6 +113,23 @@ class NotSupportedError(CkptStoreError, NotImplementedError):
 
 class MissingDependencyError(CkptStoreError, ImportError):
     """A backend's client library is not installed; the message carries the install command."""
+
+
+class TornSnapshotError(CkptStoreError, RuntimeError):
+    """A lazy snapshot's source array changed (or was deleted) after ``save()`` and before
+    ckptstore copied it, so that save is refused rather than written torn.
+
+    Attributes:
+        path: the leaf's path in the state (``"optim/state/0/exp_avg"``).
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        self.path = path
+        super().__init__(
+            f"lazy snapshot refused: the leaf {path!r} {reason} after save() and before "
+            "ckptstore copied it, so nothing of this save was written. Call fence() (or "
+            "enter fenced()) before changing the state, or save with snapshot='eager'"
+        )
 
 
 class StoreError(CkptStoreError, OSError):

@@ -6,6 +6,8 @@
   to save, saves asynchronously, applies retention and restores.
 * :mod:`~ckptstore.manager.async_save`: the save handle and the one-save-in-flight rule the
   manager's async saves run under.
+* :mod:`~ckptstore.manager.snapshot`: the fence of lazy snapshots (the optimizer step hook,
+  ``fence()``).
 * :mod:`~ckptstore.manager.distributed`: one checkpoint saved by many ranks, committed once.
 
 Each face is a thin caller of the save and restore paths below it (``stage/``, ``layout/``);

@@ -6,6 +6,9 @@ Orbax and the torch.distributed.checkpoint tutorial do: a second staging arena w
 host memory, and the store's bandwidth is already in use), then stages the state into pooled
 host buffers (the only part that blocks training) and hands the write, commit and whatever
 follows to ckptstore's background event loop.
+A lazy stage (``CheckpointManager(snapshot="lazy")``) returns before its copy; the write
+waits for the copy first (:meth:`StagedState.wait_ready`), so a copy's error, a torn
+snapshot included, is that save's error and is reported like any other.
 
 No background error is lost: a failed save is raised by the next ``save`` (before it stages
 anything) and by :meth:`AsyncSaver.wait_until_finished`, each error exactly once, in the order

@@ -17,6 +17,12 @@ costs at most the save that was in progress: the previous good checkpoint stays.
 reconsiders every committed step each time, so steps a crash left beyond ``max_to_keep`` are
 removed by the next successful save.
 
+With ``snapshot="lazy"`` a save does not even copy: it records what to copy and returns, the
+copy runs in the background, and a fence waits for what is left of it before the state
+changes (automatically before the step of an optimizer whose state is being saved;
+:meth:`CheckpointManager.fence` and :meth:`CheckpointManager.fenced` for changes made by hand;
+see :mod:`ckptstore.manager.snapshot`).
+
 Retention, as in Orbax: the newest ``max_to_keep`` steps are kept (with ``best_fn``, the
 ``max_to_keep`` best by their metrics, steps without metrics counting as worst); besides them
 every step divisible by ``keep_period`` is kept forever, and of the others a step is kept if at
@@ -30,7 +36,8 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Literal, Self
 
@@ -38,6 +45,7 @@ from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
+from ckptstore.manager.snapshot import LazyFence
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import request, restore
 from ckptstore.pipeline.root import open_root
@@ -70,6 +78,9 @@ class CheckpointManager:
             save of this manager, its first included, a full save that references no
             earlier step, so old steps' objects stop being kept alive by newer steps
             (Orbax-style); ``None``: only ``save(..., full=True)`` is full.
+        snapshot: ``"eager"`` copies the state in the ``save`` call; ``"lazy"`` returns
+            at once and copies in the background, fenced before the state changes
+            (:meth:`fence`; automatic before an optimizer step).
         **store_options: options for a URL ``url``, given as on every face
             (:mod:`ckptstore.pipeline.root`); refused with an open Store.
     """
@@ -88,6 +99,7 @@ class CheckpointManager:
         max_in_flight: int = 1,
         stager: Stager | None = None,
         full_every: int | None = None,
+        snapshot: Literal["eager", "lazy"] = "eager",
         **store_options: Any,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
@@ -100,6 +112,8 @@ class CheckpointManager:
             raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
         if best_mode not in ("min", "max"):
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
+        if snapshot not in ("eager", "lazy"):
+            raise ValueError(f"snapshot must be 'eager' or 'lazy', got {snapshot!r}")
         if isinstance(keep_time_interval, datetime.timedelta):
             keep_time_interval = keep_time_interval.total_seconds()
         self.max_to_keep = max_to_keep
@@ -111,6 +125,8 @@ class CheckpointManager:
         self.async_save = async_save
         self.full_every = full_every
         self._saves = 0  # saves started by this manager, for full_every
+        self.snapshot = snapshot
+        self._fence = LazyFence()
         self._store, self._owns_store = open_root(url, store_options)
         if stager is None:
             stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
@@ -146,7 +162,8 @@ class CheckpointManager:
         Blocks while the previous save is still writing (see ``max_in_flight``) and while the
         arrays are copied into host buffers; the write, commit and retention follow in the
         background (with ``async_save=False`` this waits for them). Once it returns, changing
-        or freeing the state cannot change what is written.
+        or freeing the state cannot change what is written; with ``snapshot="lazy"`` it
+        returns before the copy, and that holds once :meth:`fence` has returned.
 
         Args:
             step: the step number (an int >= 0; each step is saved once).
@@ -165,6 +182,8 @@ class CheckpointManager:
             Exception: the error of an earlier background save, not yet reported (nothing of
                 this step is saved then).
             UnsupportedLeafError, TypeError: a leaf that cannot be stored.
+            TornSnapshotError: (from the next call, as a background error) a lazy
+                snapshot's leaf changed before it was copied.
         """
         self._check_open()
         if not (force or self.should_save(step)):
@@ -183,7 +202,9 @@ class CheckpointManager:
 
         def stage() -> StagedState:
             # in the caller's thread, so an unstorable leaf fails this call, not a later one
-            return save_path.stage(self._stager, state)
+            staged = save_path.stage(self._stager, state, lazy=self.snapshot == "lazy")
+            self._fence.track(staged)
+            return staged
 
         async def write(staged: StagedState) -> None:
             await save_path.save_staged(
@@ -200,6 +221,24 @@ class CheckpointManager:
     def wait_until_finished(self) -> None:
         """Block until every save has committed; raise the first background error."""
         self._saver.wait_until_finished()
+
+    def fence(self) -> bool:
+        """Wait until the state may change: whatever of a lazy snapshot's copy is left is
+        done (CUDA copies: ordered before the caller's later work on its stream). Call it
+        before changing saved tensors by hand; optimizer steps are fenced automatically.
+        Never raises a copy's error (the save does).
+
+        Returns:
+            Whether there was a copy to wait for (never, with eager snapshots).
+        """
+        return self._fence.wait()
+
+    @contextmanager
+    def fenced(self) -> Iterator[None]:
+        """``with mgr.fenced(): ...``: a block that changes the state, entered after
+        :meth:`fence`."""
+        with self._fence.fenced():
+            yield
 
     # ------------------------------------------------------------------ retention
 
@@ -333,7 +372,8 @@ class CheckpointManager:
             raise RuntimeError("this CheckpointManager is closed")
 
     def close(self) -> None:
-        """Wait for saves in flight, free the staging buffers, close the store.
+        """Wait for saves in flight, remove the optimizer fence hook of lazy snapshots, free
+        the staging buffers, close the store.
 
         Raises the first unreported background error, after closing.
         """
@@ -343,6 +383,7 @@ class CheckpointManager:
         try:
             self._saver.wait_until_finished()
         finally:
+            self._fence.close()
             self._stager.close()
             if self._owns_store:
                 background.run(self._store.close())

@@ -85,7 +85,7 @@ __all__ = [
 # --------------------------------------------------------------------------- 1. stage
 
 
-def stage(stager: Stager, state: Any, *, copy: bool = True) -> StagedState:
+def stage(stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False) -> StagedState:
     """Stage ``state`` and build its flat view, in the calling thread.
 
     Everything that can refuse a state (an array ckptstore cannot store, a leaf that is
@@ -97,11 +97,14 @@ def stage(stager: Stager, state: Any, *, copy: bool = True) -> StagedState:
         state: nested dicts, lists and tuples of numpy, torch or JAX arrays and plain values.
         copy: ``False`` lets host arrays through without a copy (for a caller that waits for
             the save before touching the state again).
+        lazy: leave the copies to a background thread (a lazy snapshot,
+            :mod:`ckptstore.stage.lazy`); :func:`save_staged` waits for them, so the bytes,
+            layout and commit are the eager ones.
 
     Raises:
         TypeError, UnsupportedLeafError: a leaf that cannot be stored, named by its path.
     """
-    staged = stager.stage(state, copy=copy)
+    staged = stager.stage(state, copy=copy, lazy=lazy)
     try:
         staged.flat()
     except BaseException:

@@ -7,6 +7,12 @@ with ``replica_id == 0`` is copied to the index range it covers, so replicated s
 copied once and no intermediate full-size array is built. Only fully addressable arrays (one
 host) are staged here; a multi-host array names the limitation.
 
+A lazy snapshot (:mod:`ckptstore.stage.lazy`) needs no version counter for JAX: arrays are
+immutable. But an array donated to a jitted function (``donate_argnums``) is deleted, and its
+buffer reused for the function's outputs; a lazy snapshot checks ``is_deleted()`` before and
+after each copy and refuses the save, naming the leaf, if the array is gone. The transfers
+are still started (``copy_to_host_async``) in the ``save()`` call.
+
 bfloat16, float8 and int4 arrays have ``ml_dtypes`` numpy dtypes already, so their host copies
 are byte-exact. Restoring without a target puts each array on the default device; a target
 (a ``jax.Array`` or ``jax.ShapeDtypeStruct``) gives its sharding and dtype.
@@ -83,6 +89,17 @@ class JaxKind(ArrayKind):
             nbytes = int(np.prod(shard.data.shape, dtype=np.int64)) * dst.itemsize
             tasks.append((nbytes, functools.partial(_copy_shard, dst, shard.index, shard.data)))
         return tasks
+
+    def version(self, leaf: Any) -> int | None:
+        return 0  # immutable: only deletion (donation) can take its value away
+
+    def lost(self, leaf: Any, version: int) -> str | None:
+        if not leaf.is_deleted():
+            return None
+        return (
+            "was deleted (donated to a jitted function, or deleted by hand); call fence() "
+            "before the call that donates it"
+        )
 
     def rebuild(self, array: NDArray[Any], attrs: dict[str, Any], like: Any | None) -> Any:
         if like is None:

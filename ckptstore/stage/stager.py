@@ -10,6 +10,11 @@ source arrays can no longer change what is written (for CUDA sources: once
 are ordered on the source's stream, so the training loop's later kernels on that stream cannot
 overtake them).
 
+A *lazy* stage (``Stager.stage(state, lazy=True)``) lays the arena out and builds the flat view
+in the call, like an eager one, but leaves the copies to a background thread
+(:mod:`ckptstore.stage.lazy`): the call returns at once and the copy overlaps whatever the
+caller does next, until something fences it.
+
 Each framework is an :class:`ArrayKind` in its own module (``numpy``, ``torch``, ``jax``),
 imported only when that framework is already imported by the caller, so staging a numpy state
 never imports torch or JAX.
@@ -24,7 +29,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 from numpy.typing import NDArray
@@ -35,7 +40,18 @@ from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
 
-__all__ = ["ArrayKind", "CopyTask", "LeafSpec", "StagedState", "Stager", "pinned_memory"]
+if TYPE_CHECKING:
+    from ckptstore.stage.lazy import LazyCopy
+
+__all__ = [
+    "ArrayKind",
+    "CopyTask",
+    "DeviceCopies",
+    "LeafSpec",
+    "StagedState",
+    "Stager",
+    "pinned_memory",
+]
 
 #: Leaves of at least this many bytes start on a page boundary of the arena (PAGE), so
 #: a local store writes them with O_DIRECT straight from the arena, without a bounce copy;
@@ -74,6 +90,37 @@ class LeafSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+class DeviceCopies(ABC):
+    """The accelerator half of one lazy snapshot: copies issued from a background thread on
+    streams of their own, ordered after what the caller had queued when it saved.
+
+    Made in the caller's thread by :meth:`ArrayKind.device_copies` (where it records what the
+    copies must wait for); its copies are issued, and :meth:`issued` called, by the background
+    thread; :meth:`order` and :meth:`wait` are the two ways to wait for them.
+    """
+
+    @abstractmethod
+    def owns(self, leaf: Any) -> bool:
+        """Whether ``leaf`` lives on one of this snapshot's devices (else it is a host leaf)."""
+
+    @abstractmethod
+    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask]:
+        """Tasks that issue the copy of ``leaf`` (one it owns) into ``dst``."""
+
+    @abstractmethod
+    def issued(self) -> None:
+        """Called once every copy was issued (in the background thread)."""
+
+    @abstractmethod
+    def order(self) -> None:
+        """Make the caller's later device work run after the copies, without blocking the
+        host (the fence of a training loop)."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Block until the copies have landed in host memory (the writer's wait)."""
+
+
 class ArrayKind(ABC):
     """How one framework's arrays are staged to host memory and rebuilt on restore."""
 
@@ -106,6 +153,23 @@ class ArrayKind(ABC):
 
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
         """``leaf`` itself as a host array, without a copy, if it lives in host memory."""
+        return None
+
+    def version(self, leaf: Any) -> int | None:
+        """``leaf``'s mutation counter now, for a lazy snapshot to check after its copy, or
+        ``None`` if this framework keeps none: such a leaf is copied in the ``save()`` call
+        even in a lazy snapshot, since a change to it could not be detected."""
+        return None
+
+    def lost(self, leaf: Any, version: int) -> str | None:
+        """Why ``leaf`` may no longer hold what it held when :meth:`version` returned
+        ``version`` (modified in place, deleted), as the end of a sentence naming the leaf;
+        ``None`` if it holds it still."""
+        return None
+
+    def device_copies(self, leaves: list[Any]) -> DeviceCopies | None:
+        """For a lazy snapshot of ``leaves`` (called in the caller's thread at ``save()``):
+        how those on an accelerator are copied, or ``None`` if all are in host memory."""
         return None
 
     @abstractmethod
@@ -165,6 +229,8 @@ class StagedState:
         attrs: for each array leaf, by path, the JSON-able attributes restore needs.
         nbytes: bytes of array data staged.
         buffer: the pooled arena the arrays live in; released by :meth:`release`.
+        fences: what :meth:`wait_ready` waits for (device copies, a lazy copy).
+        snapshot: the background copy of a lazy stage, until it is waited for.
     """
 
     tree: Any
@@ -172,6 +238,7 @@ class StagedState:
     nbytes: int
     buffer: HostBuffer | None = None
     fences: list[Callable[[], None]] = field(default_factory=list)
+    snapshot: LazyCopy | None = None
     _flat: FlatState | None = field(default=None, init=False, repr=False, compare=False)
 
     def flat(self) -> FlatState:
@@ -191,17 +258,28 @@ class StagedState:
         return self._flat
 
     def wait_ready(self) -> None:
-        """Block until asynchronous device-to-host copies have landed (CUDA sources)."""
+        """Block until asynchronous copies have landed (CUDA sources, a lazy stage).
+
+        Raises:
+            TornSnapshotError: a lazy stage's source changed before it was copied.
+            Exception: whatever a lazy stage's copy raised.
+        """
         fences, self.fences = self.fences, []
         for fence in fences:
             fence()
 
     def release(self) -> None:
-        """Give the host buffer back to its pool once the bytes are durable (idempotent)."""
-        self.wait_ready()
-        if self.buffer is not None:
-            self.buffer.release()
-            self.buffer = None
+        """Give the host buffer back to its pool once the bytes are durable (idempotent).
+
+        Waits for copies still running first, so no copy writes into a buffer another save
+        was lent; raises what :meth:`wait_ready` raises, after giving the buffer back.
+        """
+        try:
+            self.wait_ready()
+        finally:
+            if self.buffer is not None:
+                self.buffer.release()
+                self.buffer = None
 
 
 def pinned_memory(capacity: int) -> tuple[NDArray[np.uint8], Any]:
@@ -245,8 +323,9 @@ class Stager:
         self.chunk_bytes = chunk_bytes
         self.leaf_alignment = alignment
         self._executor: ThreadPoolExecutor | None = None
+        self._lazy_executor: ThreadPoolExecutor | None = None
 
-    def stage(self, state: Any, *, copy: bool = True) -> StagedState:
+    def stage(self, state: Any, *, copy: bool = True, lazy: bool = False) -> StagedState:
         """Copy every array leaf of ``state`` into one pooled host arena.
 
         Args:
@@ -254,6 +333,12 @@ class Stager:
             copy: ``False`` lets leaves already in host memory (numpy arrays, CPU torch tensors)
                 through without a copy; only for a save that finishes before the caller
                 touches the state again.
+            lazy: return once the arena is laid out and leave the copies of torch tensors
+                and JAX arrays to a background thread (:mod:`ckptstore.stage.lazy`); the
+                result's ``snapshot`` is that copy, and :meth:`StagedState.wait_ready`
+                waits for it and raises :class:`~ckptstore.errors.TornSnapshotError` if a
+                source changed before its copy. Leaves without a mutation counter (numpy)
+                are still copied in the call.
 
         Raises:
             TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...),
@@ -278,6 +363,8 @@ class Stager:
             except TypeError as exc:
                 raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
 
+        if lazy and not copy:
+            raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
         views: dict[Path, NDArray[Any]] = {}
         to_copy: list[int] = []
         for i, (path, leaf, kind) in enumerate(found):
@@ -303,13 +390,18 @@ class Stager:
         pinned = any(specs[i].pinned for i in to_copy)
         buffer = self.pool.acquire(total, pin=pinned_memory if pinned else None)
         try:
-            tasks: list[CopyTask] = []
+            dsts: dict[int, NDArray[Any]] = {}
             for i, offset in zip(to_copy, offsets, strict=True):
-                path, leaf, kind = found[i]
+                path, _, _ = found[i]
                 spec = specs[i]
                 dst = buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
-                tasks += kind.copies(leaf, dst, self.chunk_bytes)
-                views[path] = dst
+                dsts[i] = views[path] = dst
+            if lazy:
+                return self._stage_lazy(state, found, specs, views, buffer, dsts)
+            tasks: list[CopyTask] = []
+            for i in to_copy:
+                _, leaf, kind = found[i]
+                tasks += kind.copies(leaf, dsts[i], self.chunk_bytes)
             copying = _Copying(tasks, self.threads, self.chunk_bytes)
             copying.start(self._helpers)
             try:
@@ -331,6 +423,61 @@ class Stager:
             buffer.release()
             raise
         return staged
+
+    def _stage_lazy(
+        self,
+        state: Any,
+        found: list[tuple[Path, Any, ArrayKind]],
+        specs: list[LeafSpec],
+        views: dict[Path, NDArray[Any]],
+        buffer: HostBuffer,
+        dsts: dict[int, NDArray[Any]],
+    ) -> StagedState:
+        """The lazy half of :meth:`stage`: copy now what cannot be checked, defer the rest."""
+        from ckptstore.stage.lazy import LazyCopy, LeafCopy
+
+        versions = {i: found[i][2].version(found[i][1]) for i in dsts}
+        now: list[CopyTask] = []
+        for i, version in versions.items():
+            if version is None:
+                _, leaf, kind = found[i]
+                now += kind.copies(leaf, dsts[i], self.chunk_bytes)
+        if now:
+            copying = _Copying(now, self.threads, self.chunk_bytes)
+            copying.start(self._helpers)
+            copying.finish()
+        # Only what must happen now happens here (the counters, the events CUDA copies wait
+        # for); even the copy tasks are built by the background thread.
+        devices: list[DeviceCopies] = []
+        by_kind: dict[int, DeviceCopies | None] = {}
+        later: list[LeafCopy] = []
+        for i, version in versions.items():
+            if version is None:
+                continue
+            path, leaf, kind = found[i]
+            if id(kind) not in by_kind:
+                mine = [found[j][1] for j, v in versions.items() if v is not None]
+                device = by_kind[id(kind)] = kind.device_copies([x for x in mine if kind.owns(x)])
+                if device is not None:
+                    devices.append(device)
+            device = by_kind[id(kind)]
+            if device is not None and not device.owns(leaf):
+                device = None
+            later.append(LeafCopy(path, leaf, kind, version, dsts[i], device, self.chunk_bytes))
+        staged = self._staged(state, found, specs, views, buffer)
+        staged.flat()
+        snapshot = LazyCopy(later, devices, self.chunk_bytes)
+        staged.snapshot = snapshot
+        staged.fences.append(snapshot.result)
+        snapshot.start(self._lazy_thread())
+        return staged
+
+    def _lazy_thread(self) -> ThreadPoolExecutor:
+        # One thread: a lazy copy overlaps a training loop that computes on the other cores,
+        # and successive saves' copies never run at once (one save in flight).
+        if self._lazy_executor is None:
+            self._lazy_executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-lazy")
+        return self._lazy_executor
 
     @staticmethod
     def _staged(
@@ -355,9 +502,10 @@ class Stager:
 
     def close(self) -> None:
         """Stop the copy threads and free the idle buffers."""
-        if self._executor is not None:
-            self._executor.shutdown()
-            self._executor = None
+        for executor in (self._executor, self._lazy_executor):
+            if executor is not None:
+                executor.shutdown()
+        self._executor = self._lazy_executor = None
         self.pool.clear()
 
 

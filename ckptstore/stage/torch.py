@@ -11,6 +11,15 @@ one event per device is recorded after the last copy; the writer waits on the ev
 reads the bytes, and training kernels queued later on the same stream run after the copies, so
 they cannot change what is written.
 
+A lazy snapshot (:mod:`ckptstore.stage.lazy`) checks each tensor's ``_version`` after its
+copy (every in-place op bumps it; a ``detach()``-ed view, as ``state_dict()`` returns, shares
+its base's counter). Its CUDA tensors are copied by :class:`_CudaCopies`: on a side stream per
+device that first waits for an event recorded on the caller's stream at ``save()``, issued by
+the background thread into pinned memory with ``non_blocking=True``, each source marked as
+used by the side stream (``record_stream``) so the caching allocator does not hand its memory
+out while the copy reads it; an event recorded on the side stream after the last copy is what
+the fence makes the caller's stream wait for, and what the writer synchronizes on.
+
 Each leaf records its torch dtype, device and ``requires_grad`` (and whether it was an
 ``nn.Parameter``) so a restore without a target puts it back as it was; a device this machine
 does not have (a CUDA checkpoint restored on a CPU host) falls back to the CPU. Those
@@ -31,7 +40,13 @@ import torch
 from numpy.typing import NDArray
 
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.stage.stager import ArrayKind, CopyTask, LeafSpec, contiguous_chunks
+from ckptstore.stage.stager import (
+    ArrayKind,
+    CopyTask,
+    DeviceCopies,
+    LeafSpec,
+    contiguous_chunks,
+)
 
 __all__ = ["TorchKind", "dtype_table", "numpy_dtype", "tensor_from_numpy", "torch_dtype"]
 
@@ -238,6 +253,22 @@ class TorchKind(ArrayKind):
 
         return wait
 
+    def version(self, leaf: Any) -> int | None:
+        tensor: torch.Tensor = leaf
+        if tensor.device.type not in ("cpu", "cuda"):
+            return None  # copies() moves it to the host in the call anyway
+        return int(tensor._version)
+
+    def lost(self, leaf: Any, version: int) -> str | None:
+        now = int(leaf._version)
+        if now == version:
+            return None
+        return f"was modified in place (its version counter went from {version} to {now})"
+
+    def device_copies(self, leaves: list[Any]) -> DeviceCopies | None:
+        devices = {t.device for t in leaves if t.is_cuda}
+        return _CudaCopies(devices) if devices else None
+
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
         tensor: torch.Tensor = leaf.detach()
         if tensor.device.type != "cpu":
@@ -273,9 +304,56 @@ class TorchKind(ArrayKind):
         return tensor
 
 
-def _copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+class _CudaCopies(DeviceCopies):
+    """The CUDA copies of one lazy snapshot (see the module docstring).
+
+    Made in the caller's thread at ``save()``: each device's side stream waits for an event
+    recorded on the caller's current stream now, so the copies read what the caller had
+    queued, whichever thread issues them and whenever.
+    """
+
+    def __init__(self, devices: set[torch.device]) -> None:
+        self._streams: dict[torch.device, tuple[Any, Any]] = {}
+        self._done: dict[torch.device, Any] = {}
+        for device in devices:
+            with torch.cuda.device(device):
+                caller = torch.cuda.current_stream(device)
+                queued = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                queued.record(caller)
+                side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+                side.wait_event(queued)
+                self._streams[device] = (caller, side)
+
+    def owns(self, leaf: Any) -> bool:
+        return bool(leaf.is_cuda)
+
+    def copies(self, leaf: Any, dst: NDArray[Any]) -> list[CopyTask]:
+        src: torch.Tensor = leaf.detach()
+        side = self._streams[src.device][1]
+        out = _bytes_as_tensor(dst, src.dtype)
+        return [(dst.nbytes, functools.partial(_copy_on, side, out, src, True))]
+
+    def issued(self) -> None:
+        for device, (_, side) in self._streams.items():
+            with torch.cuda.device(device):
+                landed = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                landed.record(side)
+                self._done[device] = landed
+
+    def order(self) -> None:
+        for device, (caller, _) in self._streams.items():
+            caller.wait_event(self._done[device])
+
+    def wait(self) -> None:
+        for event in self._done.values():
+            event.synchronize()
+
+
+def _copy_on(stream: Any, dst: torch.Tensor, src: torch.Tensor, hold: bool = False) -> None:
     with torch.cuda.stream(stream):
         dst.copy_(src, non_blocking=True)
+        if hold:  # a side stream: keep src's memory from reuse until the copy has run
+            src.record_stream(stream)
 
 
 class _HostCopy:

@@ -1,0 +1,244 @@
+"""The background copy of a lazy snapshot, and the checks that keep it from being torn.
+
+An eager save copies the state in the ``save()`` call. But the parameters and the optimizer
+state of a training loop do not change during the forward and backward passes; they change at
+the optimizer step. A lazy snapshot exploits that (as DataStates-LLM does): ``save()`` lays the
+arena out, records each source's mutation counter and returns; one background thread copies
+the leaves into the arena while the loop computes; before the state is changed, a *fence*
+(:meth:`LazyCopy.wait`) waits for whatever of the copy is left. The bytes, the layout and the
+commit are the eager ones: the writer waits for the copy (:meth:`LazyCopy.result`) and then
+runs the one save pipeline.
+
+A snapshot is never written torn. The contract is that nothing changes the state between
+``save()`` and the fence. Each leaf's counter (torch's ``Tensor._version``, which every
+in-place op bumps; for JAX, whose arrays are immutable, whether the array was deleted, as
+donation to a jitted function does) is checked after its copy and, for every leaf, again when
+the whole copy is done: a leaf that changed fails the whole save with
+:class:`~ckptstore.errors.TornSnapshotError` naming it, and the error surfaces like any
+background error (the next save, ``wait_until_finished``). The second check flags a change
+made after the leaf's own copy too: harmless for that leaf, but a break of the contract that
+says other leaves may have changed unseen (below). A leaf is never re-copied: a later value
+next to the others' earlier ones would itself be a torn snapshot.
+
+What the counters cannot see: torch bumps a counter when an in-place op *finishes*, so an op
+still running when the copy's last check reads the counter escapes it; a write through
+``tensor.data`` bumps no counter; and batch norm's forward (in training mode) updates its
+running mean and variance inside its kernel without bumping theirs. It does bump its
+``num_batches_tracked``, so a batch-norm forward during the copy of a ``state_dict()`` fails
+the save at the final check: with batch norm in training mode, fence before the forward.
+The check is the safety net for the contract; the fence is the guarantee.
+
+Leaves on a CUDA device are copied by :class:`~ckptstore.stage.stager.DeviceCopies`: the
+background thread issues their copies on a side stream that first waits for what the caller
+had queued at ``save()``; the fence makes the caller's stream wait for the copies (no host
+wait); their counters are checked at the fence or once the copies have landed, whichever comes
+first, since from then on nothing the caller issues can overtake them.
+
+Leaves are copied smallest first: small tensors (biases, norms, counters) are then copied
+within moments of the call, and a batch of them goes in one call (``run_many``).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from numpy.typing import NDArray
+
+from ckptstore.errors import TornSnapshotError
+from ckptstore.stage.stager import ArrayKind, CopyTask, DeviceCopies, _run_batch, _show
+
+__all__ = ["LazyCopy", "LeafCopy"]
+
+
+@dataclass(frozen=True, slots=True)
+class LeafCopy:
+    """One leaf of a lazy snapshot.
+
+    Attributes:
+        path: its path in the state.
+        leaf: the source array (held until the copy is done).
+        kind: its framework.
+        version: its mutation counter at ``save()``.
+        dst: its slot in the arena.
+        device: the device copies that copy it, or ``None`` for a host leaf.
+        chunk_bytes: a large host leaf is copied in pieces of about this many bytes.
+    """
+
+    path: str
+    leaf: Any
+    kind: ArrayKind
+    version: int
+    dst: NDArray[Any]
+    device: DeviceCopies | None
+    chunk_bytes: int
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.dst.nbytes)
+
+    @property
+    def on_device(self) -> bool:
+        """Its copies are device copies (checked at the fence or once they landed)."""
+        return self.device is not None
+
+    def tasks(self) -> list[CopyTask]:
+        """The copies that move it into its slot (built in the background thread)."""
+        if self.device is not None:
+            return self.device.copies(self.leaf, self.dst)
+        return self.kind.copies(self.leaf, self.dst, self.chunk_bytes)
+
+    def lost(self) -> TornSnapshotError | None:
+        """The error to fail the save with if the source changed since ``save()``."""
+        reason = self.kind.lost(self.leaf, self.version)
+        return None if reason is None else TornSnapshotError(_show(self.path), reason)
+
+
+class LazyCopy:
+    """The background copy of one lazy snapshot.
+
+    Args:
+        leaves: what to copy (in any order; copied smallest first).
+        devices: the accelerator copies among them, one per framework that has some.
+        chunk_bytes: host copies are run in batches of about this many bytes.
+    """
+
+    def __init__(
+        self, leaves: list[LeafCopy], devices: list[DeviceCopies], chunk_bytes: int
+    ) -> None:
+        self._leaves = sorted(leaves, key=lambda leaf: leaf.nbytes)
+        self._devices = devices
+        self._chunk_bytes = chunk_bytes
+        self._issued = threading.Event()
+        self._lock = threading.Lock()
+        self._device_checked = not any(leaf.on_device for leaf in leaves)
+        self._error: BaseException | None = None
+        self._storages: set[int] | None = None
+
+    def start(self, executor: ThreadPoolExecutor) -> None:
+        """Begin copying on ``executor``'s thread."""
+        executor.submit(self._run)
+
+    # ------------------------------------------------------------------ the copying thread
+
+    def _copying(self, paths: list[str]) -> None:
+        """Called before each batch of copies, with the batch's leaf paths (a seam where
+        tests hold the copy to mutate a leaf deterministically before it is copied)."""
+
+    def _run(self) -> None:
+        try:
+            batch: list[LeafCopy] = []
+            nbytes = 0
+            for leaf in self._leaves:
+                batch.append(leaf)
+                nbytes += leaf.nbytes
+                if nbytes >= self._chunk_bytes:
+                    self._copy(batch)
+                    batch, nbytes = [], 0
+            if batch:
+                self._copy(batch)
+            _check([leaf for leaf in self._leaves if not leaf.on_device])  # the final check
+            for device in self._devices:
+                device.issued()
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            self._issued.set()
+
+    def _copy(self, batch: list[LeafCopy]) -> None:
+        self._copying([leaf.path for leaf in batch])
+        host = [leaf for leaf in batch if not leaf.on_device]
+        _check(host)  # a deleted array fails clearly here rather than obscurely in numpy
+        try:
+            _run_batch([copy for leaf in batch for _, copy in leaf.tasks()])
+        except Exception as exc:
+            _check(host, exc)
+            raise
+        _check(host)
+
+    def _fail(self, error: BaseException) -> None:
+        with self._lock:
+            if self._error is None:
+                self._error = error
+
+    def _check_devices(self) -> None:
+        """Check device leaves' counters, once: at the first moment nothing the caller issues
+        later can overtake their copies (the fence ordered its stream, or they landed)."""
+        with self._lock:
+            if self._device_checked:
+                return
+            self._device_checked = True
+        for leaf in self._leaves:
+            if leaf.on_device and (error := leaf.lost()) is not None:
+                self._fail(error)
+                return
+
+    # ------------------------------------------------------------------ the caller's side
+
+    def done(self) -> bool:
+        """Whether every copy has been issued (host copies: done) and checked."""
+        return self._issued.is_set() and (self._device_checked or self._error is not None)
+
+    def wait(self) -> bool:
+        """The fence: return once nothing the caller does next can change what this copy
+        reads. Host copies are waited for; device copies are ordered before the caller's
+        later work on its streams. Never raises the copy's error (the save raises it).
+
+        Returns:
+            Whether there was any copy left to wait for.
+        """
+        if self.done():
+            return False
+        self._issued.wait()
+        if self._error is None:
+            for device in self._devices:
+                device.order()
+            self._check_devices()
+        return True
+
+    def result(self) -> None:
+        """Block until the copy has landed in host memory (the writer's wait).
+
+        Raises:
+            TornSnapshotError: a source changed (or was deleted) before its copy.
+            Exception: what a copy raised.
+        """
+        self._issued.wait()
+        if self._error is None:
+            for device in self._devices:
+                device.wait()
+            self._check_devices()
+        # Checked and landed: let the sources and the arena's views go, so a fence that
+        # still holds this copy keeps neither the training state nor an old arena alive.
+        self._leaves = []
+        if self._error is not None:
+            raise self._error
+
+    # ------------------------------------------------------------------ fence hooks
+
+    def holds_any(self, storages: Callable[[], list[int]]) -> bool:
+        """Whether any source of this copy shares memory with ``storages()`` (the data
+        pointers of an optimizer's tensors); computed while the copy is pending."""
+        with self._lock:
+            if self._storages is None:
+                self._storages = {
+                    ptr for leaf in self._leaves if (ptr := _storage(leaf.leaf)) is not None
+                }
+            mine = self._storages
+        return any(ptr in mine for ptr in storages())
+
+
+def _check(leaves: list[LeafCopy], cause: BaseException | None = None) -> None:
+    """Raise the error of the first of ``leaves`` that changed since ``save()``."""
+    for leaf in leaves:
+        if (error := leaf.lost()) is not None:
+            raise error from cause
+
+
+def _storage(leaf: Any) -> int | None:
+    """The address of a torch tensor's storage (``None`` for other leaves)."""
+    storage = getattr(leaf, "untyped_storage", None)
+    return int(storage().data_ptr()) if storage is not None else None
