@@ -18,6 +18,7 @@ from ckptstore.errors import (
     NotFoundError,
     NotSupportedError,
     StoreError,
+    UnsupportedTreeError,
 )
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import UnsupportedLeafError
@@ -75,6 +76,7 @@ __all__ = [
     "Settings",
     "Store",
     "StoreError",
+    "UnsupportedTreeError",
     "__version__",
     "default_settings",
     "open_store",

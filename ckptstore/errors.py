@@ -12,6 +12,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     │   └── CommitConflictError                     another attempt committed this step first
     ├── CorruptCheckpointError (ValueError)         bytes or a manifest fail verification
     ├── CheckpointFormatError  (ValueError)         an intact checkpoint another face must read
+    ├── UnsupportedTreeError   (ValueError)         a directory tree no step can carry
     ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
     └── StoreError             (OSError)            the backend failed after its retries
@@ -38,6 +39,7 @@ __all__ = [
     "NotFoundError",
     "NotSupportedError",
     "StoreError",
+    "UnsupportedTreeError",
 ]
 
 
@@ -88,6 +90,12 @@ class CheckpointFormatError(CkptStoreError, ValueError):
     """A committed, intact checkpoint in a format this face does not read (a DCP checkpoint
     given to ``ckptstore.load``, an ordinary one to the DCP reader); the message names the face
     that reads it. Unlike :class:`CorruptCheckpointError`, nothing is wrong with the bytes."""
+
+
+class UnsupportedTreeError(CkptStoreError, ValueError):
+    """A directory tree ckptstore cannot carry as one step: a special file (FIFO, socket,
+    device), a symlink that leaves the tree, or a file that changed while it was uploaded;
+    the message names the path."""
 
 
 class NotSupportedError(CkptStoreError, NotImplementedError):
