@@ -4,6 +4,7 @@ as one committed ckptstore step, and back. See :mod:`ckptstore.integrations.file
 from ckptstore.integrations.files import (
     FORMAT,
     TreeInfo,
+    TreeMirror,
     adownload,
     aupload,
     download,
@@ -11,4 +12,13 @@ from ckptstore.integrations.files import (
     upload,
 )
 
-__all__ = ["FORMAT", "TreeInfo", "adownload", "aupload", "download", "is_tree_step", "upload"]
+__all__ = [
+    "FORMAT",
+    "TreeInfo",
+    "TreeMirror",
+    "adownload",
+    "aupload",
+    "download",
+    "is_tree_step",
+    "upload",
+]

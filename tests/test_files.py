@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import socket
 import stat
 import tracemalloc
@@ -338,3 +339,26 @@ def test_targets(tmp_path: Path) -> None:
     with pytest.raises(CheckpointFormatError, match=r"ckptstore\.load"):
         files.download(store, tmp_path / "state")
     assert not (tmp_path / "state").exists()
+
+
+def test_mirror_uploads_snapshots_in_order_and_raises_failures(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
+    make_tree(first, small=10, large=(400_000,))
+    expected = snapshot(first)
+    make_tree(second, small=3, large=())
+    with files.TreeMirror(store, **SMALL) as mirror:
+        mirror.submit(first, 1)
+        shutil.rmtree(first)  # the library's retention: the queued snapshot is unaffected
+        mirror.submit(second, 1)  # the same step again: its upload fails
+        with pytest.raises(CommitConflictError):
+            mirror.wait()
+        mirror.submit(second, 2)
+        mirror.wait()
+        assert [info.step for info in mirror.uploaded] == [1, 2]
+    assert ckptstore.list_steps(store) == [1, 2]
+    files.download(store, tmp_path / "back", step=1)
+    assert snapshot(tmp_path / "back") == expected
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+    with pytest.raises(NotADirectoryError):
+        files.TreeMirror(store).submit(tmp_path / "missing", 3)

@@ -45,11 +45,13 @@ with :class:`~ckptstore.errors.CorruptCheckpointError`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import mmap
 import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -72,13 +74,14 @@ from ckptstore.layout.restore import read_leaves
 from ckptstore.layout.tree import MAX_DEPTH, escape_key, join_path
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest
-from ckptstore.pipeline.root import Root, aopened
+from ckptstore.pipeline.root import Root, aopened, check_options
 from ckptstore.store.base import Store
 from ckptstore.store.fanout import gather_all
 
 __all__ = [
     "FORMAT",
     "TreeInfo",
+    "TreeMirror",
     "adownload",
     "aupload",
     "download",
@@ -657,3 +660,137 @@ def _publish(scratch: Path, dest: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+# --------------------------------------------------------------------------- mirroring
+
+
+class TreeMirror:
+    """Uploads checkpoint directories as they are written, in the background, in order.
+
+    The adapters (:mod:`ckptstore.integrations.transformers`, ``.accelerate``, ``.orbax``)
+    hand it each directory their library finished writing. :meth:`submit` takes a snapshot
+    of the directory in the caller's thread (hard links, so it costs one metadata operation
+    per file, not a copy; files are copied where the filesystem has no hard links) and
+    returns; one worker thread uploads the snapshots one after another with :func:`upload`
+    and removes each once its step is committed. The snapshot is what makes the background
+    upload safe against the library's own retention: a library that deletes an old
+    checkpoint directory while it is still queued deletes its names, not the snapshot's.
+    It does not protect against a file rewritten in place, which no checkpoint library does
+    to a directory it has finished.
+
+    A failed upload is raised by the next :meth:`submit`, by :meth:`wait` and by
+    :meth:`close`, never dropped.
+
+    Args:
+        root: where the steps go: a URL, a path or an open Store.
+        snapshot: take a hard-link snapshot before returning from :meth:`submit`
+            (``False``: upload the directory in place; it must then stay as it is until its
+            upload finishes).
+        store_options: store options, as on every face (checked here, before any upload).
+    """
+
+    def __init__(self, root: Root, *, snapshot: bool = True, **store_options: Any) -> None:
+        check_options(root, store_options)
+        self.root = root
+        self.snapshot = snapshot
+        self._options = store_options
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ckptstore-mirror"
+        )
+        self._lock = threading.Lock()
+        self._pending: list[concurrent.futures.Future[TreeInfo]] = []
+        self._done: list[TreeInfo] = []
+
+    def submit(
+        self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None
+    ) -> concurrent.futures.Future[TreeInfo]:
+        """Queue ``directory`` for upload as step ``step``; returns once it is snapshotted.
+
+        Raises:
+            CkptStoreError, OSError: an earlier upload failed (raised once, here or by
+                :meth:`wait`), or the snapshot could not be taken.
+        """
+        self._raise_failed()
+        source = Path(directory)
+        if not source.is_dir():
+            raise NotADirectoryError(f"{source}: not a directory; nothing to upload")
+        copy = _link_snapshot(source) if self.snapshot else None
+        try:
+            future = self._worker.submit(self._upload, copy or source, copy, step, metadata)
+        except BaseException:
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+            raise
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def _upload(self, source: Path, copy: Path | None, step: int, metadata: Any) -> TreeInfo:
+        try:
+            return upload(source, self.root, step=step, metadata=metadata, **self._options)
+        finally:
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+
+    def _raise_failed(self, *, wait: bool = False) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        if wait:
+            concurrent.futures.wait(pending)
+        finished = [f for f in pending if f.done()]
+        with self._lock:
+            self._pending = [f for f in self._pending if f not in finished]
+        error: BaseException | None = None
+        for future in finished:
+            exc = future.exception()
+            if exc is None:
+                self._done.append(future.result())
+            elif error is None:
+                error = exc
+        if error is not None:
+            raise error
+
+    @property
+    def uploaded(self) -> list[TreeInfo]:
+        """The steps committed so far (as far as :meth:`submit` and :meth:`wait` have seen)."""
+        return list(self._done)
+
+    def wait(self) -> None:
+        """Block until every queued directory is uploaded and committed.
+
+        Raises:
+            CkptStoreError, OSError: the first upload that failed.
+        """
+        self._raise_failed(wait=True)
+
+    def close(self) -> None:
+        """:meth:`wait`, then stop the worker."""
+        try:
+            self.wait()
+        finally:
+            self._worker.shutdown(wait=True)
+
+    def __enter__(self) -> TreeMirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _link_snapshot(source: Path) -> Path:
+    """A hard-linked copy of ``source`` beside it (copies where links are refused)."""
+    copy = source.parent / f".{source.name}{_TEMP_MARK}mirror-{secrets.token_hex(6)}"
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+    try:
+        shutil.copytree(source, copy, symlinks=True, copy_function=link_or_copy)
+    except BaseException:
+        shutil.rmtree(copy, ignore_errors=True)
+        raise
+    return copy
