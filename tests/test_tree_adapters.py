@@ -1,6 +1,6 @@
 """The adapters that carry other libraries' checkpoint directories to a store, each with the
 real library on CPU (a tiny model built from a config, nothing downloaded): Hugging Face
-Trainer against moto's S3, resumed in a new process.
+Trainer and Accelerate against moto's S3, resumed in a new process.
 """
 
 from __future__ import annotations
@@ -79,3 +79,40 @@ def test_hf_trainer_checkpoints_to_s3_and_resumes_in_a_new_process(
     assert sorted(resumed) == [4, 5, 6]
     assert resumed[4] == first[4]  # the next step's loss, bit for bit
     assert resumed == {step: first[step] for step in (4, 5, 6)}
+
+
+@pytest.mark.s3
+@pytest.mark.torch
+def test_accelerate_states_to_s3_and_resume_in_a_new_process(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    pytest.importorskip("accelerate")
+    url = f"s3://{moto_s3.bucket}/accelerate-run"
+    store = moto_s3.options()
+    first = run(
+        "accelerate",
+        {
+            "url": url,
+            "local_dir": str(tmp_path / "first"),
+            "max_steps": 5,
+            "save_at": [2, 4],
+            "store_options": store,
+        },
+    )
+    assert ckptstore.list_steps(url, **store) == [2, 4]
+    shutil.rmtree(tmp_path / "first")
+
+    resumed = run(
+        "accelerate",
+        {
+            "url": url,
+            "local_dir": str(tmp_path / "second"),
+            "max_steps": 5,
+            "resume": True,
+            "step": 2,
+            "store_options": store,
+        },
+    )
+    assert sorted(resumed) == [3, 4, 5]
+    assert resumed == {step: first[step] for step in (3, 4, 5)}
+    assert (tmp_path / "second" / "step-2" / "random_states_0.pkl").is_file()

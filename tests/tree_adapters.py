@@ -2,8 +2,8 @@
 
 Each reports only the steps it trained itself, so a resumed run shows where it started.
 
-``python tests/tree_adapters.py hf OPTIONS_JSON``: trains a tiny GPT-2 built
-from a config (no download) on CPU through the Hugging Face Trainer, with the
+``python tests/tree_adapters.py hf|accelerate OPTIONS_JSON``: trains a tiny GPT-2 built
+from a config (no download) on CPU through the Hugging Face Trainer or Accelerate, with the
 ckptstore adapter uploading its checkpoints, optionally resuming from a store URL first,
 and prints one JSON line: the loss of every step it trained, by step.
 """
@@ -92,9 +92,38 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
     }
 
 
+def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
+    from accelerate import Accelerator
+
+    from ckptstore.integrations.accelerate import StoreStates
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    states = StoreStates(accelerator, opts["url"], opts["local_dir"], **opts["store_options"])
+    start = 0
+    if opts.get("resume"):
+        start = states.load_state(opts.get("step")) or 0
+    data = Tokens()
+    losses: dict[int, float] = {}
+    model.train()
+    for step in range(start + 1, opts["max_steps"] + 1):
+        batch = data.ids[(step * 4) % len(data) : (step * 4) % len(data) + 4]
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = loss.item()
+        if step in opts.get("save_at", []):
+            states.save_state(step)
+    states.close()
+    return losses
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     which, raw = sys.argv[1], sys.argv[2]
     options = json.loads(Path(raw).read_text() if raw.endswith(".json") else raw)
-    result = run_hf(options)
+    result = run_hf(options) if which == "hf" else run_accelerate(options)
     print("LOSSES " + json.dumps(result))
