@@ -1,6 +1,6 @@
 """The adapters that carry other libraries' checkpoint directories to a store, each with the
 real library on CPU (a tiny model built from a config, nothing downloaded): Hugging Face
-Trainer and Accelerate against moto's S3, resumed in a new process.
+Trainer and Accelerate against moto's S3, resumed in a new process; Orbax against SeaweedFS.
 """
 
 from __future__ import annotations
@@ -10,13 +10,16 @@ import os
 import shutil
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import ckptstore
 from ckptstore import files
+from ckptstore.testing.servers import SeaweedFS
 from tests.servers.moto import MotoS3
 
 RUNS = Path(__file__).with_name("tree_adapters.py")
@@ -116,3 +119,50 @@ def test_accelerate_states_to_s3_and_resume_in_a_new_process(
     assert sorted(resumed) == [3, 4, 5]
     assert resumed == {step: first[step] for step in (3, 4, 5)}
     assert (tmp_path / "second" / "step-2" / "random_states_0.pkl").is_file()
+
+
+@pytest.mark.s3
+@pytest.mark.jax
+def test_orbax_steps_mirrored_to_seaweedfs_and_restored_after_local_deletion(
+    tmp_path: Path, seaweedfs: SeaweedFS
+) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jnp = pytest.importorskip("jax.numpy")
+    from ckptstore.integrations.orbax import OrbaxMirror
+
+    bucket = "orbax-" + uuid.uuid4().hex[:8]
+    seaweedfs.create_bucket(bucket)
+    url = f"s3://{bucket}/run"
+    store = {"endpoint_url": seaweedfs.s3_endpoint, "anonymous": True}
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "params": {"w": jnp.arange(12.0).reshape(3, 4) * step, "b": jnp.ones(4) * step},
+            "step": jnp.asarray(step),
+        }
+
+    local = tmp_path / "orbax"
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(local, options=options) as manager:
+        mirror = OrbaxMirror(manager, url, **store)
+        for step in (1, 2, 3):
+            mirror.save(step, args=ocp.args.StandardSave(state(step)))
+        mirror.close()
+        assert manager.all_steps() == [2, 3]  # Orbax's own retention
+    # every step reached the store, step 1 too, although Orbax deleted it locally
+    assert ckptstore.list_steps(url, **store) == [1, 2, 3]
+    assert files.is_tree_step(ckptstore.read_manifest(url, 3, **store))
+
+    shutil.rmtree(local)
+    with ocp.CheckpointManager(local, options=options) as manager:
+        mirror = OrbaxMirror(manager, url, **store)
+        assert manager.all_steps() == []
+        assert mirror.all_steps() == [1, 2, 3]
+        abstract = state(0)
+        restored = mirror.restore(None, args=ocp.args.StandardRestore(abstract))
+        np.testing.assert_array_equal(restored["params"]["w"], state(3)["params"]["w"])
+        assert int(restored["step"]) == 3
+        old = mirror.restore(1, args=ocp.args.StandardRestore(abstract))
+        np.testing.assert_array_equal(old["params"]["b"], state(1)["params"]["b"])
+        assert manager.all_steps() == [1, 3]
+        mirror.close()
