@@ -219,6 +219,24 @@ def test_hostile_names_are_refused_before_anything_is_written(tmp_path: Path, na
     assert not list(tmp_path.rglob("*tmp*"))
 
 
+def test_a_repeated_name_is_refused(tmp_path: Path) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    (src / "a").write_bytes(b"first")
+    (src / "b").write_bytes(b"second")
+    files.upload(src, store, step=1)
+
+    def repeat(manifest: Manifest) -> Manifest:
+        tree = manifest.tree
+        tree["d"] = ["a", "a"]
+        return dataclasses.replace(manifest, tree=tree, paths=["a", "a"])
+
+    _rewrite_manifest(store, 1, repeat)
+    with pytest.raises(CorruptCheckpointError, match="repeat"):
+        files.download(store, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("target", ["/etc/passwd", "../../../outside", "a/../../.."])
 def test_hostile_symlinks_are_refused(tmp_path: Path, target: str) -> None:
     src, store, out = tmp_path / "src", tmp_path / "store", tmp_path / "out"

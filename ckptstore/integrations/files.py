@@ -240,7 +240,12 @@ class _FileLeaves(Sequence[np.ndarray[Any, Any]]):
         if entry.link is not None or entry.size == 0:
             return np.empty(0, _UINT8)
         where = self.root / entry.name
-        fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _changed(where, "it was removed") from None
+        except OSError as exc:  # ELOOP: replaced by a symlink
+            raise _changed(where, exc.strerror or "it cannot be opened") from None
         try:
             size = os.fstat(fd).st_size
             if size != entry.size:
