@@ -4,6 +4,7 @@ manifests, trees that cannot be carried, and the CLI's ``cp``/``verify``/``show`
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import socket
@@ -380,3 +381,23 @@ def test_mirror_uploads_snapshots_in_order_and_raises_failures(tmp_path: Path) -
     assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
     with pytest.raises(NotADirectoryError):
         files.TreeMirror(store).submit(tmp_path / "missing", 3)
+
+
+def test_cli_upload_and_download(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    make_tree(src, small=5, large=(300_000,))
+    assert cli.main(["upload", str(src), str(store), "4", "--metadata", '{"note": "x"}']) == 0
+    assert "step 4: uploaded 9 files" in capsys.readouterr().out
+    assert ckptstore.read_manifest(store, 4).metadata["user"] == {"note": "x"}
+    assert cli.main(["download", str(store), "latest", str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+    assert snapshot(tmp_path / "out") == snapshot(src)
+
+    assert cli.main(["download", str(store), "4", str(tmp_path / "out")]) == 1
+    assert "not an empty directory" in capsys.readouterr().err
+    assert cli.main(["upload", str(src), str(store), "4"]) == 1
+    assert "already committed" in capsys.readouterr().err
+    assert cli.main(["upload", str(tmp_path / "none"), str(store), "5"]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert cli.main(["upload", str(src), str(store), "6", "--metadata", "{"]) == 1
+    assert "--metadata is not JSON" in capsys.readouterr().err
