@@ -17,13 +17,14 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore import cli, files
+from ckptstore import background, cli, files
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointFormatError,
     CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
+    StoreError,
     UnsupportedTreeError,
 )
 from ckptstore.layout.keys import manifest_key
@@ -31,7 +32,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import tree_paths
 from ckptstore.store.base import PutMode
 from ckptstore.store.memory import MemoryStore
-from ckptstore.store.wrappers import StoreWrapper
+from ckptstore.store.wrappers import Fault, FaultStore, StoreWrapper, transient_error
 from tests.servers.moto import MotoS3
 
 #: Small thresholds so "large" files (own objects, multipart) stay a few MiB in tests.
@@ -401,3 +402,26 @@ def test_cli_upload_and_download(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "not a directory" in capsys.readouterr().err
     assert cli.main(["upload", str(src), str(store), "6", "--metadata", "{"]) == 1
     assert "--metadata is not JSON" in capsys.readouterr().err
+
+
+def test_a_failed_upload_or_download_leaves_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, small=20, large=(2 << 20,))  # over the default pack_threshold: a leaf object
+    inner = MemoryStore()
+    broken = FaultStore(
+        inner, [Fault(frozenset({"put"}), error=transient_error, key="leaf-", times=1)]
+    )
+    with pytest.raises(StoreError, match="injected fault"):
+        files.upload(src, broken, step=1)
+    assert ckptstore.list_steps(inner) == []
+    keys = background.run(inner.list_keys(""))
+    assert not [k for k in keys if "pack-" in k or "leaf-" in k]
+
+    files.upload(src, inner, step=1)
+    failing = FaultStore(
+        inner, [Fault(frozenset({"read"}), error=transient_error, key="leaf-", times=1)]
+    )
+    with pytest.raises(StoreError, match="injected fault"):
+        files.download(failing, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]

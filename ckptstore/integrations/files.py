@@ -37,8 +37,10 @@ Downloads: the step is written into a fresh temporary directory beside the targe
 to the target, so the target either does not exist or holds the whole verified tree. A target
 that exists must be an empty directory (it is replaced); anything else is refused with
 :class:`~ckptstore.errors.AlreadyExistsError`, so a download never merges into or overwrites
-a user's files. Names in the manifest are checked before anything is created: a name that is
-empty, ``.``, ``..``, contains ``/`` or NUL, or a symlink leading out of the tree, is refused
+a user's files. A download killed half-way leaves only that hidden scratch directory (and a
+background upload its hidden snapshot, see :class:`TreeMirror`). Names in the manifest are
+checked before anything is created: a name that is empty, ``.``, ``..``, contains ``/`` or
+NUL, or a symlink leading out of the tree, is refused
 with :class:`~ckptstore.errors.CorruptCheckpointError`.
 """
 

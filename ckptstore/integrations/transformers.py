@@ -23,6 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from accelerate import PartialState
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -85,6 +86,8 @@ def resume_from_store(
 ) -> str | None:
     """Download a committed checkpoint for ``Trainer.train(resume_from_checkpoint=...)``.
 
+    Call it on every process (the main one downloads, the others wait for it).
+
     Args:
         root: where :class:`StoreCallback` uploaded the steps.
         local_dir: where to put it (the Trainer's ``output_dir`` is the natural choice); the
@@ -107,4 +110,10 @@ def resume_from_store(
             if step is None:
                 return None
         target = Path(local_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}"
-        return str(download(store, target, step=step))
+        # Under several processes the main one downloads and the others wait for it: the
+        # Trainer has every process read the same resume_from_checkpoint directory.
+        processes = PartialState()
+        if processes.is_main_process:
+            download(store, target, step=step)
+        processes.wait_for_everyone()
+        return str(target)
