@@ -49,16 +49,8 @@ def test_hf_trainer_checkpoints_to_s3_and_resumes_in_a_new_process(
     pytest.importorskip("transformers")
     url = f"s3://{moto_s3.bucket}/hf-run"
     store = moto_s3.options()
-    first = run(
-        "hf",
-        {
-            "output_dir": str(tmp_path / "first"),
-            "max_steps": 6,
-            "save_steps": 3,
-            "upload_to": url,
-            "store_options": store,
-        },
-    )
+    schedule = {"max_steps": 6, "save_steps": 3, "store_options": store}
+    first = run("hf", {**schedule, "output_dir": str(tmp_path / "first"), "upload_to": url})
     assert sorted(first) == [1, 2, 3, 4, 5, 6]
     assert ckptstore.list_steps(url, **store) == [3, 6]
     manifest = ckptstore.read_manifest(url, 3, **store)
@@ -70,13 +62,11 @@ def test_hf_trainer_checkpoints_to_s3_and_resumes_in_a_new_process(
     resumed = run(
         "hf",
         {
+            **schedule,
             "output_dir": str(tmp_path / "second"),
-            "max_steps": 6,
-            "save_steps": 3,
             "resume_from": url,
             "step": 3,
             "upload_to": f"s3://{moto_s3.bucket}/hf-run-2",
-            "store_options": store,
         },
     )
     assert sorted(resumed) == [4, 5, 6]
@@ -91,30 +81,14 @@ def test_accelerate_states_to_s3_and_resume_in_a_new_process(
 ) -> None:
     pytest.importorskip("accelerate")
     url = f"s3://{moto_s3.bucket}/accelerate-run"
-    store = moto_s3.options()
-    first = run(
-        "accelerate",
-        {
-            "url": url,
-            "local_dir": str(tmp_path / "first"),
-            "max_steps": 5,
-            "save_at": [2, 4],
-            "store_options": store,
-        },
-    )
-    assert ckptstore.list_steps(url, **store) == [2, 4]
+    schedule = {"url": url, "max_steps": 5, "store_options": moto_s3.options()}
+    first = run("accelerate", {**schedule, "local_dir": str(tmp_path / "first"), "save_at": [2, 4]})
+    assert ckptstore.list_steps(url, **moto_s3.options()) == [2, 4]
     shutil.rmtree(tmp_path / "first")
 
     resumed = run(
         "accelerate",
-        {
-            "url": url,
-            "local_dir": str(tmp_path / "second"),
-            "max_steps": 5,
-            "resume": True,
-            "step": 2,
-            "store_options": store,
-        },
+        {**schedule, "local_dir": str(tmp_path / "second"), "resume": True, "step": 2},
     )
     assert sorted(resumed) == [3, 4, 5]
     assert resumed == {step: first[step] for step in (3, 4, 5)}

@@ -357,9 +357,7 @@ async def _upload(
         await gather_all((write(i) for i in range(len(plan.objects))), cancel=False)
         await asyncio.to_thread(_check_unchanged, tree_root, entries)
     except BaseException:
-        await save_path.discard(store, prefix)
-        if attempt.lease is not None:
-            await attempt.lease.release()
+        await save_path.abandon(store, attempt)
         raise
     manifest = Manifest(
         step=step,
