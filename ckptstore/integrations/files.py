@@ -144,7 +144,7 @@ def _scan(root: Path) -> tuple[Any, list[_Entry], int]:
 
     Raises:
         UnsupportedTreeError: a special file, a symlink out of the tree, nesting too deep.
-        NotFoundError-like OSError: ``root`` is not a directory.
+        NotADirectoryError: ``root`` is not a directory.
     """
     entries: list[_Entry] = []
     real_root = os.path.realpath(root)
