@@ -19,6 +19,7 @@ from ckptstore.errors import (
     NotSupportedError,
     StoreError,
     TornSnapshotError,
+    UnsupportedTreeError,
 )
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import UnsupportedLeafError
@@ -77,6 +78,7 @@ __all__ = [
     "Store",
     "StoreError",
     "TornSnapshotError",
+    "UnsupportedTreeError",
     "__version__",
     "default_settings",
     "open_store",

@@ -14,6 +14,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     │   └── BrokenReferenceError                    a reference to an earlier step's object
     │                                               that is not a committed object of it
     ├── CheckpointFormatError  (ValueError)         an intact checkpoint another face must read
+    ├── UnsupportedTreeError   (ValueError)         a directory tree no step can carry
     ├── NotSupportedError      (NotImplementedError) an operation a backend cannot do safely
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
     ├── TornSnapshotError      (RuntimeError)       a lazy snapshot's source changed before its copy
@@ -43,6 +44,7 @@ __all__ = [
     "NotSupportedError",
     "StoreError",
     "TornSnapshotError",
+    "UnsupportedTreeError",
 ]
 
 
@@ -99,6 +101,12 @@ class CheckpointFormatError(CkptStoreError, ValueError):
     """A committed, intact checkpoint in a format this face does not read (a DCP checkpoint
     given to ``ckptstore.load``, an ordinary one to the DCP reader); the message names the face
     that reads it. Unlike :class:`CorruptCheckpointError`, nothing is wrong with the bytes."""
+
+
+class UnsupportedTreeError(CkptStoreError, ValueError):
+    """A directory tree ckptstore cannot carry as one step: a special file (FIFO, socket,
+    device), a symlink that leaves the tree, or a file that changed while it was uploaded;
+    the message names the path."""
 
 
 class NotSupportedError(CkptStoreError, NotImplementedError):

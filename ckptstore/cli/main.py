@@ -289,7 +289,7 @@ def _step_arg(text: str) -> int | None:
 def _step_number_arg(text: str) -> int:
     step = _step_arg(text)
     if step is None:
-        raise argparse.ArgumentTypeError("give the step number to delete, not 'latest'")
+        raise argparse.ArgumentTypeError("give a step number, not 'latest'")
     return step
 
 
@@ -706,6 +706,42 @@ async def _rm(args: argparse.Namespace) -> Outcome:
     return Outcome({"url": url, "removed": removed}, "")
 
 
+# ----------------------------------------------------------------- directory trees
+
+
+async def _upload(args: argparse.Namespace) -> Outcome:
+    from ckptstore.integrations.files import aupload
+
+    if not await asyncio.to_thread(os.path.isdir, args.dir):
+        raise UsageError(f"{args.dir}: not a directory (upload takes a checkpoint directory)")
+    try:
+        metadata = None if args.metadata is None else json.loads(args.metadata)
+    except ValueError as exc:
+        raise UsageError(f"--metadata is not JSON: {_one_line(exc)}") from None
+    async with cli_store(args.url, _options(args.option), must_exist=False) as store:
+        info = await aupload(args.dir, store, step=args.step, metadata=metadata)
+        url = store.url
+    return Outcome(
+        {"url": url, **dataclasses.asdict(info)},
+        f"step {info.step}: uploaded {count(info.files, 'file')} "
+        f"({format_bytes(info.nbytes)}) in {count(info.objects, 'object')}, committed "
+        f"(attempt {info.attempt})",
+    )
+
+
+async def _download(args: argparse.Namespace) -> Outcome:
+    from ckptstore.integrations.files import adownload
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        step = await _resolve_step(store, args.step)
+        path = await adownload(store, args.dir, step=step)
+        url = store.url
+    return Outcome(
+        {"url": url, "step": step, "path": str(path)},
+        f"step {step}: every byte verified, now in {path}",
+    )
+
+
 # ----------------------------------------------------------------- tune
 
 
@@ -818,6 +854,14 @@ _EXAMPLES: dict[str, str] = {
         ckptstore cp s3://bucket/run7 /scratch/run7          # every committed step
         ckptstore cp ./ckpts s3://bucket/run7 --dst-option endpoint_url=http://127.0.0.1:8333
     """,
+    "upload": """
+        ckptstore upload out/checkpoint-500 s3://bucket/hf-run 500
+        ckptstore upload /nvme/orbax/1000 ./mirror 1000 --metadata '{"note": "best"}'
+    """,
+    "download": """
+        ckptstore download s3://bucket/hf-run latest out/checkpoint-500
+        ckptstore download ./mirror 1000 /nvme/orbax/1000
+    """,
     "gc": """
         ckptstore gc ./checkpoints
         ckptstore gc s3://bucket/run7 --grace 3600
@@ -850,6 +894,13 @@ _DESCRIPTIONS: dict[str, str] = {
     "command before anything is copied; a damaged step (invalid manifest, a failed "
     "checksum) is reported, its partial copy removed, and the other steps are copied; the "
     "exit status is then 1.",
+    "upload": "Upload a directory another library wrote (a Hugging Face, Accelerate, Orbax or "
+    "DeepSpeed checkpoint) as one committed step: small files packed, large ones in parallel "
+    "parts, every file crc32c'd, one put-if-absent commit. FIFOs, sockets, devices and "
+    "symlinks leaving the tree are refused, and so is a tree that changes during the upload.",
+    "download": "Download a directory-tree step (STEP is a number or 'latest') into DIR, which "
+    "must not exist or be empty: it is written beside DIR, every byte verified, then renamed "
+    "into place, so DIR never holds a partial or unverified tree.",
     "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
     "are older than the grace period, and stale in-progress writes. An attempt whose save "
     "still renews its lease is kept whatever --grace says, so gc can run beside training. "
@@ -964,6 +1015,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME=VALUE",
         help="a store option for DST (-o applies to SRC)",
     )
+
+    upload = add("upload", "upload a checkpoint directory as one committed step", _upload)
+    upload.add_argument("dir", metavar="DIR", help="the directory tree to upload")
+    upload.add_argument("url", metavar="URL", help="checkpoint root")
+    upload.add_argument("step", metavar="STEP", type=_step_number_arg, help="step number")
+    upload.add_argument("--metadata", metavar="JSON", help="JSON stored with the step")
+
+    download = add("download", "download a directory-tree step, verified", _download)
+    download.add_argument("url", metavar="URL", help="checkpoint root")
+    download.add_argument("step", metavar="STEP", type=_step_arg, help="step number or 'latest'")
+    download.add_argument("dir", metavar="DIR", help="directory to create (absent or empty)")
 
     gc = add("gc", "remove abandoned save attempts", _gc)
     gc.add_argument("url", metavar="URL", help="checkpoint root")

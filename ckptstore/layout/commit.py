@@ -67,6 +67,7 @@ __all__ = [
     "CommitInfo",
     "ObjectWriter",
     "Written",
+    "abandon_attempt",
     "begin_attempt",
     "check_metadata",
     "commit_attempt",
@@ -263,11 +264,7 @@ async def write_checkpoint(
                 plan = _plan(store, flat, None)
         written = await write_objects(store, flat.arrays, plan, prefix, packed)
     except Exception:
-        # The attempt is invisible without a manifest; removing its objects now only spares
-        # garbage collection the work, so a failure to remove them is not reported.
-        await remove_objects(store, prefix)
-        if attempt.lease is not None:
-            await attempt.lease.release()
+        await abandon_attempt(store, attempt)
         raise
 
     manifest = Manifest(
@@ -506,6 +503,17 @@ async def remove_objects(store: Store, prefix: str) -> None:
             directory = prefix.rsplit("/", 1)[0] + "/"
             keys = await store.list_keys(directory)
             await store.delete([k for k in keys if k.startswith(prefix)])
+
+
+async def abandon_attempt(store: Store, attempt: Attempt) -> None:
+    """Give up an attempt that will not commit: remove its objects and release its lease.
+
+    The attempt is invisible without a manifest; removing its objects now only spares
+    garbage collection the work, so a failure to remove them is not reported.
+    """
+    await remove_objects(store, attempt.prefix)
+    if attempt.lease is not None:
+        await attempt.lease.release()
 
 
 async def commit_attempt(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:

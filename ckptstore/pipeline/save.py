@@ -54,6 +54,7 @@ from ckptstore.layout.commit import (
     CommitInfo,
     ObjectWriter,
     Written,
+    abandon_attempt,
     begin_attempt,
     commit_attempt,
     remove_objects,
@@ -70,6 +71,7 @@ __all__ = [
     "Attempt",
     "CommitInfo",
     "Written",
+    "abandon",
     "begin",
     "commit",
     "discard",
@@ -173,6 +175,12 @@ async def discard(store: Store, prefix: str) -> None:
     effort, never raises: the objects are invisible without a manifest, and garbage
     collection removes whatever is left)."""
     await remove_objects(store, prefix)
+
+
+async def abandon(store: Store, attempt: Attempt) -> None:
+    """Give up ``attempt`` on the writer that began it: remove its objects and release its
+    lease (best effort, never raises; see :func:`ckptstore.layout.commit.abandon_attempt`)."""
+    await abandon_attempt(store, attempt)
 
 
 # --------------------------------------------------------------------------- 4. commit

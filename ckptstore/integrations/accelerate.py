@@ -1,0 +1,114 @@
+"""Accelerate's ``save_state``/``load_state`` with every state committed to a ckptstore URL.
+
+``Accelerator.save_state(dir)`` writes the model, optimizer, scheduler, sampler and RNG
+states of every process into a local directory. :class:`StoreStates` wraps it: each save goes
+to ``local_dir/step-<N>`` as before and is then uploaded in the background as step ``N``
+of a ckptstore root (one put-if-absent commit, every file checksummed); a load downloads a
+committed step into ``local_dir``, verified, and hands that directory to ``load_state``::
+
+    from ckptstore.integrations.accelerate import StoreStates
+
+    states = StoreStates(accelerator, "s3://bucket/run", "/nvme/states")
+    start = states.load_state() or 0      # newest committed step, or None on a fresh run
+    for step in range(start + 1, total + 1):
+        ...
+        if step % 100 == 0:
+            states.save_state(step)
+    states.wait_until_finished()
+
+Under several processes every process calls both methods (as ``save_state`` requires); the
+main process uploads and downloads, so ``local_dir`` must be one directory every process
+sees (one node, or a shared filesystem). Leave Accelerate's ``automatic_checkpoint_naming``
+off: the step names the directory here. Importing this module imports accelerate.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from accelerate import Accelerator
+
+from ckptstore import background
+from ckptstore.integrations.files import TreeMirror, download
+from ckptstore.layout.commit import latest_step
+from ckptstore.pipeline.root import Root, opened
+
+__all__ = ["StoreStates"]
+
+
+class StoreStates:
+    """An Accelerator's states, saved locally and committed to a ckptstore root.
+
+    Args:
+        accelerator: the Accelerator whose states to save and load.
+        root: where the steps go: a URL, a path or an open Store.
+        local_dir: where ``save_state`` writes (``local_dir/step-<N>``) and where a load
+            downloads to.
+        store_options: store options, as on every face.
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        root: Root,
+        local_dir: str | os.PathLike[str],
+        **store_options: Any,
+    ) -> None:
+        self.accelerator = accelerator
+        self.root = root
+        self.local_dir = Path(local_dir)
+        self._options = store_options
+        self.mirror = TreeMirror(root, **store_options)
+
+    def directory(self, step: int) -> Path:
+        """The local directory of ``step``."""
+        return self.local_dir / f"step-{step}"
+
+    def save_state(self, step: int, **save_kwargs: Any) -> Path:
+        """``accelerator.save_state`` into :meth:`directory`, then queue its upload as step
+        ``step`` (the main process, once every process has written its part).
+
+        Raises:
+            CkptStoreError, OSError: an earlier upload failed.
+        """
+        directory = self.directory(step)
+        self.accelerator.save_state(str(directory), **save_kwargs)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            self.mirror.submit(directory, step, metadata={"library": "accelerate"})
+        return directory
+
+    def load_state(self, step: int | None = None, **load_kwargs: Any) -> int | None:
+        """Load step ``step`` (``None``: the newest committed one) into the Accelerator.
+
+        A step already in ``local_dir`` is loaded from there; otherwise the main process
+        downloads it first, verified (:func:`~ckptstore.integrations.files.download`).
+
+        Returns:
+            The step loaded, or ``None`` when the store holds no step (nothing is loaded).
+        """
+        if step is None:
+            with opened(self.root, self._options) as store:
+                step = background.run(latest_step(store))
+            if step is None:
+                return None
+        directory = self.directory(step)
+        if self.accelerator.is_main_process and not directory.exists():
+            download(self.root, directory, step=step, **self._options)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.load_state(str(directory), **load_kwargs)
+        return step
+
+    def wait_until_finished(self) -> None:
+        """Block until every state saved so far is committed in the store.
+
+        Raises:
+            CkptStoreError, OSError: the first upload that failed.
+        """
+        self.mirror.wait()
+
+    def close(self) -> None:
+        """Wait for the uploads, then stop the uploader."""
+        self.mirror.close()

@@ -1,0 +1,801 @@
+"""Any checkpoint directory, as one committed ckptstore step.
+
+Hugging Face Trainer, Accelerate, DeepSpeed and Orbax each write a checkpoint as a directory
+of files. :func:`upload` carries such a tree to any ckptstore URL as one step, and
+:func:`download` brings a step back into a local directory, with the guarantees every
+ckptstore checkpoint has: the step is visible only once every byte of it is durable (one
+put-if-absent manifest), and every byte read back is crc32c-verified before anything is
+visible in the target.
+
+The tree is saved as an ordinary checkpoint, through the one save path
+(:mod:`ckptstore.pipeline.save`): every regular file is a ``uint8`` leaf whose path is its
+path in the tree, every directory is a dict (so empty directories are kept), and the one
+packer (:class:`~ckptstore.layout.plan.PackPlan`) packs small files into few objects while
+large files become objects of their own, uploaded in parallel multipart. A file's permission
+bits are kept in its leaf's ``attrs`` (``{"mode": 0o644}``); a symlink that stays inside the
+tree is kept as an empty leaf whose ``attrs`` hold its target. The manifest's metadata says
+the step is a tree (``{"format": "ckptstore.files/1", ...}``), so ``ckptstore ls``, ``show``,
+``verify`` and ``cp`` work on it as on any step, and ``ckptstore.load`` of it returns the
+tree as nested dicts of ``uint8`` arrays.
+
+Memory: files are never read whole into memory. A small file is read when the pack holding
+it is built (the pipeline builds a bounded number of packs at once); a large file is mapped
+read-only (``mmap``) and its pages are read as its parts upload, so a multi-GiB file costs
+page cache, not process memory. At most ``Settings.max_concurrency`` objects are in flight.
+Downloads mirror this: a large file is read straight into a mapping of its destination file,
+packs a few at a time.
+
+What the tree must satisfy (else :class:`~ckptstore.errors.UnsupportedTreeError`, naming the
+path): only regular files, directories and symlinks whose target resolves inside the tree; no
+FIFOs, sockets or devices. The tree must not change while it uploads: every file is checked
+again (size, mtime, inode) before the commit, and a change refuses the commit. (Truncating a
+file while it is mapped makes the kernel kill the process with SIGBUS; the adapters upload a
+checkpoint directory only after its library finished writing it.)
+
+Downloads: the step is written into a fresh temporary directory beside the target
+(``.<name>.ckptstore-tmp-*``), every file fsynced, every byte verified, and only then renamed
+to the target, so the target either does not exist or holds the whole verified tree. A target
+that exists must be an empty directory (it is replaced); anything else is refused with
+:class:`~ckptstore.errors.AlreadyExistsError`, so a download never merges into or overwrites
+a user's files. A download killed half-way leaves only that hidden scratch directory (and a
+background upload its hidden snapshot, see :class:`TreeMirror`). Names in the manifest are
+checked before anything is created: a name that is empty, ``.``, ``..``, contains ``/`` or
+NUL, or a symlink leading out of the tree, is refused
+with :class:`~ckptstore.errors.CorruptCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import mmap
+import os
+import secrets
+import shutil
+import stat
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, overload
+
+import numpy as np
+
+from ckptstore import background
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointFormatError,
+    CorruptCheckpointError,
+    UnsupportedTreeError,
+)
+from ckptstore.layout.dtypes import dtype_name
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.restore import read_leaves
+from ckptstore.layout.tree import MAX_DEPTH, escape_key, join_path
+from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.restore import find_manifest
+from ckptstore.pipeline.root import Root, aopened, check_options
+from ckptstore.store.base import Store
+from ckptstore.store.fanout import gather_all
+
+__all__ = [
+    "FORMAT",
+    "TreeInfo",
+    "TreeMirror",
+    "adownload",
+    "aupload",
+    "download",
+    "is_tree_step",
+    "upload",
+]
+
+#: The ``format`` in the metadata of a step that holds a directory tree.
+FORMAT = "ckptstore.files/1"
+
+_UINT8 = np.dtype(np.uint8)
+_UINT8_NAME = dtype_name(_UINT8) or "|u1"
+_TEMP_MARK = ".ckptstore-tmp-"
+
+
+@dataclass(frozen=True, slots=True)
+class TreeInfo:
+    """What an upload committed.
+
+    Attributes:
+        step: the committed step.
+        attempt: its attempt id.
+        files: regular files uploaded.
+        links: symlinks kept.
+        directories: directories (the root not counted).
+        nbytes: bytes of file content.
+        objects: data objects written.
+    """
+
+    step: int
+    attempt: str
+    files: int
+    links: int
+    directories: int
+    nbytes: int
+    objects: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    """One regular file or symlink of a scanned tree."""
+
+    name: str  # relative path, "/"-joined, as on disk
+    path: str  # its leaf path in the manifest (names escaped)
+    size: int
+    mode: int
+    link: str | None
+    identity: tuple[int, int, int, int]  # st_dev, st_ino, st_size, st_mtime_ns
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def _scan(root: Path) -> tuple[Any, list[_Entry], int]:
+    """Walk ``root``: its tree (the manifest's encoding: dicts, leaf indices), its files and
+    links in leaf order, and the number of directories below it.
+
+    Raises:
+        UnsupportedTreeError: a special file, a symlink out of the tree, nesting too deep.
+        NotADirectoryError: ``root`` is not a directory.
+    """
+    entries: list[_Entry] = []
+    real_root = os.path.realpath(root)
+    directories = 0
+
+    def walk(directory: Path, name: str, path: str, depth: int) -> Any:
+        nonlocal directories
+        if depth > MAX_DEPTH:
+            raise UnsupportedTreeError(f"{directory}: nested deeper than {MAX_DEPTH} levels")
+        with os.scandir(directory) as it:
+            found = sorted(it, key=lambda e: e.name)
+        keys: list[str] = []
+        children: list[Any] = []
+        for item in found:
+            rel = f"{name}/{item.name}" if name else item.name
+            leaf_path = join_path(path, escape_key(item.name), depth)
+            st = item.stat(follow_symlinks=False)
+            if stat.S_ISDIR(st.st_mode):
+                directories += 1
+                child = walk(Path(item.path), rel, leaf_path, depth + 1)
+            elif stat.S_ISREG(st.st_mode):
+                child = len(entries)
+                entries.append(
+                    _Entry(rel, leaf_path, st.st_size, st.st_mode & 0o777, None, _identity(st))
+                )
+            elif stat.S_ISLNK(st.st_mode):
+                target = os.readlink(item.path)
+                _check_link(real_root, item.path, target, where=f"{root}/{rel}")
+                child = len(entries)
+                entries.append(_Entry(rel, leaf_path, 0, 0, target, _identity(st)))
+            else:
+                raise UnsupportedTreeError(
+                    f"{root}/{rel}: a {_kind(st.st_mode)}, not a regular file, directory or "
+                    "symlink; a checkpoint step carries only those"
+                )
+            keys.append(item.name)
+            children.append(child)
+        return {"d": keys, "c": children}
+
+    if not root.is_dir():
+        raise NotADirectoryError(f"{root}: not a directory (upload takes a directory tree)")
+    return walk(root, "", "", 0), entries, directories
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISSOCK, "socket"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _check_link(real_root: str, link: str, target: str, *, where: str) -> None:
+    """Refuse a symlink whose target is absolute or resolves outside ``real_root``
+    (resolved through every link on the way, so a chain of links cannot leave it either)."""
+    if not target or os.path.isabs(target) or "\0" in target:
+        raise UnsupportedTreeError(
+            f"{where}: symlink to {target!r} is absolute; only links that stay inside the "
+            "tree (relative targets) can be carried"
+        )
+    resolved = os.path.realpath(link)
+    if resolved != real_root and not resolved.startswith(real_root + os.sep):
+        raise UnsupportedTreeError(
+            f"{where}: symlink to {target!r} leads out of the tree ({resolved}); only links "
+            "that stay inside it can be carried"
+        )
+
+
+class _FileLeaves(Sequence[np.ndarray[Any, Any]]):
+    """The files of a tree as the leaves the pipeline's writer reads, opened only when the
+    writer reaches them: a packed (small) file is read whole then, a large one mapped."""
+
+    def __init__(self, root: Path, entries: list[_Entry], mapped: set[int]) -> None:
+        self.root = root
+        self.entries = entries
+        self.mapped = mapped
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    @overload
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[np.ndarray[Any, Any]]: ...
+    def __getitem__(
+        self, index: int | slice
+    ) -> np.ndarray[Any, Any] | Sequence[np.ndarray[Any, Any]]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        entry = self.entries[index]
+        if entry.link is not None or entry.size == 0:
+            return np.empty(0, _UINT8)
+        where = self.root / entry.name
+        try:
+            fd = os.open(where, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise _changed(where, "it was removed") from None
+        except OSError as exc:  # ELOOP: replaced by a symlink
+            raise _changed(where, exc.strerror or "it cannot be opened") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != entry.size:
+                raise _changed(where, f"its size went from {entry.size} to {size} bytes")
+            if index in self.mapped:
+                # Mapped, not read: its pages are read as its parts upload.
+                view = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+                view.madvise(mmap.MADV_SEQUENTIAL)
+                return np.frombuffer(view, _UINT8)
+            data = os.read(fd, size + 1)
+            while len(data) < size + 1:
+                more = os.read(fd, size + 1 - len(data))
+                if not more:
+                    break
+                data += more
+        finally:
+            os.close(fd)
+        if len(data) != size:
+            raise _changed(where, f"{len(data)} bytes were read where {size} were expected")
+        return np.frombuffer(data, _UINT8)
+
+
+def _changed(where: Path, what: str) -> UnsupportedTreeError:
+    return UnsupportedTreeError(
+        f"{where} changed while it was uploaded ({what}); nothing was committed. Upload a "
+        "checkpoint directory once its library has finished writing it"
+    )
+
+
+def _check_unchanged(root: Path, entries: list[_Entry]) -> None:
+    for entry in entries:
+        where = root / entry.name
+        try:
+            now = _identity(os.lstat(where))
+        except FileNotFoundError:
+            raise _changed(where, "it was removed") from None
+        if now != entry.identity:
+            raise _changed(where, "its size, mtime or inode differ from when it was listed")
+
+
+# --------------------------------------------------------------------------- upload
+
+
+async def aupload(
+    source: str | os.PathLike[str],
+    root: Root,
+    *,
+    step: int,
+    metadata: Any = None,
+    **store_options: Any,
+) -> TreeInfo:
+    """Upload the directory ``source`` as step ``step`` of ``root`` and commit it.
+
+    Args:
+        source: the directory tree (as another library wrote it).
+        root: where the run's steps live: a URL, a path or an open Store.
+        step: the step number to commit it as.
+        metadata: JSON stored with it (``ckptstore show`` prints it).
+        store_options: store options, as on every face.
+
+    Returns:
+        What was committed.
+
+    Raises:
+        UnsupportedTreeError: a special file, a symlink leaving the tree, or a file that
+            changed during the upload (nothing is committed).
+        CommitConflictError: ``step`` is already committed.
+        NotADirectoryError: ``source`` is not a directory.
+    """
+    tree_root = Path(source)
+    tree, entries, directories = await asyncio.to_thread(_scan, tree_root)
+    form = {
+        "format": FORMAT,
+        "files": sum(1 for e in entries if e.link is None),
+        "bytes": sum(e.size for e in entries),
+        "user": metadata,
+    }
+    async with aopened(root, store_options) as store:
+        return await _upload(store, tree_root, tree, entries, directories, step, form)
+
+
+async def _upload(
+    store: Store,
+    tree_root: Path,
+    tree: Any,
+    entries: list[_Entry],
+    directories: int,
+    step: int,
+    form: dict[str, Any],
+) -> TreeInfo:
+    paths = [e.path for e in entries]
+    plan = save_path.plan(store, [e.size for e in entries], paths)
+    mapped = {leaf for obj in plan.objects if not obj.packed for leaf in obj.leaves}
+    attempt = await save_path.begin(store, step, form)
+    prefix = attempt.prefix
+    try:
+        writer = save_path.object_writer(
+            store, plan, prefix, _FileLeaves(tree_root, entries, mapped)
+        )
+        # One object per slot: bounds the files mapped (one descriptor each) and read at once.
+        slots = asyncio.Semaphore(store.settings.max_concurrency)
+
+        async def write(index: int) -> None:
+            async with slots:
+                await writer.write(index)
+
+        await gather_all((write(i) for i in range(len(plan.objects))), cancel=False)
+        await asyncio.to_thread(_check_unchanged, tree_root, entries)
+    except BaseException:
+        await save_path.abandon(store, attempt)
+        raise
+    manifest = Manifest(
+        step=step,
+        attempt=attempt.id,
+        created=time.time(),
+        metadata=form,
+        tree=tree,
+        object_keys=[f"{attempt.id}/{obj.name}" for obj in plan.objects],
+        object_lengths=[obj.size for obj in plan.objects],
+        object_crcs=writer.written.object_crc,
+        paths=paths,
+        dtypes=[_UINT8_NAME] * len(entries),
+        shapes=[[e.size] for e in entries],
+        leaf_object=plan.leaf_object,
+        leaf_offset=plan.leaf_offset,
+        leaf_length=plan.leaf_length,
+        leaf_crc=writer.written.leaf_crc,
+        attrs=[{"mode": e.mode} if e.link is None else {"symlink": e.link} for e in entries],
+    )
+    info = await save_path.commit(store, attempt, manifest)
+    return TreeInfo(
+        step=info.step,
+        attempt=info.attempt,
+        files=form["files"],
+        links=sum(1 for e in entries if e.link is not None),
+        directories=directories,
+        nbytes=form["bytes"],
+        objects=info.objects,
+    )
+
+
+def upload(
+    source: str | os.PathLike[str],
+    root: Root,
+    *,
+    step: int,
+    metadata: Any = None,
+    **store_options: Any,
+) -> TreeInfo:
+    """:func:`aupload` for synchronous callers (runs on ckptstore's background loop)."""
+    return background.run(aupload(source, root, step=step, metadata=metadata, **store_options))
+
+
+# --------------------------------------------------------------------------- download
+
+
+def is_tree_step(manifest: Manifest) -> bool:
+    """Whether ``manifest`` commits a directory tree (written by :func:`upload`)."""
+    meta = manifest.metadata
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+@dataclass(frozen=True, slots=True)
+class _Placed:
+    """One leaf of a downloaded tree: where it goes and what it is."""
+
+    leaf: int
+    name: str  # relative path on disk
+    mode: int
+    link: str | None
+
+
+def _layout(manifest: Manifest, where: str) -> tuple[list[str], list[_Placed]]:
+    """The directories and files a tree step's manifest describes, every name checked.
+
+    Raises:
+        CorruptCheckpointError: a name that could leave the target or alias another, a
+            node that is not a directory or a file, or bad attributes.
+    """
+
+    def reject(what: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{where}: step {manifest.step} is not a valid directory tree: {what}"
+        )
+
+    directories: list[str] = []
+    placed: list[_Placed] = []
+    stack: list[tuple[Any, str]] = [(manifest.tree, "")]
+    while stack:
+        node, name = stack.pop()
+        if type(node) is int:
+            attrs = manifest.attrs[node] or {}
+            if manifest.dtypes[node] != _UINT8_NAME or len(manifest.shapes[node]) != 1:
+                raise reject(f"{name!r} is not a byte string")
+            link = attrs.get("symlink")
+            if link is not None:
+                if type(link) is not str or not link or "\0" in link or os.path.isabs(link):
+                    raise reject(f"{name!r} is a symlink to {str(link)[:80]!r}")
+                if manifest.leaf_length[node]:
+                    raise reject(f"symlink {name!r} has content")
+                placed.append(_Placed(node, name, 0, link))
+                continue
+            mode = attrs.get("mode", 0o644)
+            if type(mode) is not int or not 0 <= mode <= 0o777:
+                raise reject(f"{name!r} has mode {str(mode)[:20]!r}")
+            placed.append(_Placed(node, name, mode, None))
+            continue
+        if type(node) is not dict or set(node) != {"d", "c"}:
+            raise reject(f"{name or '<root>'!r} is neither a directory nor a file")
+        if name:
+            directories.append(name)
+        for key, child in zip(node["d"], node["c"], strict=True):
+            if (
+                type(key) is not str
+                or key in ("", ".", "..")
+                or "/" in key
+                or "\0" in key
+                or key.startswith(_TEMP_MARK)
+            ):
+                raise reject(f"the name {str(key)[:80]!r} in {name or '<root>'!r}")
+            stack.append((child, f"{name}/{key}" if name else key))
+    return directories, placed
+
+
+async def adownload(
+    root: Root,
+    target: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    **store_options: Any,
+) -> Path:
+    """Download tree step ``step`` of ``root`` (default: the newest step) into ``target``.
+
+    The tree is written into a temporary directory beside ``target``, verified and fsynced,
+    then renamed to ``target``: nothing is visible under ``target`` until every byte of
+    every file has matched its crc32c.
+
+    Args:
+        root: where the run's steps live: a URL, a path or an open Store.
+        target: the directory to create; it must not exist or be an empty directory.
+        step: the step (``None``: the newest committed step).
+        store_options: store options, as on every face.
+
+    Returns:
+        ``target`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        AlreadyExistsError: ``target`` exists and is not an empty directory.
+        CheckpointFormatError: the step is not a directory tree (load it with
+            ``ckptstore.load``).
+        CorruptCheckpointError: a byte fails its crc32c, or the manifest names paths
+            that would leave the target.
+        NotFoundError: no such step.
+    """
+    dest = await asyncio.to_thread(_check_target, target)
+    async with aopened(root, store_options) as store:
+        manifest = await find_manifest(store, step)
+        if not is_tree_step(manifest):
+            raise CheckpointFormatError(
+                f"{store.url}: step {manifest.step} is not a directory tree (no "
+                f"{FORMAT!r} format in its metadata); read it with ckptstore.load"
+            )
+        directories, placed = _layout(manifest, store.url)
+        scratch = await asyncio.to_thread(_scratch_beside, dest)
+        try:
+            await _fill(store, manifest, scratch, directories, placed)
+            await asyncio.to_thread(_publish, scratch, dest)
+        except BaseException:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+            raise
+    return dest
+
+
+def download(
+    root: Root,
+    target: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    **store_options: Any,
+) -> Path:
+    """:func:`adownload` for synchronous callers (runs on ckptstore's background loop)."""
+    return background.run(adownload(root, target, step=step, **store_options))
+
+
+def _scratch_beside(dest: Path) -> Path:
+    """A fresh directory beside ``dest``, so the final rename stays on one filesystem; made
+    with the umask's mode, which the tree's root keeps once renamed."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    scratch = dest.parent / f".{dest.name}{_TEMP_MARK}{secrets.token_hex(6)}"
+    scratch.mkdir()
+    return scratch
+
+
+def _check_target(target: str | os.PathLike[str]) -> Path:
+    """``target`` as an absolute path, unless it exists and is not an empty directory.
+
+    Raises:
+        AlreadyExistsError: it exists and is not an empty directory.
+    """
+    dest = Path(os.path.abspath(target))
+    if dest.is_symlink() or (dest.exists() and (not dest.is_dir() or any(dest.iterdir()))):
+        raise AlreadyExistsError(
+            f"{dest}: exists and is not an empty directory; a download never merges into or "
+            "overwrites existing files (remove it or choose another target)"
+        )
+    return dest
+
+
+async def _fill(
+    store: Store, manifest: Manifest, scratch: Path, directories: list[str], placed: list[_Placed]
+) -> None:
+    """Write every directory, file and link of the step under ``scratch``, verified."""
+    for name in sorted(directories):
+        (scratch / name).mkdir()
+    by_object: dict[int, list[_Placed]] = defaultdict(list)
+    for entry in placed:
+        if entry.link is None:
+            by_object[manifest.leaf_object[entry.leaf]].append(entry)
+    slots = asyncio.Semaphore(store.settings.max_concurrency)
+
+    async def fetch(obj: int, members: list[_Placed]) -> None:
+        async with slots:
+            if obj < 0:  # empty files
+                await asyncio.to_thread(_write_files, scratch, members, {})
+            elif (
+                len(members) == 1
+                and manifest.leaf_length[members[0].leaf] == (manifest.object_lengths[obj])
+            ):
+                await _fetch_mapped(store, manifest, scratch, members[0])
+            else:
+                arrays = await read_leaves(store, manifest, [m.leaf for m in members])
+                await asyncio.to_thread(_write_files, scratch, members, arrays)
+
+    # Every fetch ends before this returns, even on a failure: a file-writing thread must not
+    # outlive the caller's removal of the scratch directory.
+    await gather_all((fetch(obj, m) for obj, m in by_object.items()), cancel=False)
+    links = [entry for entry in placed if entry.link is not None]
+    if links:
+        await asyncio.to_thread(_make_links, scratch, links, store.url, manifest.step)
+    await asyncio.to_thread(_sync_directories, scratch, directories)
+
+
+async def _fetch_mapped(store: Store, manifest: Manifest, scratch: Path, entry: _Placed) -> None:
+    """A file that is an object of its own: read straight into a mapping of its file."""
+    where = scratch / entry.name
+    size = manifest.leaf_length[entry.leaf]
+    fd = os.open(where, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        # Unmapped when the last array over it goes (an error's traceback may hold one).
+        view = mmap.mmap(fd, size, access=mmap.ACCESS_WRITE)
+        await read_leaves(store, manifest, [entry.leaf], {entry.leaf: np.frombuffer(view, _UINT8)})
+        await asyncio.to_thread(view.flush)
+        os.fchmod(fd, entry.mode)
+        await asyncio.to_thread(os.fsync, fd)
+    finally:
+        os.close(fd)
+
+
+def _write_files(
+    scratch: Path, members: list[_Placed], arrays: dict[int, np.ndarray[Any, Any]]
+) -> None:
+    for entry in members:
+        fd = os.open(
+            scratch / entry.name,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+        )
+        try:
+            data = arrays.get(entry.leaf)
+            if data is not None and data.nbytes:
+                view = memoryview(data).cast("B")  # type: ignore[arg-type]  # ndarray exports it
+                while view:
+                    view = view[os.write(fd, view) :]
+            os.fchmod(fd, entry.mode)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _make_links(scratch: Path, links: list[_Placed], url: str, step: int) -> None:
+    for entry in links:
+        assert entry.link is not None
+        os.symlink(entry.link, scratch / entry.name)
+    real = os.path.realpath(scratch)
+    for entry in links:
+        try:
+            _check_link(real, str(scratch / entry.name), entry.link or "", where=entry.name)
+        except UnsupportedTreeError as exc:
+            raise CorruptCheckpointError(
+                f"{url}: step {step} is not a valid directory tree: {exc}"
+            ) from None
+
+
+def _sync_directories(scratch: Path, directories: list[str]) -> None:
+    for name in [*sorted(directories, reverse=True), ""]:
+        fd = os.open(scratch / name, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _publish(scratch: Path, dest: Path) -> None:
+    """Rename the verified tree to ``dest``: an empty directory there is replaced."""
+    _check_target(dest)  # again: something may have appeared there meanwhile
+    try:
+        os.rename(scratch, dest)  # POSIX: replaces an empty directory, refuses a full one
+    except OSError as exc:
+        raise AlreadyExistsError(
+            f"{dest}: could not be replaced ({exc.strerror}); it must not exist or be empty"
+        ) from None
+    fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- mirroring
+
+
+class TreeMirror:
+    """Uploads checkpoint directories as they are written, in the background, in order.
+
+    The adapters (:mod:`ckptstore.integrations.transformers`, ``.accelerate``, ``.orbax``)
+    hand it each directory their library finished writing. :meth:`submit` takes a snapshot
+    of the directory in the caller's thread (hard links, so it costs one metadata operation
+    per file, not a copy; files are copied where the filesystem has no hard links) and
+    returns; one worker thread uploads the snapshots one after another with :func:`upload`
+    and removes each once its step is committed. The snapshot is what makes the background
+    upload safe against the library's own retention: a library that deletes an old
+    checkpoint directory while it is still queued deletes its names, not the snapshot's.
+    It does not protect against a file rewritten in place, which no checkpoint library does
+    to a directory it has finished.
+
+    A failed upload is raised by the next :meth:`submit`, by :meth:`wait` and by
+    :meth:`close`, never dropped.
+
+    Args:
+        root: where the steps go: a URL, a path or an open Store.
+        snapshot: take a hard-link snapshot before returning from :meth:`submit`
+            (``False``: upload the directory in place; it must then stay as it is until its
+            upload finishes).
+        store_options: store options, as on every face (checked here, before any upload).
+    """
+
+    def __init__(self, root: Root, *, snapshot: bool = True, **store_options: Any) -> None:
+        check_options(root, store_options)
+        self.root = root
+        self.snapshot = snapshot
+        self._options = store_options
+        self._worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ckptstore-mirror"
+        )
+        self._lock = threading.Lock()
+        self._pending: list[concurrent.futures.Future[TreeInfo]] = []
+        self._done: list[TreeInfo] = []
+
+    def submit(
+        self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None
+    ) -> concurrent.futures.Future[TreeInfo]:
+        """Queue ``directory`` for upload as step ``step``; returns once it is snapshotted.
+
+        Raises:
+            CkptStoreError, OSError: an earlier upload failed (raised once, here or by
+                :meth:`wait`), or the snapshot could not be taken.
+        """
+        self._raise_failed()
+        source = Path(directory)
+        if not source.is_dir():
+            raise NotADirectoryError(f"{source}: not a directory; nothing to upload")
+        copy = _link_snapshot(source) if self.snapshot else None
+        try:
+            future = self._worker.submit(self._upload, copy or source, copy, step, metadata)
+        except BaseException:
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+            raise
+        with self._lock:
+            self._pending.append(future)
+        return future
+
+    def _upload(self, source: Path, copy: Path | None, step: int, metadata: Any) -> TreeInfo:
+        try:
+            return upload(source, self.root, step=step, metadata=metadata, **self._options)
+        finally:
+            if copy is not None:
+                shutil.rmtree(copy, ignore_errors=True)
+
+    def _raise_failed(self, *, wait: bool = False) -> None:
+        with self._lock:
+            pending = list(self._pending)
+        if wait:
+            concurrent.futures.wait(pending)
+        finished = [f for f in pending if f.done()]
+        with self._lock:
+            self._pending = [f for f in self._pending if f not in finished]
+        error: BaseException | None = None
+        for future in finished:
+            exc = future.exception()
+            if exc is None:
+                self._done.append(future.result())
+            elif error is None:
+                error = exc
+        if error is not None:
+            raise error
+
+    @property
+    def uploaded(self) -> list[TreeInfo]:
+        """The steps committed so far (as far as :meth:`submit` and :meth:`wait` have seen)."""
+        return list(self._done)
+
+    def wait(self) -> None:
+        """Block until every queued directory is uploaded and committed.
+
+        Raises:
+            CkptStoreError, OSError: the first upload that failed.
+        """
+        self._raise_failed(wait=True)
+
+    def close(self) -> None:
+        """:meth:`wait`, then stop the worker."""
+        try:
+            self.wait()
+        finally:
+            self._worker.shutdown(wait=True)
+
+    def __enter__(self) -> TreeMirror:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _link_snapshot(source: Path) -> Path:
+    """A hard-linked copy of ``source`` beside it (copies where links are refused)."""
+    copy = source.parent / f".{source.name}{_TEMP_MARK}mirror-{secrets.token_hex(6)}"
+
+    def link_or_copy(src: str, dst: str) -> None:
+        try:
+            os.link(src, dst, follow_symlinks=False)
+        except OSError:
+            shutil.copy2(src, dst, follow_symlinks=False)
+
+    try:
+        shutil.copytree(source, copy, symlinks=True, copy_function=link_or_copy)
+    except BaseException:
+        shutil.rmtree(copy, ignore_errors=True)
+        raise
+    return copy

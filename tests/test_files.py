@@ -1,0 +1,427 @@
+"""Directory trees as committed steps (``ckptstore.files``): round trips, verification, hostile
+manifests, trees that cannot be carried, and the CLI's ``cp``/``verify``/``show`` on them."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import stat
+import tracemalloc
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import background, cli, files
+from ckptstore.errors import (
+    AlreadyExistsError,
+    CheckpointFormatError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    NotFoundError,
+    StoreError,
+    UnsupportedTreeError,
+)
+from ckptstore.layout.keys import manifest_key
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.tree import tree_paths
+from ckptstore.store.base import PutMode
+from ckptstore.store.memory import MemoryStore
+from ckptstore.store.wrappers import Fault, FaultStore, StoreWrapper, transient_error
+from tests.servers.moto import MotoS3
+
+#: Small thresholds so "large" files (own objects, multipart) stay a few MiB in tests.
+SMALL = {"pack_threshold": "256KiB", "pack_size": "1MiB"}
+
+
+def make_tree(root: Path, *, small: int = 120, large: tuple[int, ...] = (3 << 20, 1 << 20)) -> None:
+    """A checkpoint-like tree: many small files in nested directories, a few large ones, an
+    empty file, an empty directory, an executable, an in-tree symlink."""
+    rng = np.random.default_rng(7)
+    for i in range(small):
+        where = root / f"shard-{i % 4}" / f"part{i // 40}"
+        where.mkdir(parents=True, exist_ok=True)
+        (where / f"chunk~{i}.bin").write_bytes(rng.bytes(int(rng.integers(1, 20_000))))
+    for i, size in enumerate(large):
+        (root / f"model-{i}.safetensors").write_bytes(rng.bytes(size))
+    (root / "empty.txt").write_bytes(b"")
+    (root / "nothing" / "inside").mkdir(parents=True)
+    (root / "run.sh").write_text("#!/bin/sh\necho hi\n")
+    (root / "run.sh").chmod(0o755)
+    (root / "config.json").write_text('{"hidden_size": 8}')
+    (root / "shard-0" / "config-link.json").symlink_to("../config.json")
+
+
+def snapshot(root: Path) -> dict[str, Any]:
+    """Everything about a tree the round trip must keep: each entry's kind, mode, content."""
+    seen: dict[str, Any] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            path = Path(dirpath, name)
+            rel = str(path.relative_to(root))
+            st = path.lstat()
+            if stat.S_ISLNK(st.st_mode):
+                seen[rel] = ("link", os.readlink(path))
+            elif stat.S_ISDIR(st.st_mode):
+                seen[rel] = ("dir",)
+            else:
+                seen[rel] = ("file", stat.S_IMODE(st.st_mode), path.read_bytes())
+    return seen
+
+
+def test_round_trip_local(tmp_path: Path) -> None:
+    src, out, store = tmp_path / "src", tmp_path / "out", tmp_path / "store"
+    make_tree(src)
+    info = files.upload(src, store, step=7, metadata={"epoch": 2}, **SMALL)
+    assert (info.step, info.files, info.links) == (7, 120 + 2 + 3, 1)
+    assert info.directories == len([p for p in src.rglob("*") if p.is_dir() and not p.is_symlink()])
+    assert info.nbytes == sum(
+        p.stat().st_size for p in src.rglob("*") if p.is_file() and not p.is_symlink()
+    )
+    # packed: 120 small files in a handful of packs, plus one object per large file
+    assert info.objects < 10
+
+    assert files.download(store, out) == out.absolute()
+    assert snapshot(out) == snapshot(src)
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+
+    manifest = ckptstore.read_manifest(store, 7)
+    assert files.is_tree_step(manifest)
+    assert manifest.metadata["user"] == {"epoch": 2}
+
+
+def test_round_trip_s3_multipart_and_cli(
+    tmp_path: Path, moto_s3: MotoS3, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Large files go up as parallel multipart uploads; ``cp`` and ``verify`` treat the step
+    as any other; the copy downloads to the same tree."""
+    src = tmp_path / "src"
+    make_tree(src, small=30, large=(11 << 20,))
+    url = f"s3://{moto_s3.bucket}/run"
+    opts = {**moto_s3.options(), **SMALL, "multipart_threshold": "6MiB", "part_size": "5MiB"}
+    files.upload(src, url, step=3, **opts)
+    uploads = ckptstore.read_manifest(url, 3, **opts)
+    big = uploads.paths.index("model-0.safetensors")
+    client: Any = moto_s3.client()
+    head = client.head_object(
+        Bucket=moto_s3.bucket, Key="run/" + uploads.object_key(uploads.leaf_object[big])
+    )
+    client.close()
+    assert "-" in head["ETag"]  # a multipart upload's ETag carries its part count
+
+    cli_opts = ["-o", f"endpoint_url={moto_s3.endpoint}", "-o", f"region={moto_s3.region}"]
+    copy = tmp_path / "copy"
+    assert cli.main(["cp", *cli_opts, url, str(copy)]) == 0
+    assert cli.main(["verify", str(copy), "3"]) == 0
+    assert cli.main(["verify", *cli_opts, url, "3"]) == 0
+    assert cli.main(["show", str(copy), "3"]) == 0
+    shown = capsys.readouterr().out
+    assert "ckptstore.files/1" in shown
+    assert "model-0.safetensors" in shown
+
+    files.download(copy, tmp_path / "from-copy")
+    files.download(url, tmp_path / "from-s3", **opts)
+    assert snapshot(tmp_path / "from-copy") == snapshot(src) == snapshot(tmp_path / "from-s3")
+
+
+def test_load_returns_the_tree_as_nested_dicts(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, small=3, large=(300_000,))
+    files.upload(src, tmp_path / "store", step=1, **SMALL)
+    state = ckptstore.load(tmp_path / "store")
+    assert bytes(state["config.json"]) == (src / "config.json").read_bytes()
+    assert bytes(state["model-0.safetensors"]) == (src / "model-0.safetensors").read_bytes()
+    assert state["nothing"] == {"inside": {}}
+    assert state["shard-0"]["part0"]["chunk~0.bin"].dtype == np.uint8
+
+
+def test_large_files_are_streamed_not_read_whole(tmp_path: Path) -> None:
+    """A 96 MiB file goes up mapped: the process allocates far less than the file's size."""
+    src = tmp_path / "src"
+    src.mkdir()
+    with open(src / "weights.bin", "wb") as fh:
+        for _ in range(12):
+            fh.write(os.urandom(8 << 20))
+    tracemalloc.start()
+    try:
+        files.upload(src, tmp_path / "store", step=1)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20
+    tracemalloc.start()
+    try:
+        files.download(tmp_path / "store", tmp_path / "out")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 32 << 20
+    assert (tmp_path / "out" / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()
+
+
+def _objects(store: Path, step: int) -> list[Path]:
+    return sorted(p for p in (store / str(step)).rglob("*") if p.is_file() and "attempt" in str(p))
+
+
+@pytest.mark.parametrize("which", ["pack", "large"])
+def test_damaged_bytes_are_detected_and_nothing_appears(tmp_path: Path, which: str) -> None:
+    src, store, out = tmp_path / "src", tmp_path / "store", tmp_path / "out"
+    make_tree(src, small=20, large=(2 << 20,))
+    files.upload(src, store, step=5, **SMALL)
+    manifest = ckptstore.read_manifest(store, 5)
+    big = manifest.leaf_object[manifest.paths.index("model-0.safetensors")]
+    victim = next(
+        store / manifest.object_key(i)
+        for i in range(len(manifest.object_keys))
+        if (i == big) == (which == "large")
+    )
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.chmod(0o644)
+    victim.write_bytes(bytes(data))
+
+    with pytest.raises(CorruptCheckpointError, match="crc32c mismatch"):
+        files.download(store, out)
+    assert not out.exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+    assert cli.main(["verify", str(store), "5"]) != 0
+
+
+def _rewrite_manifest(store: Path, step: int, change: Any) -> None:
+    """Commit a hostile variant of a step's manifest: ``change(manifest)`` returns it."""
+    manifest = change(ckptstore.read_manifest(store, step))
+    key = store / manifest_key(step)
+    key.chmod(0o644)
+    key.write_bytes(manifest.encode())
+
+
+def _renamed(manifest: Manifest, old: str, new: str) -> Manifest:
+    tree = manifest.tree
+    tree["d"] = [new if k == old else k for k in tree["d"]]
+    paths, _ = tree_paths(tree, len(manifest.paths))
+    return dataclasses.replace(manifest, tree=tree, paths=paths)
+
+
+@pytest.mark.parametrize("name", ["..", ".", "", "/etc", "a/../../x", "evil\0"])
+def test_hostile_names_are_refused_before_anything_is_written(tmp_path: Path, name: str) -> None:
+    src, store, out = tmp_path / "src", tmp_path / "store", tmp_path / "sub" / "out"
+    src.mkdir()
+    (src / "victim").write_bytes(b"payload")
+    files.upload(src, store, step=1)
+    _rewrite_manifest(store, 1, lambda m: _renamed(m, "victim", name))
+    with pytest.raises(CorruptCheckpointError):
+        files.download(store, out)
+    assert not out.exists()
+    assert not list(tmp_path.rglob("x"))
+    assert not list(tmp_path.rglob("*tmp*"))
+
+
+def test_a_repeated_name_is_refused(tmp_path: Path) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    (src / "a").write_bytes(b"first")
+    (src / "b").write_bytes(b"second")
+    files.upload(src, store, step=1)
+
+    def repeat(manifest: Manifest) -> Manifest:
+        tree = manifest.tree
+        tree["d"] = ["a", "a"]
+        return dataclasses.replace(manifest, tree=tree, paths=["a", "a"])
+
+    _rewrite_manifest(store, 1, repeat)
+    with pytest.raises(CorruptCheckpointError, match="repeat"):
+        files.download(store, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("target", ["/etc/passwd", "../../../outside", "a/../../.."])
+def test_hostile_symlinks_are_refused(tmp_path: Path, target: str) -> None:
+    src, store, out = tmp_path / "src", tmp_path / "store", tmp_path / "out"
+    src.mkdir()
+    (src / "real").write_bytes(b"x")
+    (src / "link").symlink_to("real")
+    files.upload(src, store, step=1)
+
+    def relink(manifest: Manifest) -> Manifest:
+        attrs = list(manifest.attrs)
+        attrs[manifest.paths.index("link")] = {"symlink": target}
+        return dataclasses.replace(manifest, attrs=attrs)
+
+    _rewrite_manifest(store, 1, relink)
+    with pytest.raises(CorruptCheckpointError, match="symlink"):
+        files.download(store, out)
+    assert not out.exists()
+
+
+def test_hostile_mode_is_refused(tmp_path: Path) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    (src / "f").write_bytes(b"x")
+    files.upload(src, store, step=1)
+    _rewrite_manifest(store, 1, lambda m: dataclasses.replace(m, attrs=[{"mode": 0o4755}]))
+    with pytest.raises(CorruptCheckpointError, match="mode"):
+        files.download(store, tmp_path / "out")
+
+
+def test_trees_that_cannot_be_carried(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    outside = tmp_path / "secret"
+    outside.write_text("s")
+    cases = {
+        "escaping": lambda d: (d / "l").symlink_to("../secret"),
+        "absolute": lambda d: (d / "l").symlink_to(outside),
+        "chained": lambda d: (
+            (d / "sub").mkdir(),
+            (d / "sub" / "here").symlink_to("."),
+            (d / "l").symlink_to("sub/here/../.."),
+        ),
+        "fifo": lambda d: os.mkfifo(d / "pipe"),
+        "socket": _bind_socket,
+    }
+    for name, build in cases.items():
+        src = tmp_path / name
+        src.mkdir()
+        (src / "fine.txt").write_text("ok")
+        build(src)
+        with pytest.raises(UnsupportedTreeError, match=str(src)):
+            files.upload(src, store, step=1)
+        assert not store.exists() or ckptstore.list_steps(store) == []
+    with pytest.raises(NotADirectoryError):
+        files.upload(outside, store, step=1)
+
+
+def _bind_socket(directory: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as sock:
+        sock.bind(str(directory / "sock"))  # the socket file stays after the socket closes
+
+
+class _TouchingStore(StoreWrapper):
+    """Appends to a file of the tree being uploaded on the first data put (the tree changing
+    under its upload)."""
+
+    def __init__(self, inner: Any, victim: Path) -> None:
+        super().__init__(inner)
+        self.victim = victim
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        if "/attempt-" in key and self.victim.stat().st_size == 7:
+            with self.victim.open("ab") as fh:
+                fh.write(b"+more")
+        await super()._put(key, data, mode)
+
+
+def test_a_tree_changing_during_upload_is_not_committed(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a").write_bytes(b"x" * 100)
+    (src / "zz-late").write_bytes(b"payload")
+    store = _TouchingStore(MemoryStore(), src / "zz-late")
+    with pytest.raises(UnsupportedTreeError, match="changed while it was uploaded"):
+        files.upload(src, store, step=1)
+    assert ckptstore.list_steps(store) == []
+
+
+def test_targets(tmp_path: Path) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    src.mkdir()
+    (src / "f").write_bytes(b"data")
+    files.upload(src, store, step=1)
+    files.upload(src, store, step=2)
+    with pytest.raises(CommitConflictError):
+        files.upload(src, store, step=2)
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    files.download(store, empty, step=1)  # an empty directory is replaced
+    assert (empty / "f").read_bytes() == b"data"
+
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "mine").write_text("keep")
+    with pytest.raises(AlreadyExistsError, match="not an empty directory"):
+        files.download(store, full)
+    assert [p.name for p in full.iterdir()] == ["mine"]
+    with pytest.raises(AlreadyExistsError):
+        files.download(store, full / "mine")
+
+    nested = tmp_path / "a" / "b" / "c"
+    files.download(store, nested, step=2)
+    assert (nested / "f").read_bytes() == b"data"
+    with pytest.raises(NotFoundError):
+        files.download(store, tmp_path / "none", step=9)
+
+    ckptstore.save(store, {"w": np.arange(3)}, step=3)
+    with pytest.raises(CheckpointFormatError, match=r"ckptstore\.load"):
+        files.download(store, tmp_path / "state")
+    assert not (tmp_path / "state").exists()
+
+
+def test_mirror_uploads_snapshots_in_order_and_raises_failures(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    first, second = tmp_path / "checkpoint-1", tmp_path / "checkpoint-2"
+    make_tree(first, small=10, large=(400_000,))
+    expected = snapshot(first)
+    make_tree(second, small=3, large=())
+    with files.TreeMirror(store, **SMALL) as mirror:
+        mirror.submit(first, 1)
+        shutil.rmtree(first)  # the library's retention: the queued snapshot is unaffected
+        mirror.submit(second, 1)  # the same step again: its upload fails
+        with pytest.raises(CommitConflictError):
+            mirror.wait()
+        mirror.submit(second, 2)
+        mirror.wait()
+        assert [info.step for info in mirror.uploaded] == [1, 2]
+    assert ckptstore.list_steps(store) == [1, 2]
+    files.download(store, tmp_path / "back", step=1)
+    assert snapshot(tmp_path / "back") == expected
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+    with pytest.raises(NotADirectoryError):
+        files.TreeMirror(store).submit(tmp_path / "missing", 3)
+
+
+def test_cli_upload_and_download(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src, store = tmp_path / "src", tmp_path / "store"
+    make_tree(src, small=5, large=(300_000,))
+    assert cli.main(["upload", str(src), str(store), "4", "--metadata", '{"note": "x"}']) == 0
+    assert "step 4: uploaded 9 files" in capsys.readouterr().out
+    assert ckptstore.read_manifest(store, 4).metadata["user"] == {"note": "x"}
+    assert cli.main(["download", str(store), "latest", str(tmp_path / "out"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 4
+    assert snapshot(tmp_path / "out") == snapshot(src)
+
+    assert cli.main(["download", str(store), "4", str(tmp_path / "out")]) == 1
+    assert "not an empty directory" in capsys.readouterr().err
+    assert cli.main(["upload", str(src), str(store), "4"]) == 1
+    assert "already committed" in capsys.readouterr().err
+    assert cli.main(["upload", str(tmp_path / "none"), str(store), "5"]) == 1
+    assert "not a directory" in capsys.readouterr().err
+    assert cli.main(["upload", str(src), str(store), "6", "--metadata", "{"]) == 1
+    assert "--metadata is not JSON" in capsys.readouterr().err
+
+
+def test_a_failed_upload_or_download_leaves_nothing(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    make_tree(src, small=20, large=(2 << 20,))  # over the default pack_threshold: a leaf object
+    inner = MemoryStore()
+    broken = FaultStore(
+        inner, [Fault(frozenset({"put"}), error=transient_error, key="leaf-", times=1)]
+    )
+    with pytest.raises(StoreError, match="injected fault"):
+        files.upload(src, broken, step=1)
+    assert ckptstore.list_steps(inner) == []
+    keys = background.run(inner.list_keys(""))
+    assert not [k for k in keys if "pack-" in k or "leaf-" in k]
+
+    files.upload(src, inner, step=1)
+    failing = FaultStore(
+        inner, [Fault(frozenset({"read"}), error=transient_error, key="leaf-", times=1)]
+    )
+    with pytest.raises(StoreError, match="injected fault"):
+        files.download(failing, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]

@@ -1,0 +1,142 @@
+"""The adapters that carry other libraries' checkpoint directories to a store, each with the
+real library on CPU (a tiny model built from a config, nothing downloaded): Hugging Face
+Trainer and Accelerate against moto's S3, resumed in a new process; Orbax against SeaweedFS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import files
+from ckptstore.testing.servers import SeaweedFS
+from tests.servers.moto import MotoS3
+
+RUNS = Path(__file__).with_name("tree_adapters.py")
+
+
+def run(which: str, options: dict[str, Any]) -> dict[int, float]:
+    """One training run in a new process; its losses by step."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run(
+        [sys.executable, str(RUNS), which, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("LOSSES "))
+    return {int(k): v for k, v in json.loads(line.removeprefix("LOSSES ")).items()}
+
+
+@pytest.mark.s3
+@pytest.mark.torch
+def test_hf_trainer_checkpoints_to_s3_and_resumes_in_a_new_process(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    pytest.importorskip("transformers")
+    url = f"s3://{moto_s3.bucket}/hf-run"
+    store = moto_s3.options()
+    schedule = {"max_steps": 6, "save_steps": 3, "store_options": store}
+    first = run("hf", {**schedule, "output_dir": str(tmp_path / "first"), "upload_to": url})
+    assert sorted(first) == [1, 2, 3, 4, 5, 6]
+    assert ckptstore.list_steps(url, **store) == [3, 6]
+    manifest = ckptstore.read_manifest(url, 3, **store)
+    assert files.is_tree_step(manifest)
+    assert "trainer_state.json" in manifest.paths
+    assert any(p.endswith(".safetensors") for p in manifest.paths)
+    shutil.rmtree(tmp_path / "first")  # the local checkpoints are gone: only the store has them
+
+    resumed = run(
+        "hf",
+        {
+            **schedule,
+            "output_dir": str(tmp_path / "second"),
+            "resume_from": url,
+            "step": 3,
+            "upload_to": f"s3://{moto_s3.bucket}/hf-run-2",
+        },
+    )
+    assert sorted(resumed) == [4, 5, 6]
+    assert resumed[4] == first[4]  # the next step's loss, bit for bit
+    assert resumed == {step: first[step] for step in (4, 5, 6)}
+
+
+@pytest.mark.s3
+@pytest.mark.torch
+def test_accelerate_states_to_s3_and_resume_in_a_new_process(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    pytest.importorskip("accelerate")
+    url = f"s3://{moto_s3.bucket}/accelerate-run"
+    schedule = {"url": url, "max_steps": 5, "store_options": moto_s3.options()}
+    first = run("accelerate", {**schedule, "local_dir": str(tmp_path / "first"), "save_at": [2, 4]})
+    assert ckptstore.list_steps(url, **moto_s3.options()) == [2, 4]
+    shutil.rmtree(tmp_path / "first")
+
+    resumed = run(
+        "accelerate",
+        {**schedule, "local_dir": str(tmp_path / "second"), "resume": True, "step": 2},
+    )
+    assert sorted(resumed) == [3, 4, 5]
+    assert resumed == {step: first[step] for step in (3, 4, 5)}
+    assert (tmp_path / "second" / "step-2" / "random_states_0.pkl").is_file()
+
+
+@pytest.mark.s3
+@pytest.mark.jax
+def test_orbax_steps_mirrored_to_seaweedfs_and_restored_after_local_deletion(
+    tmp_path: Path, seaweedfs: SeaweedFS
+) -> None:
+    ocp = pytest.importorskip("orbax.checkpoint")
+    jnp = pytest.importorskip("jax.numpy")
+    from ckptstore.integrations.orbax import OrbaxMirror
+
+    bucket = "orbax-" + uuid.uuid4().hex[:8]
+    seaweedfs.create_bucket(bucket)
+    url = f"s3://{bucket}/run"
+    store = {"endpoint_url": seaweedfs.s3_endpoint, "anonymous": True}
+
+    def state(step: int) -> dict[str, Any]:
+        return {
+            "params": {"w": jnp.arange(12.0).reshape(3, 4) * step, "b": jnp.ones(4) * step},
+            "step": jnp.asarray(step),
+        }
+
+    local = tmp_path / "orbax"
+    options = ocp.CheckpointManagerOptions(max_to_keep=2)
+    with ocp.CheckpointManager(local, options=options) as manager:
+        mirror = OrbaxMirror(manager, url, **store)
+        for step in (1, 2, 3):
+            mirror.save(step, args=ocp.args.StandardSave(state(step)))
+        mirror.close()
+        assert manager.all_steps() == [2, 3]  # Orbax's own retention
+    # every step reached the store, step 1 too, although Orbax deleted it locally
+    assert ckptstore.list_steps(url, **store) == [1, 2, 3]
+    assert files.is_tree_step(ckptstore.read_manifest(url, 3, **store))
+
+    shutil.rmtree(local)
+    with ocp.CheckpointManager(local, options=options) as manager:
+        mirror = OrbaxMirror(manager, url, **store)
+        assert manager.all_steps() == []
+        assert mirror.all_steps() == [1, 2, 3]
+        abstract = state(0)
+        restored = mirror.restore(None, args=ocp.args.StandardRestore(abstract))
+        np.testing.assert_array_equal(restored["params"]["w"], state(3)["params"]["w"])
+        assert int(restored["step"]) == 3
+        old = mirror.restore(1, args=ocp.args.StandardRestore(abstract))
+        np.testing.assert_array_equal(old["params"]["b"], state(1)["params"]["b"])
+        assert manager.all_steps() == [1, 3]
+        mirror.close()

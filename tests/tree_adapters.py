@@ -1,0 +1,129 @@
+"""Training runs for tests/test_tree_adapters.py, each in a process of its own.
+
+Each reports only the steps it trained itself, so a resumed run shows where it started.
+
+``python tests/tree_adapters.py hf|accelerate OPTIONS_JSON``: trains a tiny GPT-2 built
+from a config (no download) on CPU through the Hugging Face Trainer or Accelerate, with the
+ckptstore adapter uploading its checkpoints, optionally resuming from a store URL first,
+and prints one JSON line: the loss of every step it trained, by step.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB, LENGTH = 64, 16
+
+
+def tiny_gpt2() -> Any:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=LENGTH,
+        n_embd=16,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)  # dropout on: resuming must restore the RNG too
+
+
+class Tokens(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    def __init__(self, count: int = 64) -> None:
+        generator = torch.Generator().manual_seed(1)
+        self.ids = torch.randint(0, VOCAB, (count, LENGTH), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def run_hf(opts: dict[str, Any]) -> dict[int, float]:
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    from ckptstore.integrations.transformers import StoreCallback, resume_from_store
+
+    store = opts["store_options"]
+    args = TrainingArguments(
+        output_dir=opts["output_dir"],
+        max_steps=opts["max_steps"],
+        save_strategy="steps",
+        save_steps=opts["save_steps"],
+        save_total_limit=1,  # the Trainer deletes old checkpoints while they may be queued
+        logging_steps=1,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        report_to="none",
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trained: list[int] = []
+
+    class Trained(TrainerCallback):  # type: ignore[misc]
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            trained.append(state.global_step)
+
+    callbacks = [StoreCallback(opts["upload_to"], **store), Trained()]
+    trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
+    resume = None
+    if opts.get("resume_from"):
+        resume = resume_from_store(
+            opts["resume_from"], opts["output_dir"], step=opts.get("step"), **store
+        )
+        assert resume is not None
+    trainer.train(resume_from_checkpoint=resume)
+    # The log history also holds the restored steps' entries; report the steps run here.
+    return {
+        e["step"]: e["loss"]
+        for e in trainer.state.log_history
+        if "loss" in e and e["step"] in trained
+    }
+
+
+def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
+    from accelerate import Accelerator
+
+    from ckptstore.integrations.accelerate import StoreStates
+
+    accelerator = Accelerator(cpu=True)
+    model = tiny_gpt2()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    states = StoreStates(accelerator, opts["url"], opts["local_dir"], **opts["store_options"])
+    start = 0
+    if opts.get("resume"):
+        start = states.load_state(opts.get("step")) or 0
+    data = Tokens()
+    losses: dict[int, float] = {}
+    model.train()
+    for step in range(start + 1, opts["max_steps"] + 1):
+        batch = data.ids[(step * 4) % len(data) : (step * 4) % len(data) + 4]
+        loss = model(input_ids=batch, labels=batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = loss.item()
+        if step in opts.get("save_at", []):
+            states.save_state(step)
+    states.close()
+    return losses
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    which, raw = sys.argv[1], sys.argv[2]
+    options = json.loads(Path(raw).read_text() if raw.endswith(".json") else raw)
+    result = run_hf(options) if which == "hf" else run_accelerate(options)
+    print("LOSSES " + json.dumps(result))
