@@ -7,6 +7,7 @@ The persistent tier is a second directory (fast), moto and SeaweedFS (marked ``s
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import threading
@@ -431,3 +432,65 @@ async def _verify_all(url: str) -> list[bool]:
     async with ckptstore.open_store(url) as store:
         steps = await ckptstore.alist_steps(store)
         return [(await verify_step(store, step)).ok for step in steps]
+
+
+# ----------------------------------------------------------------- ckptstore ls --local
+
+
+def test_ls_shows_each_steps_tiers_and_pending_copies(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptstore import cli
+
+    local, target = tmp_path / "local", tmp_path / "persistent"
+    failing = FaultStore(
+        LocalStore(target),
+        [Fault(ops=frozenset({"put"}), error=transient_error, key="^4/manifest")],
+    )
+    mgr = CheckpointManager(failing, local=local, persistent_every=2, local_max_to_keep=1)
+    for step in range(5):  # 0, 2 copied; 4's copy fails; 1, 3 were never meant for it
+        mgr.save(step, state(step))
+    with pytest.raises(StoreError):
+        mgr.close()
+
+    assert cli.main(["ls", str(target), "--local", str(local), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["local"] == f"file://{local}"
+    assert report["url"] == f"file://{target}"
+    assert report["pending"] == [4]
+    where = {row["step"]: (row["tiers"], row["replication"]) for row in report["steps"]}
+    assert where == {
+        0: (["persistent"], None),
+        2: (["persistent"], None),
+        4: (["local"], "pending"),
+    }
+
+    assert cli.main(["ls", str(target), "--local", str(local)]) == 0
+    text = capsys.readouterr().out
+    header, *lines = text.splitlines()
+    assert header.split()[-2:] == ["tiers", "replication"]
+    assert lines[2].split()[0] == "4"
+    assert lines[2].split()[-2:] == ["local", "pending"]
+    assert "step 4 committed on the local tier but not yet on the persistent tier" in text
+
+    # the next start copies it; ls then says so
+    with CheckpointManager(target, local=local) as mgr:
+        mgr.wait_until_finished()
+    assert cli.main(["ls", str(target), "--local", str(local), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pending"] == []
+    assert report["steps"][-1]["tiers"] == ["local", "persistent"]
+    assert report["steps"][-1]["replication"] == "done"
+
+
+def test_ls_of_tiers_with_a_missing_local_directory_is_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ckptstore import cli
+
+    ckptstore.save(tmp_path / "persistent", state(1), step=1)
+    status = cli.main(["ls", str(tmp_path / "persistent"), "--local", str(tmp_path / "nope")])
+    err = capsys.readouterr().err
+    assert status == 1
+    assert err.count("\n") == 1
+    assert "no such directory" in err
