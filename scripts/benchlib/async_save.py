@@ -77,6 +77,9 @@ ROOT = HERE.parent.parent.parent
 SYSTEMS = ["none", "memcpy", "bare", "ckptstore", "dcp", "orbax"]
 #: The bare system writes each tensor of at least this size as its own object, the rest as one.
 BARE_OBJECT_MIN = 1 << 20
+#: The environment variable that gives the ``tiered`` system (run by the tiers suite, not by
+#: this one) its persistent tier's URL.
+TIERED_URL = "CKPTSTORE_BENCH_TIERED_URL"
 #: glibc malloc settings of every child (see the module docstring).
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
@@ -131,6 +134,12 @@ class _Saver:
             from ckptstore.manager import CheckpointManager
 
             self.mgr = CheckpointManager(workdir / "ckpt", max_to_keep=2)
+        elif system == "tiered":  # the same saves, each then copied to a persistent tier
+            from ckptstore.manager import CheckpointManager
+
+            self.mgr = CheckpointManager(
+                os.environ[TIERED_URL], local=workdir / "ckpt", local_max_to_keep=2, max_to_keep=2
+            )
         elif system == "orbax":
             import orbax.checkpoint as ocp
 
@@ -156,7 +165,7 @@ class _Saver:
                 self.writer.stdin.write(b"s")
                 self.writer.stdin.flush()
                 self.pending = step
-        elif self.system == "ckptstore":
+        elif self.system in ("ckptstore", "tiered"):
             self.mgr.save(step, self.state, force=True)
         elif self.system == "dcp":
             import torch.distributed.checkpoint as dcp
@@ -184,7 +193,7 @@ class _Saver:
             if self.pending is not None and select.select([stdout], [], [], 0)[0]:  # type: ignore[type-var]
                 self._bare_ack()
             return self.pending is None
-        if self.system == "ckptstore":
+        if self.system in ("ckptstore", "tiered"):  # tiered: committed on the local tier
             handle = self.mgr.last_handle
             return handle is None or handle.done()
         if self.system == "dcp":
@@ -194,7 +203,7 @@ class _Saver:
     def wait(self) -> None:
         if self.system == "bare":
             self._bare_ack()
-        elif self.system == "ckptstore":
+        elif self.system in ("ckptstore", "tiered"):
             self.mgr.wait_until_finished()
         elif self.system == "dcp" and self.pending is not None:
             self.pending.result()
@@ -206,7 +215,7 @@ class _Saver:
             assert self.writer.stdin is not None
             self.writer.stdin.close()
             self.writer.wait()
-        elif self.system == "ckptstore":
+        elif self.system in ("ckptstore", "tiered"):
             self.mgr.close()
         elif self.system == "orbax":
             self.ckptr.close()
@@ -313,7 +322,13 @@ def _available(system: str) -> bool:
 
 
 def _run_child(
-    system: str, workload: str, workdir: Path, every: int, saves: int, quick: bool
+    system: str,
+    workload: str,
+    workdir: Path,
+    every: int,
+    saves: int,
+    quick: bool,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     scratch = workdir / f"{system}-{workload}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -326,6 +341,7 @@ def _run_child(
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE.parent.parent}",
         **MALLOC_SETTINGS,
+        **(env or {}),
     }
     args = [
         sys.executable,
