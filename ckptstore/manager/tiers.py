@@ -52,6 +52,7 @@ from ckptstore.layout.commit import committed_steps, delete_step, gather_all, re
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.maintenance import CopyReport, copy_step
 from ckptstore.layout.manifest import Manifest
+from ckptstore.manager.async_save import BackgroundWork
 from ckptstore.pipeline.restore import Request, Selection, read
 from ckptstore.store.base import Store
 
@@ -143,7 +144,7 @@ async def list_tiers(local: Store, persistent: Store) -> TierListing:
 # ----------------------------------------------------------------- replication
 
 
-class Replicator:
+class Replicator(BackgroundWork):
     """Copies committed local steps to the persistent tier, one at a time, in the order
     asked, on the background loop; keeps every error for the caller, as async saves do.
 
@@ -163,10 +164,13 @@ class Replicator:
         self.local = local
         self.persistent = persistent
         self._after = after
-        self._lock = threading.Lock()
+        self._pending_lock = threading.Lock()
         self._pending: set[int] = set()
-        self._in_flight: list[tuple[int, concurrent.futures.Future[CopyReport]]] = []
-        self._errors: list[tuple[int, BaseException]] = []
+        where = persistent.url.replace("{", "{{").replace("}", "}}")  # the note is a format
+        super().__init__(
+            "(raised by the background copy of step {step} to the persistent tier "
+            f"{where}; the step stays on the local tier and is copied again on the next start)"
+        )
         self._lane: asyncio.Lock | None = None  # made on the loop: one copy at a time
         #: What the last committed copy did.
         self.last_report: CopyReport | None = None
@@ -175,17 +179,15 @@ class Replicator:
     def pending(self) -> list[int]:
         """Steps asked for and not yet committed on the persistent tier (queued, copying,
         or failed), ascending."""
-        with self._lock:
+        with self._pending_lock:
             return sorted(self._pending)
 
     def submit(self, step: int) -> concurrent.futures.Future[CopyReport]:
         """Queue the copy of committed local ``step``; safe from any thread, the loop's too."""
-        with self._lock:
+        with self._pending_lock:
             self._pending.add(step)
         future = background.submit(self._replicate(step))
-        with self._lock:
-            self._in_flight.append((step, future))
-        future.add_done_callback(lambda f: self._finished(step, f))
+        self.track(step, future)
         return future
 
     async def _replicate(self, step: int) -> CopyReport:
@@ -195,7 +197,7 @@ class Replicator:
             # Copies go one at a time: each streams its objects in parallel already, and a
             # second one would only compete with it (and with the next local save).
             report = await copy_step(self.local, self.persistent, step)
-            with self._lock:
+            with self._pending_lock:
                 self._pending.discard(step)
                 self.last_report = report
             _log.info(
@@ -207,50 +209,6 @@ class Replicator:
             if self._after is not None:
                 await self._after(step)
             return report
-
-    def _finished(self, step: int, future: concurrent.futures.Future[CopyReport]) -> None:
-        with self._lock:
-            if (step, future) not in self._in_flight:
-                return
-            self._in_flight.remove((step, future))
-            error = None if future.cancelled() else future.exception()
-            if error is not None:
-                self._errors.append((step, error))
-
-    def raise_errors(self) -> None:
-        """Raise the first unreported replication error (the others stay queued)."""
-        with self._lock:  # a copy may have ended with its done-callback still to run
-            ended = [(step, f) for step, f in self._in_flight if f.done()]
-        for step, future in ended:
-            self._finished(step, future)
-        with self._lock:
-            if not self._errors:
-                return
-            step, error = self._errors.pop(0)
-        error.add_note(
-            f"(raised by the background copy of step {step} to the persistent tier "
-            f"{self.persistent.url}; the step stays on the local tier and is copied again on "
-            "the next start)"
-        )
-        raise error
-
-    def wait_until_finished(self) -> None:
-        """Block until every queued copy has ended; raise the first unreported error."""
-        while True:
-            with self._lock:
-                running = list(self._in_flight)
-            if not running:
-                break
-            concurrent.futures.wait([future for _, future in running])
-            for step, future in running:
-                self._finished(step, future)
-        self.raise_errors()
-
-    @property
-    def in_flight(self) -> int:
-        """Copies queued or running."""
-        with self._lock:
-            return sum(1 for _, future in self._in_flight if not future.done())
 
 
 # ----------------------------------------------------------------- restore

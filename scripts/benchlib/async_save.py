@@ -360,6 +360,14 @@ def _run_child(
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+def lost_per_save(
+    runs: list[dict[str, Any]], without: list[dict[str, Any]], saves: int
+) -> list[float]:
+    """Per round, the time a system's loop lost per save: its steps' excess over their own
+    pace, less that of the loop without saves in the same round (see the module docstring)."""
+    return [(r["excess"] - base["excess"]) / saves for r, base in zip(runs, without, strict=True)]
+
+
 def _done_range(runs: list[dict[str, Any]]) -> str:
     seen = [n for r in runs for n in r["done_after"]]
     if not seen:
@@ -389,10 +397,7 @@ def run(ctx: Context) -> list[Result]:
         for system in systems:
             if system == "none":
                 continue
-            lost[system] = [
-                (r["excess"] - base["excess"]) / saves
-                for r, base in zip(runs[system], runs["none"], strict=True)
-            ]
+            lost[system] = lost_per_save(runs[system], runs["none"], saves)
             wall = [
                 (r["loop"] - base["loop"]) / saves
                 for r, base in zip(runs[system], runs["none"], strict=True)

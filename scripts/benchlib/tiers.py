@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import Context, Result, Suite, evict, interleave, leaves_of, workloads
-from benchlib.async_save import TIERED_URL, _run_child
+from benchlib.async_save import TIERED_URL, _run_child, lost_per_save
 from ckptstore.manager import CheckpointManager
 from ckptstore.testing.servers import SeaweedFS
 
@@ -195,10 +195,7 @@ def run(ctx: Context) -> list[Result]:
                 print(f"  loop {system}: {loops[system][-1]}", flush=True)
     lost: dict[str, list[float]] = {}
     for system in ("ckptstore", "tiered"):
-        lost[system] = [
-            (r["excess"] - base["excess"]) / saves
-            for r, base in zip(loops[system], loops["none"], strict=True)
-        ]
+        lost[system] = lost_per_save(loops[system], loops["none"], saves)
         cpu_loop = [
             (r["cpu"] - base["cpu"]) / saves
             for r, base in zip(loops[system], loops["none"], strict=True)
