@@ -26,7 +26,7 @@ import pytest
 import ckptstore
 from ckptstore.config import default_settings
 from ckptstore.layout.commit import is_own_key
-from ckptstore.layout.gc import collect_garbage
+from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.registry import open_store
 from ckptstore.testing import assert_same_state
@@ -92,16 +92,17 @@ def _check_visible_steps(url: str, what: str) -> list[int]:
     return steps
 
 
-def _only_committed_data_after_gc(url: str) -> None:
-    """gc as it runs once the killed job's leases expired: what remains is committed."""
+def _only_committed_data_after_gc(url: str) -> bool:
+    """gc as it runs once the killed job's leases expired: what remains is committed.
+    Returns whether gc found anything a killed save or copy left (so the kill hit one)."""
     later = time.time() + default_settings().save_lease_seconds + 1
 
-    async def collect() -> list[str]:
+    async def collect() -> tuple[GCReport, list[str]]:
         async with open_store(url) as store:
-            await collect_garbage(store, grace=0, now=later)
-            return await store.list_keys()
+            report = await collect_garbage(store, grace=0, now=later)
+            return report, await store.list_keys()
 
-    keys = asyncio.run(collect())
+    report, keys = asyncio.run(collect())
     committed = {s: ckptstore.read_manifest(url, s).attempt for s in ckptstore.list_steps(url)}
     for key in keys:
         assert is_own_key(key), key
@@ -109,6 +110,7 @@ def _only_committed_data_after_gc(url: str) -> None:
         assert int(step) in committed, f"{key}: data of an uncommitted step"
         assert rest == "manifest.json" or rest.startswith(committed[int(step)] + "/"), key
         assert TEMP_PREFIX not in key, key
+    return bool(report.removed or report.stale_writes)
 
 
 @pytest.mark.parametrize("server", ["moto", "seaweedfs"])
@@ -135,6 +137,10 @@ def test_sigkill_at_random_points_of_saves_copies_and_retention(
     assert ckptstore.list_steps(local) == [STEPS - 1]
 
     rng = random.Random(20)
+    # How many kills landed in each phase, as the stores show afterwards: inside a local
+    # save or a copy (gc finds what it left), between a local commit and its copy's commit
+    # (the next start finds the step pending).
+    hit = {"local save": 0, "copy": 0, "pending": 0}
     for trial in range(TRIALS):
         local, url = fresh(f"trial{trial}")
         delay = rng.uniform(0, duration)
@@ -149,6 +155,7 @@ def test_sigkill_at_random_points_of_saves_copies_and_retention(
 
         # The next start copies what the crash left pending, then goes on.
         with tier_child.manager(str(local), url) as mgr:
+            hit["pending"] += bool(mgr.tiers().pending)
             mgr.wait_until_finished()
             listing = mgr.tiers()
             assert listing.pending == [], what
@@ -160,5 +167,6 @@ def test_sigkill_at_random_points_of_saves_copies_and_retention(
                 assert_same_state(mgr.restore(), tier_child.state(listing.steps[-1]))
         _check_visible_steps(url, what)
         if local.exists():
-            _only_committed_data_after_gc(str(local))
-        _only_committed_data_after_gc(url)
+            hit["local save"] += _only_committed_data_after_gc(str(local))
+        hit["copy"] += _only_committed_data_after_gc(url)
+    assert all(hit.values()), hit  # the random kills reached every phase
