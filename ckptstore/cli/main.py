@@ -707,7 +707,7 @@ async def _gc(args: argparse.Namespace) -> Outcome:
     if report.kept_recent:
         lines.append(
             f"kept {count(len(report.kept_recent), 'uncommitted attempt')} within the grace "
-            "period (possibly saves in progress)"
+            "period or still leased by a running save"
         )
     if report.invalid_steps:
         lines.append(
@@ -901,8 +901,9 @@ _DESCRIPTIONS: dict[str, str] = {
     "checksum) is reported, its partial copy removed, and the other steps are copied; the "
     "exit status is then 1.",
     "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
-    "are older than the grace period, and stale in-progress writes. Committed steps and keys "
-    "ckptstore did not write are never touched.",
+    "are older than the grace period, and stale in-progress writes. An attempt whose save "
+    "still renews its lease is kept whatever --grace says, so gc can run beside training. "
+    "Committed steps and keys ckptstore did not write are never touched.",
     "rm": "Delete committed steps: the manifest first, so a step is never half visible, then "
     "its data objects. Every named step is checked first: if one does not exist, nothing is "
     "deleted. Each step is reported as it is deleted.",
