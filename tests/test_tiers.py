@@ -253,8 +253,29 @@ def test_bad_tier_options_are_refused(tmp_path: Path, options: dict[str, Any], m
 
 
 def test_a_manager_without_tiers_says_so(tmp_path: Path) -> None:
-    with CheckpointManager(tmp_path) as mgr, pytest.raises(ValueError, match="no local tier"):
-        mgr.tiers()
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ValueError, match="no local tier"):
+            mgr.tiers()
+        with pytest.raises(ValueError, match="persist= needs a local tier"):
+            mgr.save(1, state(1), persist=True)
+        assert mgr.all_steps() == []
+
+
+def test_the_local_tier_cannot_be_the_persistent_root(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="same root"):
+        CheckpointManager(tmp_path / "run", local=f"file://{tmp_path / 'run'}")
+
+
+def test_an_unreachable_persistent_tier_fails_the_start(
+    tmp_path: Path,
+) -> None:
+    down = FaultStore(
+        LocalStore(tmp_path / "persistent"),
+        [Fault(ops=frozenset({"list"}), error=transient_error)],
+    )
+    local = LocalStore(tmp_path / "local")
+    with pytest.raises(StoreError, match="injected fault"):
+        CheckpointManager(down, local=local)
 
 
 # ----------------------------------------------------------------- restore

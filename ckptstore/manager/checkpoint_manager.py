@@ -164,6 +164,14 @@ class CheckpointManager:
                 if self._owns_store:
                     background.run(self._store.close())
                 raise
+            if local_store.url == self._store.url:
+                for store, owned in ((local_store, owns_local), (self._store, self._owns_store)):
+                    if owned:
+                        background.run(store.close())
+                raise ValueError(
+                    f"local= and the run's URL are the same root ({local_store.url}); the "
+                    "local tier must be a root of its own"
+                )
             self._tiers = Tiers(
                 local_store,
                 self._store,
@@ -183,7 +191,11 @@ class CheckpointManager:
         if self._tiers is not None:
             # Steps a crash or a failure left on the local tier only are copied now; the
             # first save's local retention keeps them until they are.
-            self._tiers.resume()
+            try:
+                self._tiers.resume()
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def store(self) -> Store:
@@ -238,6 +250,8 @@ class CheckpointManager:
         """
         self._check_open()
         tiers = self._tiers
+        if tiers is None and persist is not None:
+            raise ValueError("persist= needs a local tier (CheckpointManager(local=...))")
         if tiers is not None:
             tiers.replicator.raise_errors()
         if not (force or self.should_save(step)):
