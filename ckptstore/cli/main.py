@@ -366,6 +366,8 @@ async def _ls(args: argparse.Namespace) -> Outcome:
     from ckptstore.layout.maintenance import summarize_step
     from ckptstore.manager.functions import alist_steps
 
+    if args.local is not None:
+        return await _ls_tiers(args)
     async with cli_store(args.url, _options(args.option)) as store:
         steps = await alist_steps(store)
         manifests = await _manifests(store, steps)
@@ -381,27 +383,84 @@ async def _ls(args: argparse.Namespace) -> Outcome:
             continue
         summary = summarize_step(manifest)
         rows.append({**dataclasses.asdict(summary), "created_utc": _when(summary.created)})
-        table.append(
-            (
-                step,
-                format_bytes(summary.nbytes),
-                summary.objects,
-                summary.leaves,
-                _when(summary.created),
-            )
-        )
+        table.append(_summary_cells(manifest))
     if not steps:
         text = f"{url}: no committed checkpoints"
         if url.startswith("memory://"):
             text += f" ({_MEMORY_NOTE})"
     else:
-        text = "\n".join(
-            [
-                render_table(["step", "size", "objects", "leaves", "committed (UTC)"], table),
-                *invalid,
-            ]
-        )
+        text = "\n".join([render_table(_LS_HEADERS, table), *invalid])
     return Outcome({"url": url, "steps": rows}, text)
+
+
+_LS_HEADERS = ["step", "size", "objects", "leaves", "committed (UTC)"]
+
+
+def _summary_cells(manifest: Manifest) -> tuple[object, ...]:
+    """The ``ls`` table cells of a step."""
+    from ckptstore.layout.maintenance import summarize_step
+
+    summary = summarize_step(manifest)
+    return (
+        summary.step,
+        format_bytes(summary.nbytes),
+        summary.objects,
+        summary.leaves,
+        _when(summary.created),
+    )
+
+
+async def _ls_tiers(args: argparse.Namespace) -> Outcome:
+    """``ls URL --local DIR``: the steps of a tiered manager's two tiers, which tier holds
+    each, and which still await their copy to the persistent tier."""
+    from ckptstore.layout.maintenance import summarize_step
+    from ckptstore.manager.tiers import list_tiers
+
+    async with (
+        cli_store(args.url, _options(args.option), must_exist=False) as persistent,
+        cli_store(args.local, _options(args.local_option)) as local,
+    ):
+        listing = await list_tiers(local, persistent)
+        on_local = [s for s in listing.steps if s in listing.local]
+        elsewhere = [s for s in listing.steps if s not in listing.local]
+        read = await _manifests(local, on_local) + await _manifests(persistent, elsewhere)
+        urls = {"local": local.url, "persistent": persistent.url}
+    manifests = dict(zip(on_local + elsewhere, read, strict=True))
+    rows: list[dict[str, Any]] = []
+    table: list[tuple[object, ...]] = []
+    invalid: list[str] = []
+    for step in listing.steps:
+        tiers = listing.tiers_of(step)
+        if step in listing.pending:
+            replication = "pending"
+        elif len(tiers) == 2:
+            replication = "done"
+        else:
+            replication = None  # not meant for the persistent tier, or gone from the local one
+        where = {"tiers": tiers, "replication": replication}
+        cells = (" + ".join(tiers), replication or "-")
+        manifest = manifests[step]
+        if isinstance(manifest, CkptStoreError):
+            rows.append({"step": step, **where, "error": _one_line(manifest)})
+            table.append((step, "INVALID", "", "", "", *cells))
+            invalid.append(f"step {step} ({tiers[0]}): {_one_line(manifest)}")
+            continue
+        summary = summarize_step(manifest)
+        rows.append({**dataclasses.asdict(summary), "created_utc": _when(summary.created), **where})
+        table.append((*_summary_cells(manifest), *cells))
+    lines = [render_table([*_LS_HEADERS, "tiers", "replication"], table)] if table else []
+    if not listing.steps:
+        lines.append(f"{urls['local']}, {urls['persistent']}: no committed checkpoints")
+    lines += invalid
+    if listing.pending:
+        lines.append(
+            f"{step_list(listing.pending)} committed on the local tier but not yet on the "
+            f"persistent tier: a CheckpointManager with this local tier copies "
+            f"{'it' if len(listing.pending) == 1 else 'them'} when it starts (or 'ckptstore "
+            "cp' does, by hand)"
+        )
+    data = {"url": urls["persistent"], "local": urls["local"], "steps": rows}
+    return Outcome({**data, "pending": listing.pending}, "\n".join(lines))
 
 
 async def _show(args: argparse.Namespace) -> Outcome:
@@ -839,6 +898,7 @@ _EXAMPLES: dict[str, str] = {
         ckptstore ls ./checkpoints
         ckptstore ls s3://bucket/run7 -o endpoint_url=http://127.0.0.1:8333
         ckptstore ls gs://bucket/run7 --json | jq '.steps[].step'
+        ckptstore ls s3://bucket/run7 --local /nvme/run7   # a tiered manager's two tiers
     """,
     "show": """
         ckptstore show ./checkpoints 1000
@@ -880,7 +940,10 @@ _EXAMPLES: dict[str, str] = {
 
 _DESCRIPTIONS: dict[str, str] = {
     "ls": "List the committed steps under a checkpoint root with their size, object count, "
-    "leaf count and commit time. A step whose manifest fails validation is listed as INVALID.",
+    "leaf count and commit time. A step whose manifest fails validation is listed as INVALID. "
+    "With --local DIR, URL is the persistent tier of a tiered CheckpointManager and DIR its "
+    "local tier: each step says which tiers hold it and whether its copy to the persistent "
+    "tier is done or still pending.",
     "show": "Show one step: its metadata, every array leaf (path, dtype, shape, size) and every "
     "plain value. STEP is a number or 'latest'.",
     "verify": "Re-read every byte of the given steps (default: the latest; --all: every "
@@ -984,7 +1047,22 @@ def build_parser() -> argparse.ArgumentParser:
         return sub
 
     ls = add("ls", "list committed steps", _ls)
-    ls.add_argument("url", metavar="URL", help="checkpoint root")
+    ls.add_argument(
+        "url", metavar="URL", help="checkpoint root (with --local: the persistent tier)"
+    )
+    ls.add_argument(
+        "--local",
+        metavar="DIR",
+        default=None,
+        help="the local tier of a tiered CheckpointManager whose persistent tier is URL",
+    )
+    ls.add_argument(
+        "--local-option",
+        action="append",
+        type=_option_arg,
+        metavar="NAME=VALUE",
+        help="a store option for the --local tier (-o applies to URL)",
+    )
 
     show = add("show", "show one step's leaves, dtypes, shapes, sizes and metadata", _show)
     show.add_argument("url", metavar="URL", help="checkpoint root")

@@ -9,6 +9,8 @@
 * :mod:`~ckptstore.manager.snapshot`: the fence of lazy snapshots (the optimizer step hook,
   ``fence()``).
 * :mod:`~ckptstore.manager.distributed`: one checkpoint saved by many ranks, committed once.
+* :mod:`~ckptstore.manager.tiers`: a manager's local tier, the background copy of chosen
+  steps to the persistent tier, and restore from the nearest copy that verifies.
 
 Each face is a thin caller of the save and restore paths below it (``stage/``, ``layout/``);
 it keeps only what is its own: scheduling and retention, the handle, the collectives.
@@ -18,5 +20,6 @@ from __future__ import annotations
 
 from ckptstore.manager.async_save import SaveHandle, SaveTiming
 from ckptstore.manager.checkpoint_manager import CheckpointManager
+from ckptstore.manager.tiers import RestoreInfo, TierListing
 
-__all__ = ["CheckpointManager", "SaveHandle", "SaveTiming"]
+__all__ = ["CheckpointManager", "RestoreInfo", "SaveHandle", "SaveTiming", "TierListing"]

@@ -36,7 +36,7 @@ from typing import Any
 from ckptstore import background
 from ckptstore.stage import StagedState
 
-__all__ = ["AsyncSaver", "SaveHandle", "SaveTiming"]
+__all__ = ["AsyncSaver", "BackgroundWork", "SaveHandle", "SaveTiming"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +90,92 @@ class SaveHandle:
         return f"SaveHandle(step={self.step}, {state})"
 
 
-class AsyncSaver:
+class BackgroundWork:
+    """Futures of background work, one per step, whose errors are kept and raised once each,
+    in the order the work was started (the rule of async saves, and of a tiered manager's
+    copies to its persistent tier).
+
+    Args:
+        note: the note added to a raised error, with ``{step}`` for its step.
+    """
+
+    def __init__(self, note: str = "(raised by the background save of step {step})") -> None:
+        self.note = note
+        self._lock = threading.Lock()
+        self._in_flight: list[tuple[int, concurrent.futures.Future[Any], Callable[[], None]]] = []
+        self._errors: list[tuple[int, BaseException]] = []
+
+    def track(
+        self,
+        step: int,
+        future: concurrent.futures.Future[Any],
+        on_end: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Follow ``future``; ``on_end`` runs once when it has ended and is accounted for."""
+        entry = (step, future, on_end)
+        with self._lock:
+            self._in_flight.append(entry)
+        future.add_done_callback(lambda f: self._ended(entry))
+
+    def _ended(self, entry: tuple[int, concurrent.futures.Future[Any], Callable[[], None]]) -> None:
+        with self._lock:
+            if entry not in self._in_flight:
+                return
+            self._in_flight.remove(entry)
+            step, future, on_end = entry
+            on_end()
+            error = None if future.cancelled() else future.exception()
+            if error is not None:
+                self._errors.append((step, error))
+
+    def _sweep(self) -> None:
+        """Account for work that has ended but whose done-callback has not run yet."""
+        with self._lock:
+            ended = [entry for entry in self._in_flight if entry[1].done()]
+        for entry in ended:
+            self._ended(entry)
+
+    def wait_for_fewer_than(self, limit: int) -> None:
+        """Block until fewer than ``limit`` are unaccounted for, waiting on the oldest."""
+        while True:
+            with self._lock:
+                if len(self._in_flight) < limit:
+                    return
+                oldest = self._in_flight[0]
+            concurrent.futures.wait([oldest[1]])
+            self._ended(oldest)
+
+    def raise_errors(self) -> None:
+        """Raise the first unreported error (the others stay queued)."""
+        self._sweep()
+        with self._lock:
+            if not self._errors:
+                return
+            step, error = self._errors.pop(0)
+        if hasattr(error, "add_note"):
+            error.add_note(self.note.format(step=step))
+        raise error
+
+    def wait_until_finished(self) -> None:
+        """Block until all work has ended; raise the first unreported error."""
+        while True:
+            with self._lock:
+                pending = list(self._in_flight)
+            if not pending:
+                break
+            concurrent.futures.wait([future for _, future, _ in pending])
+            for entry in pending:
+                self._ended(entry)
+        self.raise_errors()
+
+    @property
+    def in_flight(self) -> int:
+        """Work not yet ended."""
+        with self._lock:
+            return sum(1 for _, future, _ in self._in_flight if not future.done())
+
+
+class AsyncSaver(BackgroundWork):
     """Runs writes of staged states on the background loop, a bounded number at a time.
 
     Args:
@@ -100,10 +185,8 @@ class AsyncSaver:
     def __init__(self, max_in_flight: int = 1) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+        super().__init__()
         self.max_in_flight = max_in_flight
-        self._lock = threading.Lock()
-        self._in_flight: list[SaveHandle] = []
-        self._errors: list[tuple[int, BaseException]] = []
 
     def submit(
         self,
@@ -123,63 +206,19 @@ class AsyncSaver:
             Exception: the error of an earlier background save not yet reported.
         """
         t0 = time.perf_counter()
-        self._wait_for_slot()
+        self.wait_for_fewer_than(self.max_in_flight)
         self.raise_errors()
         t1 = time.perf_counter()
         staged = stage()
         t2 = time.perf_counter()
         future = background.submit(_write_then_release(staged, write))
         handle = SaveHandle(step, future, SaveTiming(t1 - t0, t2 - t1, staged.nbytes))
-        with self._lock:
-            self._in_flight.append(handle)
-        future.add_done_callback(lambda f: self._finished(handle))
+
+        def ended() -> None:
+            handle.write_seconds = time.perf_counter() - handle._started
+
+        self.track(step, future, ended)
         return handle
-
-    def _finished(self, handle: SaveHandle) -> None:
-        with self._lock:
-            if handle in self._in_flight:
-                handle.write_seconds = time.perf_counter() - handle._started
-                self._in_flight.remove(handle)
-                error = handle._future.exception()
-                if error is not None:
-                    self._errors.append((handle.step, error))
-
-    def _wait_for_slot(self) -> None:
-        while True:
-            with self._lock:
-                if len(self._in_flight) < self.max_in_flight:
-                    return
-                oldest = self._in_flight[0]
-            concurrent.futures.wait([oldest._future])
-            self._finished(oldest)
-
-    def raise_errors(self) -> None:
-        """Raise the first unreported background error (the others stay queued)."""
-        with self._lock:
-            if not self._errors:
-                return
-            step, error = self._errors.pop(0)
-        if hasattr(error, "add_note"):
-            error.add_note(f"(raised by the background save of step {step})")
-        raise error
-
-    def wait_until_finished(self) -> None:
-        """Block until every save has finished; raise the first unreported error."""
-        while True:
-            with self._lock:
-                pending = list(self._in_flight)
-            if not pending:
-                break
-            concurrent.futures.wait([h._future for h in pending])
-            for handle in pending:
-                self._finished(handle)
-        self.raise_errors()
-
-    @property
-    def in_flight(self) -> int:
-        """Saves still writing."""
-        with self._lock:
-            return sum(1 for h in self._in_flight if not h.done())
 
 
 async def _write_then_release(

@@ -27,6 +27,15 @@ Retention, as in Orbax: the newest ``max_to_keep`` steps are kept (with ``best_f
 ``max_to_keep`` best by their metrics, steps without metrics counting as worst); besides them
 every step divisible by ``keep_period`` is kept forever, and of the others a step is kept if at
 least ``keep_time_interval`` seconds separate it from the last step kept that way.
+
+With a local tier (``local=``), every save commits on the local tier, and every
+``persistent_every``-th step is then copied, verified, to the run's URL in the background; the
+retention above applies to that persistent tier, ``local_max_to_keep`` to the local one, and
+:meth:`CheckpointManager.restore` reads the nearest copy that verifies
+(:mod:`ckptstore.manager.tiers`)::
+
+    mgr = CheckpointManager("s3://bucket/run1", local="/nvme/run1", local_every=100,
+                            persistent_every=1000, max_to_keep=3)
 """
 
 from __future__ import annotations
@@ -46,16 +55,17 @@ from ckptstore.errors import NotFoundError
 from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.manager.snapshot import LazyFence
+from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
 from ckptstore.pipeline import save as save_path
-from ckptstore.pipeline.restore import request, restore
-from ckptstore.pipeline.root import open_root
+from ckptstore.pipeline.restore import rebuild, request, restore
+from ckptstore.pipeline.root import Root, open_root
 from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
 
 __all__ = ["CheckpointManager"]
 
 #: Key of the manager's own entry in a manifest's metadata.
-_META_KEY = "ckptstore.manager"
+_META_KEY = MANAGER_META_KEY
 
 
 class CheckpointManager:
@@ -81,8 +91,22 @@ class CheckpointManager:
         snapshot: ``"eager"`` copies the state in the ``save`` call; ``"lazy"`` returns
             at once and copies in the background, fenced before the state changes
             (:meth:`fence`; automatic before an optimizer step).
+        local: a local tier (a directory, a ``memory://`` URL or an open Store): saves commit
+            there, and ``url`` becomes the persistent tier that chosen steps are copied to in
+            the background (:mod:`ckptstore.manager.tiers`).
+        local_every: with ``local``, save every this many steps (the ``save_interval_steps``
+            of a tiered manager; give one of the two).
+        persistent_every: with ``local``, copy saved steps divisible by this to the
+            persistent tier (a multiple of ``local_every``; default ``local_every``: all).
+        local_max_to_keep: with ``local``, newest steps kept on the local tier, besides
+            those not yet copied to the persistent tier; ``None`` keeps every step.
+        local_options: store options for a URL ``local``.
         **store_options: options for a URL ``url``, given as on every face
             (:mod:`ckptstore.pipeline.root`); refused with an open Store.
+
+    Attributes:
+        last_restore: with a local tier, which tier the last :meth:`restore` read and why
+            (:class:`~ckptstore.manager.tiers.RestoreInfo`).
     """
 
     def __init__(
@@ -100,6 +124,11 @@ class CheckpointManager:
         stager: Stager | None = None,
         full_every: int | None = None,
         snapshot: Literal["eager", "lazy"] = "eager",
+        local: Root | None = None,
+        local_every: int | None = None,
+        persistent_every: int | None = None,
+        local_max_to_keep: int | None = 2,
+        local_options: dict[str, Any] | None = None,
         **store_options: Any,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
@@ -114,6 +143,27 @@ class CheckpointManager:
             raise ValueError(f"best_mode must be 'min' or 'max', got {best_mode!r}")
         if snapshot not in ("eager", "lazy"):
             raise ValueError(f"snapshot must be 'eager' or 'lazy', got {snapshot!r}")
+        if local is None and (local_every or persistent_every or local_options):
+            raise ValueError("local_every, persistent_every and local_options need local=")
+        if local is not None:
+            if local_every is not None and save_interval_steps != 1:
+                raise ValueError(
+                    "a tiered manager saves every local_every steps; give local_every or "
+                    "save_interval_steps, not both"
+                )
+            save_interval_steps = local_every if local_every is not None else save_interval_steps
+            if save_interval_steps < 1:
+                raise ValueError(f"local_every must be >= 1, got {save_interval_steps}")
+            if persistent_every is None:
+                persistent_every = save_interval_steps
+            if persistent_every < 1 or persistent_every % save_interval_steps:
+                raise ValueError(
+                    f"persistent_every must be a positive multiple of local_every "
+                    f"({save_interval_steps}), got {persistent_every}: steps it names would "
+                    "otherwise never be saved"
+                )
+            if local_max_to_keep is not None and local_max_to_keep < 1:
+                raise ValueError(f"local_max_to_keep must be >= 1 or None, got {local_max_to_keep}")
         if isinstance(keep_time_interval, datetime.timedelta):
             keep_time_interval = keep_time_interval.total_seconds()
         self.max_to_keep = max_to_keep
@@ -127,20 +177,60 @@ class CheckpointManager:
         self._saves = 0  # saves started by this manager, for full_every
         self.snapshot = snapshot
         self._fence = LazyFence()
+        self.persistent_every = persistent_every
         self._store, self._owns_store = open_root(url, store_options)
+        self._tiers: Tiers | None = None
+        #: Which tier the last restore read (``None`` without a local tier).
+        self.last_restore: RestoreInfo | None = None
+        if local is not None:
+            try:
+                local_store, owns_local = open_root(local, local_options or {})
+            except BaseException:
+                if self._owns_store:
+                    background.run(self._store.close())
+                raise
+            if local_store.url == self._store.url:
+                for store, owned in ((local_store, owns_local), (self._store, self._owns_store)):
+                    if owned:
+                        background.run(store.close())
+                raise ValueError(
+                    f"local= and the run's URL are the same root ({local_store.url}); the "
+                    "local tier must be a root of its own"
+                )
+            self._tiers = Tiers(
+                local_store,
+                self._store,
+                owns_local=owns_local,
+                local_max_to_keep=local_max_to_keep,
+                after_copy=self._after_copy,
+            )
+        saves_to = self._store if self._tiers is None else self._tiers.local
         if stager is None:
-            stager = Stager(leaf_alignment=self._store.settings.leaf_alignment)
+            stager = Stager(leaf_alignment=saves_to.settings.leaf_alignment)
         self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
         self._closed = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
+        if self._tiers is not None:
+            # Steps a crash or a failure left on the local tier only are copied now; the
+            # first save's local retention keeps them until they are.
+            try:
+                self._tiers.resume()
+            except BaseException:
+                self.close()
+                raise
 
     @property
     def store(self) -> Store:
-        """The store the checkpoints live in."""
+        """The store the checkpoints live in (with a local tier: the persistent tier)."""
         return self._store
+
+    @property
+    def local_store(self) -> Store | None:
+        """The local tier's store, or ``None`` without one."""
+        return None if self._tiers is None else self._tiers.local
 
     # ------------------------------------------------------------------ saving
 
@@ -156,6 +246,7 @@ class CheckpointManager:
         force: bool = False,
         metrics: Any = None,
         full: bool = False,
+        persist: bool | None = None,
     ) -> bool:
         """Save ``state`` as ``step`` if the interval says so (or ``force``).
 
@@ -174,22 +265,35 @@ class CheckpointManager:
             metrics: JSON metrics for ``best_fn``.
             full: write every leaf and reference no earlier step (an incremental save
                 otherwise writes only what changed; see ``full_every``).
+            persist: with a local tier, whether to copy this step to the persistent tier
+                once it is committed locally; by default when ``step`` is divisible by
+                ``persistent_every`` or the save is forced.
 
         Returns:
             Whether a save was started.
 
         Raises:
-            Exception: the error of an earlier background save, not yet reported (nothing of
-                this step is saved then).
+            Exception: the error of an earlier background save or copy to the persistent
+                tier, not yet reported (nothing of this step is saved then).
             UnsupportedLeafError, TypeError: a leaf that cannot be stored.
             TornSnapshotError: (from the next call, as a background error) a lazy
                 snapshot's leaf changed before it was copied.
         """
         self._check_open()
+        tiers = self._tiers
+        if tiers is None and persist is not None:
+            raise ValueError("persist= needs a local tier (CheckpointManager(local=...))")
+        if tiers is not None:
+            tiers.replicator.raise_errors()
         if not (force or self.should_save(step)):
             self._saver.raise_errors()
             return False
-        manager_meta = {"time": self._clock(), "metrics": metrics}
+        manager_meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
+        if tiers is not None:
+            assert self.persistent_every is not None
+            if persist is None:
+                persist = force or step % self.persistent_every == 0
+            manager_meta["persist"] = bool(persist)
         document = {_META_KEY: manager_meta, "user": metadata}
         try:
             json.dumps(document)
@@ -207,11 +311,20 @@ class CheckpointManager:
             return staged
 
         async def write(staged: StagedState) -> None:
+            if tiers is None:
+                await save_path.save_staged(
+                    self._store, staged, step=step, metadata=document, full=full
+                )
+                self._info[step] = (manager_meta["time"], metrics)
+                await self._retain()
+                return
             await save_path.save_staged(
-                self._store, staged, step=step, metadata=document, full=full
+                tiers.local, staged, step=step, metadata=document, full=full
             )
             self._info[step] = (manager_meta["time"], metrics)
-            await self._retain()
+            if persist:
+                tiers.replicator.submit(step)  # pending from here: local retention keeps it
+            await tiers.retain_local()
 
         self.last_handle = self._saver.submit(step, stage, write)
         if not self.async_save:
@@ -219,8 +332,14 @@ class CheckpointManager:
         return True
 
     def wait_until_finished(self) -> None:
-        """Block until every save has committed; raise the first background error."""
+        """Block until every save has committed (with a local tier: on the local tier, and
+        every copy to the persistent tier has ended); raise the first background error."""
         self._saver.wait_until_finished()
+        if self._tiers is not None:
+            self._tiers.replicator.wait_until_finished()
+
+    async def _after_copy(self, step: int) -> None:
+        await self._retain()
 
     def fence(self) -> bool:
         """Wait until the state may change: whatever of a lazy snapshot's copy is left is
@@ -246,7 +365,10 @@ class CheckpointManager:
         for step in steps:
             if step not in self._info:
                 try:
-                    manifest = await read_manifest(self._store, step)
+                    if self._tiers is not None:  # the same manifest on either tier
+                        manifest = await self._tiers.manifest(step)
+                    else:
+                        manifest = await read_manifest(self._store, step)
                 except NotFoundError:
                     continue
                 doc = manifest.metadata
@@ -300,9 +422,22 @@ class CheckpointManager:
     # ------------------------------------------------------------------ reading
 
     def all_steps(self) -> list[int]:
-        """Committed steps, ascending."""
+        """Committed steps (with a local tier: committed on either tier), ascending."""
         self._check_open()
+        if self._tiers is not None:
+            return background.run(self._tiers.all_steps())
         return background.run(committed_steps(self._store))
+
+    def tiers(self) -> TierListing:
+        """Which steps each tier holds, and which await their copy to the persistent tier.
+
+        Raises:
+            ValueError: the manager has no local tier.
+        """
+        self._check_open()
+        if self._tiers is None:
+            raise ValueError("this CheckpointManager has no local tier (local=)")
+        return self._tiers.listing()
 
     def latest_step(self) -> int | None:
         """The newest committed step, or ``None``."""
@@ -312,7 +447,10 @@ class CheckpointManager:
     def metadata(self, step: int) -> Any:
         """The ``metadata`` given when ``step`` was saved."""
         self._check_open()
-        manifest = background.run(read_manifest(self._store, step))
+        if self._tiers is not None:
+            manifest = background.run(self._tiers.manifest(step))
+        else:
+            manifest = background.run(read_manifest(self._store, step))
         doc = manifest.metadata
         return doc.get("user") if isinstance(doc, dict) and _META_KEY in doc else doc
 
@@ -323,6 +461,10 @@ class CheckpointManager:
 
     def restore(self, step: int | None = None, target: Any = None, keys: Any = None) -> Any:
         """Read a committed step back, verifying every byte.
+
+        With a local tier, the newest step committed on either tier is taken, and read from
+        the local tier unless its copy there is missing, partial or corrupt; then from the
+        persistent tier. :attr:`last_restore` says which, and why.
 
         Args:
             step: the step; ``None`` takes the newest committed one (after waiting for saves
@@ -341,7 +483,8 @@ class CheckpointManager:
         Raises:
             NotFoundError: no committed step, no such step, or a key (or leaf of a target)
                 matching nothing; every such key is named.
-            CorruptCheckpointError: anything read fails verification.
+            CorruptCheckpointError: anything read fails verification (with a local tier: on
+                the persistent tier too).
             CheckpointFormatError: a checkpoint only another face reads (DCP's).
             ValueError: a target leaf's shape differs from the checkpoint's.
 
@@ -349,20 +492,33 @@ class CheckpointManager:
         (:mod:`ckptstore.pipeline.restore`).
         """
         self._check_open()
+        asked = request(keys, target)
         if step is None:
-            self.wait_until_finished()
+            self._saver.wait_until_finished()  # not the copies: the local tier has the step
             step = self.latest_step()
             if step is None:
-                raise NotFoundError(f"{self._store.url}: no committed checkpoint to restore")
+                where = self._store.url
+                if self._tiers is not None:
+                    where = f"{self._tiers.local.url} and {where}"
+                raise NotFoundError(f"{where}: no committed checkpoint to restore")
         elif self.last_handle is not None and self.last_handle.step == step:
-            self.wait_until_finished()
-        return restore(self._store, step, request(keys, target))
+            self._saver.wait_until_finished()
+        if self._tiers is None:
+            return restore(self._store, step, asked)
+        selection, self.last_restore = background.run(
+            read_nearest(self._tiers.local, self._store, step, asked)
+        )
+        return rebuild(selection)
 
     def delete(self, step: int) -> None:
-        """Delete a committed step (its manifest first, so it is never half visible)."""
+        """Delete a committed step (its manifest first, so it is never half visible); with a
+        local tier, from every tier that holds it."""
         self._check_open()
         self.wait_until_finished()
-        background.run(delete_step(self._store, step))
+        if self._tiers is not None:
+            background.run(self._tiers.delete(step))
+        else:
+            background.run(delete_step(self._store, step))
         self._info.pop(step, None)
 
     # ------------------------------------------------------------------ lifetime
@@ -372,8 +528,8 @@ class CheckpointManager:
             raise RuntimeError("this CheckpointManager is closed")
 
     def close(self) -> None:
-        """Wait for saves in flight, remove the optimizer fence hook of lazy snapshots, free
-        the staging buffers, close the store.
+        """Wait for saves in flight (and copies to the persistent tier), remove the optimizer
+        fence hook of lazy snapshots, free the staging buffers, close the stores.
 
         Raises the first unreported background error, after closing.
         """
@@ -383,10 +539,16 @@ class CheckpointManager:
         try:
             self._saver.wait_until_finished()
         finally:
-            self._fence.close()
-            self._stager.close()
-            if self._owns_store:
-                background.run(self._store.close())
+            try:  # after a failed save too: no copy may run on to closed stores
+                if self._tiers is not None:
+                    self._tiers.replicator.wait_until_finished()
+            finally:
+                self._fence.close()
+                self._stager.close()
+                if self._tiers is not None and self._tiers.owns_local:
+                    background.run(self._tiers.local.close())
+                if self._owns_store:
+                    background.run(self._store.close())
 
     def __enter__(self) -> Self:
         return self
@@ -406,4 +568,6 @@ class CheckpointManager:
             exc.add_note(f"and a background save failed: {background_error!r}")
 
     def __repr__(self) -> str:
+        if self._tiers is not None:
+            return f"CheckpointManager({self._store.url!r}, local={self._tiers.local.url!r})"
         return f"CheckpointManager({self._store.url!r})"

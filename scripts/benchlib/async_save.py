@@ -83,6 +83,9 @@ SYSTEMS = ["none", "memcpy", "bare", "ckptstore", "ckptstore-lazy", "dcp", "orba
 OURS = ("ckptstore", "ckptstore-lazy")
 #: The bare system writes each tensor of at least this size as its own object, the rest as one.
 BARE_OBJECT_MIN = 1 << 20
+#: The environment variable that gives the ``tiered`` system (run by the tiers suite, not by
+#: this one) its persistent tier's URL.
+TIERED_URL = "CKPTSTORE_BENCH_TIERED_URL"
 #: glibc malloc settings of every child (see the module docstring).
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
@@ -138,6 +141,12 @@ class _Saver:
 
             snapshot = "lazy" if system == "ckptstore-lazy" else "eager"
             self.mgr = CheckpointManager(workdir / "ckpt", max_to_keep=2, snapshot=snapshot)
+        elif system == "tiered":  # the same saves, each then copied to a persistent tier
+            from ckptstore.manager import CheckpointManager
+
+            self.mgr = CheckpointManager(
+                os.environ[TIERED_URL], local=workdir / "ckpt", local_max_to_keep=2, max_to_keep=2
+            )
         elif system == "orbax":
             import orbax.checkpoint as ocp
 
@@ -163,7 +172,7 @@ class _Saver:
                 self.writer.stdin.write(b"s")
                 self.writer.stdin.flush()
                 self.pending = step
-        elif self.system in OURS:
+        elif self.system in (*OURS, "tiered"):
             self.mgr.save(step, self.state, force=True)
         elif self.system == "dcp":
             import torch.distributed.checkpoint as dcp
@@ -191,7 +200,7 @@ class _Saver:
             if self.pending is not None and select.select([stdout], [], [], 0)[0]:  # type: ignore[type-var]
                 self._bare_ack()
             return self.pending is None
-        if self.system in OURS:
+        if self.system in (*OURS, "tiered"):
             handle = self.mgr.last_handle
             return handle is None or handle.done()
         if self.system == "dcp":
@@ -206,7 +215,7 @@ class _Saver:
     def wait(self) -> None:
         if self.system == "bare":
             self._bare_ack()
-        elif self.system in OURS:
+        elif self.system in (*OURS, "tiered"):
             self.mgr.wait_until_finished()
         elif self.system == "dcp" and self.pending is not None:
             self.pending.result()
@@ -218,7 +227,7 @@ class _Saver:
             assert self.writer.stdin is not None
             self.writer.stdin.close()
             self.writer.wait()
-        elif self.system in OURS:
+        elif self.system in (*OURS, "tiered"):
             self.mgr.close()
         elif self.system == "orbax":
             self.ckptr.close()
@@ -329,7 +338,13 @@ def _available(system: str) -> bool:
 
 
 def _run_child(
-    system: str, workload: str, workdir: Path, every: int, saves: int, quick: bool
+    system: str,
+    workload: str,
+    workdir: Path,
+    every: int,
+    saves: int,
+    quick: bool,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     scratch = workdir / f"{system}-{workload}"
     shutil.rmtree(scratch, ignore_errors=True)
@@ -342,6 +357,7 @@ def _run_child(
         **os.environ,
         "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE.parent.parent}",
         **MALLOC_SETTINGS,
+        **(env or {}),
     }
     args = [
         sys.executable,
@@ -358,6 +374,14 @@ def _run_child(
     if out.returncode != 0:
         raise RuntimeError(f"{system}/{workload} child failed:\n{out.stdout}\n{out.stderr}")
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def lost_per_save(
+    runs: list[dict[str, Any]], without: list[dict[str, Any]], saves: int
+) -> list[float]:
+    """Per round, the time a system's loop lost per save: its steps' excess over their own
+    pace, less that of the loop without saves in the same round (see the module docstring)."""
+    return [(r["excess"] - base["excess"]) / saves for r, base in zip(runs, without, strict=True)]
 
 
 def _done_range(runs: list[dict[str, Any]]) -> str:
@@ -435,10 +459,7 @@ def run(ctx: Context) -> list[Result]:
         for system in systems:
             if system == "none":
                 continue
-            lost[system] = [
-                (r["excess"] - base["excess"]) / saves
-                for r, base in zip(runs[system], runs["none"], strict=True)
-            ]
+            lost[system] = lost_per_save(runs[system], runs["none"], saves)
             wall = [
                 (r["loop"] - base["loop"]) / saves
                 for r, base in zip(runs[system], runs["none"], strict=True)

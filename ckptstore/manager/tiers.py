@@ -1,0 +1,379 @@
+"""Two tiers of one run: every save commits on a fast local tier, chosen steps are copied to
+the persistent tier in the background, and a restore reads the nearest copy that verifies.
+
+A save to an object store takes seconds to minutes, and a job that dies during it loses every
+step since the last one; a job restarted on the same node then reads its state back over the
+network although the bytes sat on its own disk. So a tiered :class:`CheckpointManager` saves
+to a *local* tier (a directory on local NVMe, or ``memory://``) at every save, and copies
+every ``persistent_every``-th step to the *persistent* tier (any URL) in the background.
+
+Why the persistent copy is a copy of the *committed local step*, not a second save from
+training memory: the state would have to stay staged in host memory until the slow tier has
+it (a second copy of the state for minutes), and two saves of one step could differ. The
+local step is already durable and checksummed; :func:`~ckptstore.layout.maintenance.copy_step`
+(the copy behind ``ckptstore cp``) streams its objects to the persistent tier, checks every
+object's crc32c on the way and the whole copy again at the destination, and commits it there
+with the same put-if-absent protocol, holding the same gc lease a save holds
+(:mod:`ckptstore.layout.lease`). Each tier therefore commits on its own: a crash at any moment
+leaves every visible step on every tier complete.
+
+What survives a crash, and so what the next start can act on, is only what the stores hold:
+a step meant for the persistent tier carries ``"persist": true`` in the manager's part of its
+manifest's metadata. On start, every local step so marked that the persistent tier lacks is
+*pending* (:func:`list_tiers`) and is replicated again (a killed copy left only an
+uncommitted attempt there, which gc removes once its lease expires). No side index records
+pending work, so none can go stale.
+
+Retention is per tier. The persistent tier keeps what the manager's usual policy keeps
+(``max_to_keep``, ``keep_period``, ``best_fn``...); the local tier is a cache for a fast
+restart and keeps its newest ``local_max_to_keep`` steps, plus every step still pending
+replication, which is never deleted locally before the persistent tier has committed it.
+
+Restore takes the newest step committed on either tier. It reads the local copy when there
+is one, verifying every byte it reads as every restore does, and falls back to the persistent
+tier when the local copy is missing, partial (an object gone or short) or corrupt; which tier
+served it is logged and kept in :class:`RestoreInfo`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import threading
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ckptstore import background
+from ckptstore.errors import CorruptCheckpointError, NotFoundError, StoreError
+from ckptstore.layout.commit import committed_steps, delete_step, gather_all, read_manifest
+from ckptstore.layout.keys import manifest_key
+from ckptstore.layout.maintenance import CopyReport, copy_step
+from ckptstore.layout.manifest import Manifest
+from ckptstore.manager.async_save import BackgroundWork
+from ckptstore.pipeline.restore import Request, Selection, read
+from ckptstore.store.base import Store
+
+__all__ = [
+    "MANAGER_META_KEY",
+    "Replicator",
+    "RestoreInfo",
+    "TierListing",
+    "Tiers",
+    "list_tiers",
+    "marked_persistent",
+    "read_nearest",
+]
+
+_log = logging.getLogger("ckptstore.tiers")
+
+#: Key of the manager's own entry in a manifest's metadata (its save time, metrics and, with
+#: tiers, whether the step is meant for the persistent tier).
+MANAGER_META_KEY = "ckptstore.manager"
+
+Tier = Literal["local", "persistent"]
+
+
+def marked_persistent(manifest: Manifest) -> bool:
+    """Whether a step's manifest says the manager meant it for the persistent tier."""
+    doc = manifest.metadata
+    own = doc.get(MANAGER_META_KEY) if isinstance(doc, dict) else None
+    return isinstance(own, dict) and own.get("persist") is True
+
+
+# ----------------------------------------------------------------- what each tier holds
+
+
+@dataclass(frozen=True, slots=True)
+class TierListing:
+    """Which steps each tier has committed.
+
+    Attributes:
+        local: steps committed on the local tier, ascending.
+        persistent: steps committed on the persistent tier, ascending.
+        pending: local steps meant for the persistent tier that it has not committed
+            (replication queued, running, failed or cut short by a crash), ascending.
+    """
+
+    local: list[int]
+    persistent: list[int]
+    pending: list[int]
+
+    @property
+    def steps(self) -> list[int]:
+        """Steps committed on any tier, ascending."""
+        return sorted(set(self.local) | set(self.persistent))
+
+    def tiers_of(self, step: int) -> list[Tier]:
+        """The tiers holding ``step``, nearest first."""
+        held: list[Tier] = []
+        if step in self.local:
+            held.append("local")
+        if step in self.persistent:
+            held.append("persistent")
+        return held
+
+
+async def list_tiers(local: Store, persistent: Store) -> TierListing:
+    """List both tiers and find the steps whose replication is pending.
+
+    A local step is pending when its manifest is marked for the persistent tier
+    (:func:`marked_persistent`) and the persistent tier has not committed it. A local
+    manifest that fails validation is not pending (it cannot be copied); ``ckptstore verify``
+    reports it.
+    """
+    local_steps, persistent_steps = await asyncio.gather(
+        committed_steps(local), committed_steps(persistent)
+    )
+    there = set(persistent_steps)
+    candidates = [s for s in local_steps if s not in there]
+
+    async def marked(step: int) -> bool:
+        try:
+            return marked_persistent(await read_manifest(local, step))
+        except (NotFoundError, CorruptCheckpointError):
+            return False  # deleted meanwhile, or damaged: nothing to replicate
+
+    flags = await gather_all(marked(s) for s in candidates)
+    pending = [s for s, flag in zip(candidates, flags, strict=True) if flag]
+    return TierListing(local_steps, persistent_steps, pending)
+
+
+# ----------------------------------------------------------------- replication
+
+
+class Replicator(BackgroundWork):
+    """Copies committed local steps to the persistent tier, one at a time, in the order
+    asked, on the background loop; keeps every error for the caller, as async saves do.
+
+    Args:
+        local: the local tier.
+        persistent: the persistent tier.
+        after: a coroutine function run with the step after each committed copy (the
+            manager's retention of the persistent tier).
+    """
+
+    def __init__(
+        self,
+        local: Store,
+        persistent: Store,
+        after: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self.local = local
+        self.persistent = persistent
+        self._after = after
+        self._pending_lock = threading.Lock()
+        self._pending: set[int] = set()
+        where = persistent.url.replace("{", "{{").replace("}", "}}")  # the note is a format
+        super().__init__(
+            "(raised by the background copy of step {step} to the persistent tier "
+            f"{where}; the step stays on the local tier and is copied again on the next start)"
+        )
+        self._lane: asyncio.Lock | None = None  # made on the loop: one copy at a time
+        #: What the last committed copy did.
+        self.last_report: CopyReport | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        """Steps asked for and not yet committed on the persistent tier (queued, copying,
+        or failed), ascending."""
+        with self._pending_lock:
+            return sorted(self._pending)
+
+    def submit(self, step: int) -> concurrent.futures.Future[CopyReport]:
+        """Queue the copy of committed local ``step``; safe from any thread, the loop's too."""
+        with self._pending_lock:
+            self._pending.add(step)
+        future = background.submit(self._replicate(step))
+        self.track(step, future)
+        return future
+
+    async def _replicate(self, step: int) -> CopyReport:
+        if self._lane is None:
+            self._lane = asyncio.Lock()
+        async with self._lane:
+            # Copies go one at a time: each streams its objects in parallel already, and a
+            # second one would only compete with it (and with the next local save).
+            report = await copy_step(self.local, self.persistent, step)
+            with self._pending_lock:
+                self._pending.discard(step)
+                self.last_report = report
+            _log.info(
+                "step %d %s the persistent tier %s",
+                step,
+                "was already on" if report.skipped else f"({report.nbytes} bytes) copied to",
+                self.persistent.url,
+            )
+            if self._after is not None:
+                await self._after(step)
+            return report
+
+
+# ----------------------------------------------------------------- restore
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreInfo:
+    """Where a tiered restore read its step from.
+
+    Attributes:
+        step: the step restored.
+        tier: ``"local"`` or ``"persistent"``.
+        url: the URL of that tier's store.
+        fallback: why the local copy was passed over (``None`` when it was used).
+    """
+
+    step: int
+    tier: Tier
+    url: str
+    fallback: str | None = None
+
+
+#: Failures of a local copy that a persistent copy can make good: a damaged or partial
+#: copy (missing and short objects are CorruptCheckpointErrors), or a local disk that fails.
+_LOCAL_DAMAGE = (CorruptCheckpointError, StoreError)
+
+
+async def read_nearest(
+    local: Store, persistent: Store, step: int, asked: Request
+) -> tuple[Selection, RestoreInfo]:
+    """Read and verify ``step`` from the local tier, or from the persistent tier when the
+    local copy is missing, partial or corrupt.
+
+    Raises:
+        NotFoundError: neither tier has committed ``step``, or a key of ``asked`` names
+            nothing in it.
+        CorruptCheckpointError: the persistent copy fails verification too (the note says
+            what was wrong with the local one).
+    """
+    try:
+        selection = await read(local, step, asked)
+    except NotFoundError:
+        if await local.exists(manifest_key(step)):
+            raise  # the step is there; a key names nothing in it, on either tier
+        why = f"step {step} is not on the local tier {local.url}"
+        _log.info("%s; restoring it from the persistent tier %s", why, persistent.url)
+        fallback = why
+    except _LOCAL_DAMAGE as exc:
+        fallback = f"the local copy at {local.url} failed: {exc}"
+        _log.warning(
+            "step %d: %s; restoring from the persistent tier %s", step, fallback, persistent.url
+        )
+    else:
+        _log.info("step %d restored from the local tier %s", step, local.url)
+        return selection, RestoreInfo(step, "local", local.url)
+    try:
+        selection = await read(persistent, step, asked)
+    except (NotFoundError, CorruptCheckpointError) as exc:
+        exc.add_note(f"(tried first: {fallback})")
+        raise
+    _log.info("step %d restored from the persistent tier %s", step, persistent.url)
+    return selection, RestoreInfo(step, "persistent", persistent.url, fallback)
+
+
+# ----------------------------------------------------------------- the manager's two tiers
+
+
+class Tiers:
+    """A manager's local tier, its retention, and the replication to the persistent tier.
+
+    Args:
+        local: the local tier's store.
+        persistent: the persistent tier's store.
+        owns_local: close ``local`` in :meth:`close`.
+        local_max_to_keep: local steps kept besides those pending replication (``None``:
+            all).
+        after_copy: run after each committed copy and the local retention that follows it
+            (the persistent tier's retention).
+    """
+
+    def __init__(
+        self,
+        local: Store,
+        persistent: Store,
+        *,
+        owns_local: bool,
+        local_max_to_keep: int | None,
+        after_copy: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+    ) -> None:
+        self.local = local
+        self.persistent = persistent
+        self.owns_local = owns_local
+        self.local_max_to_keep = local_max_to_keep
+        self._after_copy = after_copy
+        self.replicator = Replicator(local, persistent, self._copied)
+
+    async def _copied(self, step: int) -> None:
+        # The copied step may leave the local tier now, if newer ones are there.
+        await self.retain_local()
+        if self._after_copy is not None:
+            await self._after_copy(step)
+
+    def resume(self) -> list[int]:
+        """Queue the copy of every local step whose replication a crash or failure left
+        pending; returns those steps."""
+        listing = background.run(list_tiers(self.local, self.persistent))
+        if listing.pending:
+            _log.warning(
+                "steps %s are committed on the local tier %s but not on the persistent tier "
+                "%s; copying them now",
+                listing.pending,
+                self.local.url,
+                self.persistent.url,
+            )
+        for step in listing.pending:
+            self.replicator.submit(step)
+        return listing.pending
+
+    async def retain_local(self) -> None:
+        """Delete local steps beyond ``local_max_to_keep``, never one pending replication
+        nor the newest."""
+        if self.local_max_to_keep is None:
+            return
+        steps = await committed_steps(self.local)
+        kept = set(steps[-self.local_max_to_keep :]) | set(self.replicator.pending)
+        for step in steps:
+            if step not in kept:
+                with contextlib.suppress(NotFoundError):  # gone already
+                    await delete_step(self.local, step)
+
+    def listing(self) -> TierListing:
+        """What each tier holds; pending also counts copies queued in this process."""
+        listing = background.run(list_tiers(self.local, self.persistent))
+        queued = set(self.replicator.pending) - set(listing.persistent)
+        pending = sorted((set(listing.pending) | queued) & set(listing.local))
+        return TierListing(listing.local, listing.persistent, pending)
+
+    async def delete(self, step: int) -> None:
+        """Delete ``step`` from every tier that holds it.
+
+        Raises:
+            NotFoundError: neither tier holds it.
+        """
+        missing = 0
+        for store in (self.local, self.persistent):
+            try:
+                await delete_step(store, step)
+            except NotFoundError:
+                missing += 1
+        if missing == 2:
+            raise NotFoundError(
+                f"no step {step} to delete on the local tier {self.local.url} or the "
+                f"persistent tier {self.persistent.url}"
+            )
+
+    async def manifest(self, step: int) -> Manifest:
+        """The manifest of ``step``, from the nearest tier that has it."""
+        try:
+            return await read_manifest(self.local, step)
+        except (NotFoundError, CorruptCheckpointError):
+            return await read_manifest(self.persistent, step)
+
+    async def all_steps(self) -> list[int]:
+        """Steps committed on either tier, ascending."""
+        local, persistent = await asyncio.gather(
+            committed_steps(self.local), committed_steps(self.persistent)
+        )
+        return sorted(set(local) | set(persistent))

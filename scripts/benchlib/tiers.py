@@ -1,0 +1,220 @@
+"""tiers: a tiered CheckpointManager (local disk + SeaweedFS) against a local-only and a
+SeaweedFS-only manager, on the transformer workload.
+
+Systems, all ``CheckpointManager`` saving the transformer-like state of
+:mod:`benchlib.workloads` (numpy arrays) with ``max_to_keep=2``:
+
+* **local only**: the run's root on local disk (fsync before commit);
+* **SeaweedFS only**: the run's root on a SeaweedFS this suite starts (``weed mini``, S3
+  over ``http://``, anonymous, on loopback ports, sharing the 2 cores with the client);
+* **tiered**: ``CheckpointManager(seaweedfs_url, local=local_dir, local_max_to_keep=2)``:
+  every save commits on local disk, then a verified copy is committed on SeaweedFS in the
+  background.
+
+Figures, medians of ``repeat`` rounds that alternate the systems (``interleave``); between
+runs every manager's background work is waited for, untimed, so no system's copies slow
+another's timed save:
+
+* **commit**: from the ``save`` call until the step is committed: on local disk (local only;
+  tiered, ``local commit``), on SeaweedFS (SeaweedFS only; tiered, ``persistent commit``:
+  until its copy has committed there too). Goal: tiered local commit <= 1.2x local only.
+* **restore**: ``restore(step, target="numpy")`` of one step by the tiered manager, which
+  reads the local copy, against a manager of the SeaweedFS root alone, which reads the same
+  step from SeaweedFS; the local files and SeaweedFS's data files are evicted from the page
+  cache before each run. Goal: from local >= 5x faster than from SeaweedFS.
+* **lost per save**: the training loop of the ``async`` suite (``benchlib.async_save``: a
+  torch CPU loop on one thread, a save every ``every`` steps, each system in a fresh child
+  process, the loop's loss measured against the same loop without saves) with the local-only
+  manager and with the tiered one, whose copies to SeaweedFS run while the loop trains.
+  Goal: tiered <= 1.1x local only.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from benchlib import Context, Result, Suite, evict, interleave, leaves_of, workloads
+from benchlib.async_save import TIERED_URL, _run_child, lost_per_save
+from ckptstore.manager import CheckpointManager
+from ckptstore.testing.servers import SeaweedFS
+
+BUCKET = "bench-tiers"
+WORKLOAD = "transformer + Adam"
+TARGET = "local disk + SeaweedFS http"
+LOCAL, SEAWEED, TIERED = "local only", "SeaweedFS only", "tiered"
+
+
+def _nbytes(state: Any) -> int:
+    import numpy as np
+
+    return sum(a.nbytes for a in leaves_of(state, np.ndarray))
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()]
+
+
+def _commits(
+    ctx: Context, state: Any, url: str, local: Path, s3_root: str
+) -> tuple[dict[str, list[float]], dict[str, list[float]], CheckpointManager]:
+    """Commit times per system (wall, CPU); returns the tiered manager, left open."""
+    managers = {
+        LOCAL: CheckpointManager(local / "local-only", max_to_keep=2),
+        SEAWEED: CheckpointManager(s3_root, max_to_keep=2),
+        TIERED: CheckpointManager(url, local=local / "tiered", local_max_to_keep=2, max_to_keep=2),
+    }
+    steps = dict.fromkeys(managers, 0)
+    persistent: list[float] = []
+
+    def save(name: str) -> None:
+        mgr = managers[name]
+        steps[name] += 1
+        mgr.save(steps[name], state, force=True)
+        assert mgr.last_handle is not None
+        mgr.last_handle.result()  # committed: on local disk for the tiered manager
+
+    def tiered_to_persistent() -> None:
+        t0 = time.perf_counter()
+        save(TIERED)
+        managers[TIERED].wait_until_finished()  # and its copy committed on SeaweedFS
+        persistent.append(time.perf_counter() - t0)
+
+    def settle(_name: str) -> None:
+        for mgr in managers.values():
+            mgr.wait_until_finished()
+
+    for name in managers:  # untimed warm-up: imports, buffers, the first connections
+        save(name)
+    settle("")
+    timings = interleave(
+        {
+            LOCAL: lambda: save(LOCAL),
+            TIERED: lambda: save(TIERED),
+            SEAWEED: lambda: save(SEAWEED),
+            "tiered, persistent commit": tiered_to_persistent,
+        },
+        ctx.repeat,
+        setup=settle,
+    )
+    settle("")
+    managers[LOCAL].close()
+    managers[SEAWEED].close()
+    wall = {name: t.runs for name, t in timings.items()}
+    cpu = {name: t.cpu for name, t in timings.items()}
+    return wall, cpu, managers[TIERED]
+
+
+def _restores(
+    ctx: Context, tiered: CheckpointManager, url: str, local: Path, server: SeaweedFS
+) -> dict[str, Any]:
+    step = tiered.latest_step()
+    assert step is not None
+    s3_only = CheckpointManager(url)
+
+    def from_local() -> None:
+        tiered.restore(step, target="numpy")
+        assert tiered.last_restore is not None
+        assert tiered.last_restore.tier == "local", tiered.last_restore
+
+    def cold(_name: str) -> None:
+        evict(_files(local / "tiered") + _files(server.workdir / "data"))
+
+    timings = interleave(
+        {
+            "tiered (local copy)": from_local,
+            SEAWEED: lambda: s3_only.restore(step, target="numpy"),
+        },
+        ctx.repeat,
+        setup=cold,
+    )
+    s3_only.close()
+    return timings
+
+
+def run(ctx: Context) -> list[Result]:
+    state = workloads.transformer(ctx.quick)
+    nbytes = _nbytes(state)
+    rows: list[Result] = []
+    lines: list[str] = []
+
+    def row(system: str, op: str, runs: list[float], cpu: list[float]) -> None:
+        rows.append(
+            Result(
+                "tiers",
+                WORKLOAD,
+                TARGET,
+                system,
+                op,
+                nbytes,
+                statistics.median(runs),
+                runs,
+                statistics.median(cpu) if cpu else 0.0,
+            )
+        )
+
+    local = ctx.workdir / "local"
+    with SeaweedFS(ctx.workdir / "seaweedfs") as server:
+        server.create_bucket(BUCKET)
+
+        def root(name: str) -> str:
+            return f"s3://{BUCKET}/{name}?endpoint_url={server.s3_endpoint}&anonymous=true"
+
+        tiered_url = root(f"tiered-{uuid.uuid4().hex[:8]}")
+        wall, cpu, tiered = _commits(ctx, state, tiered_url, local, root("seaweed-only"))
+        for name, runs in wall.items():
+            op = "local commit" if name in (LOCAL, TIERED) else "persistent commit"
+            row(TIERED if name.startswith(TIERED) else name, op, runs, cpu[name])
+        median = {name: statistics.median(runs) for name, runs in wall.items()}
+        lines.append(
+            f"- commit: tiered local commit / local-only save "
+            f"{median[TIERED] / median[LOCAL]:.2f}x (goal <= 1.2); tiered until committed on "
+            f"SeaweedFS / SeaweedFS-only save "
+            f"{median['tiered, persistent commit'] / median[SEAWEED]:.2f}x"
+        )
+
+        restores = _restores(ctx, tiered, tiered_url, local, server)
+        tiered.close()
+        for name, t in restores.items():
+            row(TIERED if name.startswith(TIERED) else name, "restore (cold)", t.runs, t.cpu)
+        speedup = restores[SEAWEED].median / restores["tiered (local copy)"].median
+        lines.append(f"- restore: from SeaweedFS / from the local tier {speedup:.2f}x (goal >= 5)")
+
+        every, saves = (4, 2) if ctx.quick else (60, 6)
+        systems = ["none", "ckptstore", "tiered"]
+        loops: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for _ in range(ctx.repeat):
+            env = {TIERED_URL: root(f"loop-{uuid.uuid4().hex[:8]}")}
+            for system in systems:
+                loops[system].append(
+                    _run_child(system, "transformer", ctx.workdir, every, saves, ctx.quick, env=env)
+                )
+                print(f"  loop {system}: {loops[system][-1]}", flush=True)
+    lost: dict[str, list[float]] = {}
+    for system in ("ckptstore", "tiered"):
+        lost[system] = lost_per_save(loops[system], loops["none"], saves)
+        cpu_loop = [
+            (r["cpu"] - base["cpu"]) / saves
+            for r, base in zip(loops[system], loops["none"], strict=True)
+        ]
+        row(LOCAL if system == "ckptstore" else TIERED, "lost per save", lost[system], cpu_loop)
+    ours, base = statistics.median(lost["tiered"]), statistics.median(lost["ckptstore"])
+    lines.append(
+        f"- training loop: lost per save, tiered {ours * 1e3:.0f} ms, local only "
+        f"{base * 1e3:.0f} ms: "
+        + (f"{ours / base:.2f}x (goal <= 1.1)" if base > 0 else "local only within the noise")
+        + f"; a save every {every} steps, {saves} timed saves"
+    )
+    ctx.options["summary"] = "Medians of this run:\n\n" + "\n".join(lines)
+    return rows
+
+
+SUITE = Suite(
+    name="tiers",
+    title="Tiered checkpoints: local disk + SeaweedFS vs local-only and SeaweedFS-only",
+    run=run,
+    description=__doc__.split("\n\n", 1)[1].strip(),
+)
