@@ -54,6 +54,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.integrations.dcp_manifest import FORMAT as DCP_FORMAT
 from ckptstore.integrations.tensor_objects import CheckpointTarget
 from ckptstore.layout.commit import delete_step
 from ckptstore.layout.keys import manifest_key
@@ -227,8 +228,12 @@ def _load(store: Store, step: int, map_location: Any) -> Any:
         return _load_v2(selection, source, map_location)
     device = map_location if isinstance(map_location, str | torch.device) else None
 
+    # A leaf without attrs is a plain numpy array, except in a DCP checkpoint, whose items
+    # carry none and are tensors.
+    bare = ("torch", None) if form == DCP_FORMAT else ("torch",)
+
     def tensor(array: np.ndarray[Any, Any], path: str, attrs: dict[str, Any] | None) -> Any:
-        if (attrs or {}).get("framework") not in ("torch", None):
+        if (attrs or {}).get("framework") not in bare:
             return rebuild_leaf(array, attrs or {}, None, None)
         out = tensor_from_numpy(array)  # on the CPU, as Lightning's own loader gives them
         return out.to(device) if device is not None else out

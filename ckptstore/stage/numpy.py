@@ -41,9 +41,13 @@ class NumpyKind(ArrayKind):
         return isinstance(leaf, np.ndarray | np.generic)
 
     def spec(self, leaf: Any) -> LeafSpec:
-        if type(leaf) is np.ndarray:  # the common leaf, without asarray's call (per leaf)
+        if type(leaf) is np.ndarray:
+            # The common leaf, on a path that runs for every leaf of every save. No attrs:
+            # restore takes a leaf without a framework for numpy, and {"framework": "numpy"}
+            # on each of 20,000 small leaves cost about a microsecond a leaf to encode, and as
+            # much again to parse, check and dispatch on load.
             check_dtype(leaf.dtype)
-            return LeafSpec(leaf.dtype, leaf.shape, {"framework": self.name})
+            return LeafSpec(leaf.dtype, leaf.shape, None)
         array = np.asarray(leaf)
         check_dtype(array.dtype)
         attrs: dict[str, Any] = {"framework": self.name}

@@ -74,13 +74,14 @@ class LeafSpec:
     Attributes:
         dtype: the numpy dtype of its host copy (``ml_dtypes`` types for bfloat16, float8...).
         shape: its shape.
-        attrs: JSON-able facts restore needs (framework, device, requires_grad...).
+        attrs: JSON-able facts restore needs (framework, device, requires_grad...);
+            ``None`` for a plain numpy array, which needs none.
         pinned: its host copy should be page-locked (the source is on a CUDA device).
     """
 
     dtype: np.dtype[Any]
     shape: tuple[int, ...]
-    attrs: dict[str, Any]
+    attrs: dict[str, Any] | None
     pinned: bool = False
 
     @property
@@ -491,7 +492,11 @@ class Stager:
             tree = state  # nothing copied or converted: the state is its own staged tree
         else:
             tree = map_leaves(lambda path, leaf: views.get(path, leaf), state)
-        attrs = {path: spec.attrs for (path, _, _), spec in zip(found, specs, strict=True)}
+        attrs = {
+            path: spec.attrs
+            for (path, _, _), spec in zip(found, specs, strict=True)
+            if spec.attrs is not None
+        }
         nbytes = sum(spec.nbytes for spec in specs)
         return StagedState(tree=tree, attrs=attrs, nbytes=nbytes, buffer=buffer)
 
