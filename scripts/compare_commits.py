@@ -98,6 +98,9 @@ def measure(tree: Path, workload: str, face: str, workdir: Path, quick: bool) ->
         BENCHLIB=str(HERE),
         WORKDIR=str(workdir),
         QUICK="1" if quick else "0",
+        # Both sides save full: with incremental saves (issue 21's default) the second save
+        # of one unchanging state writes nothing, which is not what is compared here.
+        CKPTSTORE_INCREMENTAL="0",
     )
     done = subprocess.run(
         [sys.executable, "-c", CHILD, workload, face],

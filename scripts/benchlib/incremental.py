@@ -15,6 +15,7 @@ untimed, so the roots stay at two steps. Every restored byte is compared with th
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 from typing import Any
 
@@ -22,6 +23,7 @@ import numpy as np
 
 from benchlib import Context, Result, Suite, interleave, workloads
 from benchlib.s3 import ACCESS_KEY, SECRET_KEY
+from ckptstore.config import default_settings
 from ckptstore.manager.functions import adelete_step, alist_steps, aload, asave
 from ckptstore.store.base import Store
 from ckptstore.store.local import LocalStore
@@ -32,6 +34,10 @@ from ckptstore.testing.servers import SeaweedFS
 FULL = "ckptstore full save"
 INCR = "ckptstore incremental save"
 BUCKET = "bench-incremental"
+
+#: scripts/bench.py turns incremental saves off for every suite (CKPTSTORE_INCREMENTAL=0);
+#: this one measures them, so its stores turn them on (the full arm saves with full=True).
+INCREMENTAL = dataclasses.replace(default_settings(), incremental=True)
 
 
 def _same(actual: Any, expected: Any) -> bool:
@@ -121,7 +127,8 @@ def run(ctx: Context) -> list[Result]:
     try:
         local = ctx.workdir / "incremental"
         shutil.rmtree(local, ignore_errors=True)
-        full_store, incr_store = LocalStore(local / "full"), LocalStore(local / "incr")
+        full_store = LocalStore(local / "full", settings=INCREMENTAL)
+        incr_store = LocalStore(local / "incr", settings=INCREMENTAL)
         try:
             got, line = _measure(ctx, "local", full_store, incr_store, loop)
         finally:
@@ -140,6 +147,7 @@ def run(ctx: Context) -> list[Result]:
                     endpoint_url=server.s3_endpoint,
                     access_key_id=ACCESS_KEY,
                     secret_access_key=SECRET_KEY,
+                    settings=INCREMENTAL,
                 )
                 for prefix in ("full", "incr")
             ]
