@@ -345,6 +345,10 @@ class Stager:
             TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...),
                 or (``UnsupportedLeafError``) a leaf that is neither an array nor a plain value.
         """
+        if not copy and not lazy:
+            uncopied = self._uncopied(state)
+            if uncopied is not None:
+                return uncopied
         kinds = array_kinds()
         found: list[tuple[Path, Any, ArrayKind]] = []
         for path, leaf in iter_leaves(state):
@@ -481,6 +485,46 @@ class Stager:
         return self._lazy_executor
 
     @staticmethod
+    def _uncopied(state: Any) -> StagedState | None:
+        """``stage(state, copy=False)`` in one walk, when every array leaf is in host memory.
+
+        A save that lets its leaves through needs no arena and no copy plan, only the format
+        layer's flat view: so the flat view is built straight from ``state``, by the one
+        walker, with each framework's host view in place of its tensors. That is one walk
+        where the general path makes three (find the leaves, rebuild the staged tree, flatten
+        it), about 2 us a leaf less on 20,000 small leaves. ``None``: some leaf needs a copy
+        (a CUDA tensor, a JAX array), so the general path stages this state.
+        """
+        kinds = [kind for kind in array_kinds() if kind.name != "numpy"]
+        views: dict[Path, NDArray[Any]] = {}
+        attrs: dict[Path, dict[str, Any]] = {}
+
+        def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any] | None] | None:
+            for kind in kinds:
+                if kind.owns(leaf):
+                    try:
+                        spec = kind.spec(leaf)
+                    except TypeError as exc:
+                        raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
+                    view = kind.host_view(leaf)
+                    if view is None:
+                        raise _NeedsCopy
+                    views[path] = view
+                    if spec.attrs is not None:
+                        attrs[path] = spec.attrs
+                    return view, spec.attrs
+            return None
+
+        try:
+            flat = flatten(state, convert=convert, expand=expand)
+        except _NeedsCopy:
+            return None
+        tree = map_leaves(lambda path, leaf: views.get(path, leaf), state) if views else state
+        staged = StagedState(tree=tree, attrs=attrs, nbytes=sum(flat.nbytes))
+        staged._flat = flat
+        return staged
+
+    @staticmethod
     def _staged(
         state: Any,
         found: list[tuple[Path, Any, ArrayKind]],
@@ -512,6 +556,10 @@ class Stager:
                 executor.shutdown()
         self._executor = self._lazy_executor = None
         self.pool.clear()
+
+
+class _NeedsCopy(Exception):
+    """A leaf of a ``copy=False`` stage is not in host memory (see ``Stager._uncopied``)."""
 
 
 class _Copying:
