@@ -363,10 +363,7 @@ class Stager:
 
         specs: list[LeafSpec] = []
         for path, leaf, kind in found:
-            try:
-                specs.append(kind.spec(leaf))
-            except TypeError as exc:
-                raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
+            specs.append(_spec(kind, leaf, path))
 
         if lazy and not copy:
             raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
@@ -502,10 +499,7 @@ class Stager:
         def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any] | None] | None:
             for kind in kinds:
                 if kind.owns(leaf):
-                    try:
-                        spec = kind.spec(leaf)
-                    except TypeError as exc:
-                        raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
+                    spec = _spec(kind, leaf, path)
                     view = kind.host_view(leaf)
                     if view is None:
                         raise _NeedsCopy
@@ -637,6 +631,14 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
         else:
             copies[i]()
         i = j
+
+
+def _spec(kind: ArrayKind, leaf: Any, path: Path) -> LeafSpec:
+    """``kind.spec(leaf)``, its refusal naming the leaf's path."""
+    try:
+        return kind.spec(leaf)
+    except TypeError as exc:
+        raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
 
 
 def _show(path: Path) -> str:
