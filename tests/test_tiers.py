@@ -420,13 +420,13 @@ def test_replication_through_a_faulty_network_finishes_bit_exact(
     tmp_path: Path, s3_persistent: Persistent
 ) -> None:
     assert s3_persistent.s3 is not None
-    with FaultProxy(s3_persistent.s3[0], seed=20) as proxy:
+    with FaultProxy(s3_persistent.s3[0]) as proxy:
         proxy.set_faults(
             [
-                ProxyFault("503", rate=0.05),
-                ProxyFault("500", rate=0.04),
-                ProxyFault("reset", rate=0.03, nbytes=1000),
-                ProxyFault("truncate", rate=0.05, ops=frozenset({"get"})),
+                ProxyFault("503", every=15),
+                ProxyFault("500", every=20),
+                ProxyFault("reset", every=20, nbytes=1000),
+                ProxyFault("truncate", every=6, ops=frozenset({"get"})),
             ],
         )
         url = s3_persistent.through(proxy) + "&part_size=5MiB&multipart_threshold=10MiB"

@@ -146,6 +146,10 @@ class ProxyFault:
         ops: operation names (:func:`classify_s3` or :func:`classify_gcs`, by the proxy's
             dialect) the rule applies to; empty: every request.
         rate: probability that a matching request is hit (the proxy's seeded RNG draws).
+        every: hit every ``every``-th matching request instead of drawing (``None``: draw by
+            ``rate``). The count of hits then depends only on how many requests match, not on
+            the order concurrent requests arrive in, so a test that asserts how many faults
+            it met cannot fail by chance.
         after: let this many matching requests through first.
         times: hit at most this many requests (``None``: no limit).
         path: a regular expression the request target (path and query) must contain a
@@ -160,6 +164,7 @@ class ProxyFault:
     kind: str
     ops: frozenset[str] = frozenset()
     rate: float = 1.0
+    every: int | None = None
     after: int = 0
     times: int | None = None
     path: str | None = None
@@ -174,6 +179,11 @@ class ProxyFault:
             )
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"rate must be in [0, 1], got {self.rate}")
+        if self.every is not None:
+            if self.every < 1:
+                raise ValueError(f"every must be at least 1, got {self.every}")
+            if self.rate < 1.0:
+                raise ValueError("give a fault either rate= or every=, not both")
 
     def selects(self, op: str, target: str, body: bytes) -> bool:
         """Whether a request with this operation, target and body is one this rule is for
@@ -197,6 +207,8 @@ class _RuleCounts:
         self.selected += 1
         spent = fault.times is not None and self.hit >= fault.times
         if self.selected <= fault.after or spent:
+            return False
+        if fault.every is not None and (self.selected - fault.after) % fault.every:
             return False
         if fault.rate < 1.0 and rng.random() >= fault.rate:
             return False
