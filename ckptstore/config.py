@@ -74,6 +74,10 @@ class Settings:
             their large leaves also start on an OS page, ``ckptstore.store.buffers.PAGE``: that
             is what ``O_DIRECT`` needs of a buffer, a property of the machine, not a setting.)
         manifest_max_bytes: a manifest larger than this is refused before it is read.
+        chunk_block_size: bytes per checksummed block of a sharded leaf's chunks (a power of
+            two from 4 KiB to 1 GiB): a load of part of a chunk reads and checks the whole
+            blocks around it, so a smaller block reads less beyond what it needs and costs
+            more manifest (about 11 bytes per block; see :mod:`ckptstore.layout.chunks`).
         gc_grace_seconds: garbage collection leaves an uncommitted save attempt alone until it
             has been idle this many seconds (a running save's lease counts as activity).
         save_lease_seconds: a running save renews a lease on its attempt every quarter of
@@ -103,6 +107,7 @@ class Settings:
     pack_size: int = 8 << 20
     leaf_alignment: int = 64
     manifest_max_bytes: int = 256 << 20
+    chunk_block_size: int = 1 << 20
     gc_grace_seconds: int = 6 * 3600
     save_lease_seconds: int = 120
     incremental: bool = True
@@ -139,6 +144,11 @@ class Settings:
         if self.leaf_alignment & (self.leaf_alignment - 1):
             raise ValueError(
                 f"Settings.leaf_alignment must be a power of two, got {self.leaf_alignment}"
+            )
+        block = self.chunk_block_size
+        if block & (block - 1) or not 4 << 10 <= block <= 1 << 30:
+            raise ValueError(
+                f"Settings.chunk_block_size must be a power of two from 4 KiB to 1 GiB, got {block}"
             )
 
     def replace(self, **changes: Any) -> Settings:

@@ -167,7 +167,7 @@ async def test_hostile_manifest_rejected_before_data(
         ("not json", lambda good: b"\x80\x04\x95pickle"),
         ("flipped body byte", lambda good: good[:-20] + bytes([good[-20] ^ 1]) + good[-19:]),
         ("wrong crc", lambda good: good.replace(b'"crc32c":', b'"crc32c":1', 1)),
-        ("future version", lambda good: good.replace(b'"version":2', b'"version":3', 1)),
+        ("future version", lambda good: good.replace(b'"version":2', b'"version":4', 1)),
         ("no envelope", lambda good: good[good.index(b'"body":') + 7 : -1]),
         ("deep json", lambda good: envelope(b"[" * 100_000 + b"]" * 100_000)),
         ("body not object", lambda good: envelope(b"[1,2]")),

@@ -24,6 +24,11 @@ overlap, ``prod(shape) * itemsize == length`` (in Python integers, so nothing ov
 no shape, not even an empty one, claims more than :data:`MAX_LEAF_BYTES`, dtypes come from the
 allow-list, the tree places every array exactly once and agrees with
 the paths, and the whole document is under ``Settings.manifest_max_bytes``.
+
+Version 3 adds an optional ``chunks`` table to the body: a leaf sharded across ranks is one
+leaf of its global shape whose bytes live in chunks, each with a crc32c per block
+(:mod:`ckptstore.layout.chunks`, which validates it: the chunks of a leaf tile it exactly,
+as a grid). A manifest without chunks is written as version 2 or 1, as before.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from ckptstore.errors import CorruptCheckpointError, InvalidKeyError
+from ckptstore.layout.chunks import Chunks, parse_chunks
 from ckptstore.layout.dtypes import dtype_from_name
 from ckptstore.layout.keys import ATTEMPT_RE, MAX_STEP
 from ckptstore.layout.tree import tree_paths
@@ -46,9 +52,10 @@ from ckptstore.store.checksum import crc32c
 
 __all__ = ["FORMAT_VERSION", "MAX_LEAF_BYTES", "Manifest"]
 
-FORMAT_VERSION = 2
-#: Versions this release reads: 1 (no references, no hashes) and 2.
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+#: Versions this release reads: 1 (no references, no hashes), 2 (references and hashes) and
+#: 3 (chunked leaves).
+READABLE_VERSIONS = (1, 2, 3)
 #: No leaf or object may claim more bytes than this (keeps every sum inside int64).
 MAX_LEAF_BYTES = 1 << 60
 
@@ -86,6 +93,8 @@ class Manifest:
             own. An object of another step is a reference to an earlier save's object.
         leaf_hash: xxh3-128 (32 hex digits) of each leaf's bytes, or ``None`` per leaf or
             for all; an incremental save compares against it.
+        chunks: where the bytes of leaves sharded across ranks live (version 3), or ``None``.
+            Such a leaf has object ``-1`` and its full length.
     """
 
     step: int
@@ -107,6 +116,7 @@ class Manifest:
     value_paths: list[str] = field(default_factory=list)
     object_steps: list[int] | None = None
     leaf_hash: list[str | None] | None = None
+    chunks: Chunks | None = None
 
     # ------------------------------------------------------------------ encoding
 
@@ -136,16 +146,19 @@ class Manifest:
             objects["step"], version = self.object_steps, 2
         if self.leaf_hash is not None and any(h is not None for h in self.leaf_hash):
             leaves["hash"], version = self.leaf_hash, 2
+        doc: dict[str, Any] = {
+            "step": self.step,
+            "attempt": self.attempt,
+            "created": self.created,
+            "metadata": self.metadata,
+            "tree": self.tree,
+            "objects": objects,
+            "leaves": leaves,
+        }
+        if self.chunks is not None and self.chunks.leaf:
+            doc["chunks"], version = self.chunks.encode(), 3
         body = json.dumps(
-            {
-                "step": self.step,
-                "attempt": self.attempt,
-                "created": self.created,
-                "metadata": self.metadata,
-                "tree": self.tree,
-                "objects": objects,
-                "leaves": leaves,
-            },
+            doc,
             separators=(",", ":"),
             allow_nan=True,
         ).encode()
@@ -189,6 +202,10 @@ class Manifest:
         dt = dtype_from_name(self.dtypes[leaf])
         assert dt is not None  # validated by parse
         return dt
+
+    def is_chunked(self, leaf: int) -> bool:
+        """Whether leaf ``leaf`` is stored as chunks (see :mod:`ckptstore.layout.chunks`)."""
+        return self.chunks is not None and leaf in self.chunks.by_leaf
 
     def all_paths(self) -> list[str]:
         """Paths of every leaf: arrays, then plain values."""
@@ -261,6 +278,8 @@ class Manifest:
     def _validate(cls, doc: Any, expected_step: int | None, version: int) -> Manifest:
         if type(doc) is not dict:
             raise _Invalid("body is not a JSON object")
+        if "chunks" in doc and version < 3:
+            raise _Invalid(f"a version-{version} manifest has no chunks table")
         step = doc.get("step")
         if type(step) is not int or not 0 <= step <= MAX_STEP:
             raise _Invalid(f"step {step!r} is not a step number")
@@ -361,7 +380,34 @@ class Manifest:
                 # An empty shape such as [0, 2**62]: numpy refuses to allocate it at all.
                 raise _Invalid(f"leaf {paths[i]!r}: shape {shape} is too large for any array")
 
-        _check_extents(paths, lobj, loff, llen, olen)
+        chunks: Chunks | None = None
+        checked = paths
+        if doc.get("chunks") is not None:
+            try:
+                chunks, extents = parse_chunks(
+                    doc["chunks"],
+                    shapes=shapes,
+                    itemsizes=[itemsizes[name] for name in dtypes],
+                    leaf_object=leaves["object"],
+                    objects=nobj,
+                    max_bytes=MAX_LEAF_BYTES,
+                )
+            except ValueError as exc:
+                raise _Invalid(str(exc)) from None
+            # A chunked leaf's bytes are its chunks': they take its place in the extent checks.
+            chunked = np.zeros(n, dtype=bool)
+            chunked[list(chunks.by_leaf)] = True
+            if (loff[chunked] != 0).any():
+                raise _Invalid("a chunked leaf has an offset")
+            keep = np.flatnonzero(~chunked)
+            table = np.array(extents, dtype=np.int64).reshape(-1, 3)
+            lobj = np.concatenate([lobj[keep], table[:, 0]])
+            loff = np.concatenate([loff[keep], table[:, 1]])
+            llen = np.concatenate([llen[keep], table[:, 2]])
+            checked = [paths[i] for i in keep] + [
+                f"{paths[leaf]} (chunk {k})" for k, leaf in enumerate(chunks.leaf)
+            ]
+        _check_extents(checked, lobj, loff, llen, olen)
 
         try:
             leaf_paths, value_paths = tree_paths(doc.get("tree"), n)
@@ -389,6 +435,7 @@ class Manifest:
             value_paths=value_paths,
             object_steps=object_steps,
             leaf_hash=hashes,
+            chunks=chunks,
         )
 
 

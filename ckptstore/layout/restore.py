@@ -45,6 +45,12 @@ high-latency store would otherwise pay before its first byte. No leaf is returne
 check passed, and when a read fails as well, the broken reference is the error raised, as it
 is the cause. Referenced bytes are read and verified exactly like the step's own.
 
+A leaf stored as chunks (sharded across ranks when saved, :mod:`ckptstore.layout.chunks`) is
+read by box: a caller may ask for boxes of a leaf (a rank's new shard) and gets exactly those,
+and a leaf asked for whole is its one full box. Only the blocks of the chunks that overlap a box
+are fetched, and each is checked against its own crc32c. A box of a leaf stored whole is cut
+from the whole leaf, read and checked as always.
+
 A mismatch, a short, long or missing object raises
 :class:`~ckptstore.errors.CorruptCheckpointError` naming the object and, where one is to
 blame, the leaf, with the recorded and the computed checksums when they differ.
@@ -55,6 +61,7 @@ from __future__ import annotations
 import asyncio
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
@@ -66,13 +73,29 @@ from ckptstore.errors import (
     InvalidRangeError,
     NotFoundError,
 )
+from ckptstore.layout.chunks import Box, read_boxes
 from ckptstore.layout.commit import gather_all
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import check_references
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 
-__all__ = ["check_object_size", "read_leaves"]
+__all__ = ["Pieces", "check_object_size", "read_leaves"]
+
+
+@dataclass(frozen=True, slots=True)
+class Pieces:
+    """Boxes of one leaf, read for a caller that asked for parts of it (a rank's shard).
+
+    Attributes:
+        boxes: each box, as ``(start, shape)`` in the leaf's global shape.
+        arrays: the bytes of each box, an array of the box's shape.
+        shape: the leaf's global shape.
+    """
+
+    boxes: list[Box]
+    arrays: list[np.ndarray[Any, Any]]
+    shape: tuple[int, ...]
 
 
 #: Fresh arrays at least this large start on a page boundary, so stores that read with
@@ -113,7 +136,8 @@ async def read_leaves(
     manifest: Manifest,
     leaves: Sequence[int],
     into: Mapping[int, np.ndarray[Any, Any]] | None = None,
-) -> dict[int, np.ndarray[Any, Any]]:
+    boxes: Mapping[int, Sequence[Box]] | None = None,
+) -> dict[int, Any]:
     """Read the given leaves of a validated manifest; returns arrays by leaf index.
 
     Args:
@@ -121,16 +145,18 @@ async def read_leaves(
         manifest: a validated manifest.
         leaves: leaf indices to read.
         into: caller arrays to fill, by leaf index (dtype and shape must match exactly).
+        boxes: for leaves read in parts, the boxes wanted; such a leaf's value is a
+            :class:`Pieces`.
 
     Raises:
         BrokenReferenceError: a referenced object is not a committed object of its attempt.
         CorruptCheckpointError: an object is missing, of the wrong size, or fails a crc32c.
     """
     if not manifest.references():
-        return await _read_verified(store, manifest, leaves, into or {})
+        return await _read_verified(store, manifest, leaves, into or {}, boxes or {})
     checking = asyncio.ensure_future(check_references(store, manifest))
     try:
-        out = await _read_verified(store, manifest, leaves, into or {})
+        out = await _read_verified(store, manifest, leaves, into or {}, boxes or {})
     except Exception:
         # a broken reference (a reclaimed or foreign object) is the cause of a failed read
         broken = await _broken(checking)
@@ -160,13 +186,17 @@ async def _read_verified(
     manifest: Manifest,
     leaves: Sequence[int],
     into: Mapping[int, np.ndarray[Any, Any]],
-) -> dict[int, np.ndarray[Any, Any]]:
+    boxes: Mapping[int, Sequence[Box]],
+) -> dict[int, Any]:
     """:func:`read_leaves` without the reference check."""
-    out: dict[int, np.ndarray[Any, Any]] = {}
+    out: dict[int, Any] = {}
     by_object: dict[int, list[int]] = defaultdict(list)
+    chunked: list[int] = []
     for leaf in leaves:
         obj = manifest.leaf_object[leaf]
-        if obj < 0:
+        if manifest.is_chunked(leaf):
+            chunked.append(leaf)
+        elif obj < 0:
             out[leaf] = _destination(manifest, leaf, into)
         else:
             by_object[obj].append(leaf)
@@ -244,8 +274,67 @@ async def _read_verified(
                 raise corrupt(obj, leaf, _mismatch(manifest.leaf_crc[leaf], crc))
             out[leaf] = dest
 
-    await gather_all(read_object(obj, wanted) for obj, wanted in by_object.items())
+    async def read_chunked(leaf: int) -> None:
+        chunks = manifest.chunks
+        assert chunks is not None
+        shape = tuple(manifest.shapes[leaf])
+        objects = {chunks.object[c] for c in chunks.by_leaf[leaf]}
+        try:
+            await gather_all(
+                check_object_size(store, manifest.object_key(o), manifest.object_lengths[o])
+                for o in objects
+            )
+        except NotFoundError:
+            raise CorruptCheckpointError(
+                f"{store.url}: leaf {manifest.paths[leaf]!r}: an object of its chunks is missing"
+            ) from None
+        wanted = list(boxes.get(leaf, [((0,) * len(shape), shape)]))
+        arrays = await read_boxes(
+            store,
+            manifest.object_key,
+            chunks,
+            leaf,
+            shape,
+            manifest.dtype(leaf),
+            wanted,
+            where=f"leaf {manifest.paths[leaf]!r}",
+        )
+        if leaf in boxes:
+            out[leaf] = Pieces(wanted, arrays, shape)
+        elif leaf in into:
+            dest = _destination(manifest, leaf, into)
+            dest[...] = arrays[0]
+            out[leaf] = dest
+        else:
+            out[leaf] = arrays[0]
+
+    await gather_all(
+        [
+            *(read_object(obj, wanted) for obj, wanted in by_object.items()),
+            *(read_chunked(leaf) for leaf in chunked),
+        ]
+    )
+    for leaf, wanted in boxes.items():
+        whole = out.get(leaf)
+        if isinstance(whole, np.ndarray):  # a leaf stored whole: cut the boxes from it
+            out[leaf] = Pieces(
+                list(wanted),
+                [_cut(whole, box, manifest.paths[leaf]) for box in wanted],
+                whole.shape,
+            )
     return out
+
+
+def _cut(whole: np.ndarray[Any, Any], box: Box, path: str) -> np.ndarray[Any, Any]:
+    start, shape = box
+    if len(start) != whole.ndim or any(
+        s < 0 or n < 0 or s + n > g for s, n, g in zip(start, shape, whole.shape, strict=True)
+    ):
+        raise ValueError(
+            f"leaf {path!r}: the box at {list(start)} of shape {list(shape)} is not inside the "
+            f"checkpoint's shape {list(whole.shape)}"
+        )
+    return whole[tuple(slice(s, s + n) for s, n in zip(start, shape, strict=True))]
 
 
 async def check_object_size(store: Store, key: str, length: int) -> None:

@@ -40,6 +40,11 @@ others (at once when the transport sees the closed connection, else at the proce
 timeout). Either way no manifest is written and the attempt's objects are garbage for ``gc``
 (the surviving ranks remove their own at once).
 
+A leaf that is a shard of a global array on the ranks that hold it (a
+:class:`~ckptstore.stage.shards.Shard`, a ``DTensor``, a sharded ``jax.Array``) becomes one
+leaf of the global shape made of the ranks' chunks (:mod:`ckptstore.manager.sharding`), and
+a load with shard targets reads only the parts of the chunks its boxes overlap.
+
 Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
 tensors through a host copy), so they must not change until ``save`` returns.
 """
@@ -48,10 +53,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ckptstore import background
@@ -60,6 +67,7 @@ from ckptstore.layout.commit import CommitInfo, latest_step
 from ckptstore.layout.keys import check_step, step_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import FlatState, escape_key, join_path
+from ckptstore.manager import sharding
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import request, restore
 from ckptstore.pipeline.root import Root, opened
@@ -233,6 +241,7 @@ class _Part:
     attrs: list[dict[str, Any] | None]
     attempt: str | None = None  # the coordinator's only
     started: float = 0.0
+    chunks: dict[int, list[Any]] = field(default_factory=dict)  # sharded leaf -> its boxes
 
 
 @dataclass(frozen=True)
@@ -241,6 +250,8 @@ class _Written:
 
     objects: list[tuple[str, int, int]]  # name, size, crc32c
     leaves: list[tuple[int, int, int, int]]  # global leaf, object (rank-local, -1), offset, crc
+    chunks: list[sharding.ChunkRow] = field(default_factory=list)  # object rank-local
+    block_size: int = 0  # the chunks' checksummed block
 
 
 @dataclass(frozen=True)
@@ -264,6 +275,7 @@ class _Leaf:
     attrs: dict[str, Any] | None
     holders: dict[int, int]  # rank -> that rank's leaf index
     owner: int = -1
+    chunks: list[tuple[int, int, Any]] | None = None  # sharded: (writer rank, its chunk, box)
 
 
 def _kind(node: Any) -> str:
@@ -369,6 +381,9 @@ def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
                     "is written once, so it must be the same array on all of them"
                 )
         index = holders[first_rank]
+        chunks = sharding.merged_chunks(
+            path, shape, {rank: parts[rank].chunks.get(i) for rank, i in holders.items()}
+        )
         leaves.append(
             _Leaf(
                 path,
@@ -377,6 +392,7 @@ def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
                 parts[first_rank].nbytes[index],
                 parts[first_rank].attrs[index],
                 holders,
+                chunks=chunks,
             )
         )
         number = len(leaves) - 1
@@ -389,10 +405,13 @@ def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
 
 def _assign_owners(leaves: list[_Leaf], world: int) -> None:
     """A leaf one rank holds is that rank's; a leaf several hold goes, largest first, to the
-    holder with the fewest bytes so far (the lowest rank on a tie)."""
+    holder with the fewest bytes so far (the lowest rank on a tie). A sharded leaf has no
+    owner: each of its boxes gets a writer the same way, after the whole leaves."""
     assigned = [0] * world
     shared = []
     for number, leaf in enumerate(leaves):
+        if leaf.chunks is not None:
+            continue
         if len(leaf.holders) == 1:
             (leaf.owner,) = leaf.holders
             assigned[leaf.owner] += leaf.nbytes
@@ -403,6 +422,10 @@ def _assign_owners(leaves: list[_Leaf], world: int) -> None:
         leaf = leaves[number]
         leaf.owner = min(leaf.holders, key=lambda rank: (assigned[rank], rank))
         assigned[leaf.owner] += leaf.nbytes
+    for leaf in leaves:
+        if leaf.chunks is not None:
+            itemsize = leaf.nbytes // max(1, math.prod(leaf.shape))
+            leaf.chunks = sharding.assign_writers(leaf.chunks, itemsize, assigned)
 
 
 # =========================================================================== saving
@@ -454,15 +477,24 @@ def save(
     ):
         # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
+        shards = sharding.RankShards({}, {}, {})
         error: BaseException | None = None
         begun: Attempt | None = None
         try:
             check_step(step)
+            state, sharded = sharding.split_shards(state)
             staged = save_path.stage(stager, state, copy=False)
             later.callback(staged.release)
             staged.wait_ready()
             flat = staged.flat()
             part = _describe(flat, step)
+            if sharded:
+                pieces = save_path.stage(stager, sharding.chunk_state(sharded), copy=False)
+                later.callback(pieces.release)
+                pieces.wait_ready()
+                shards = sharding.RankShards.of(flat.paths, sharded, pieces.flat().arrays)
+                shapes, nbytes, boxes = sharding.describe(shards, part.shapes, part.nbytes)
+                part = dataclasses.replace(part, shapes=shapes, nbytes=nbytes, chunks=boxes)
             if rank == coordinator:
                 begun = background.run(save_path.begin(store, step, metadata))
                 later.callback(_release_lease, begun)  # committed or not, when this returns
@@ -487,7 +519,7 @@ def save(
         # 2. write what this rank owns, then tell the coordinator
         prefix = f"{attempt.prefix}r{rank}-"
         try:
-            written: Any = background.run(_write_own(store, flat, leaves, rank, prefix))
+            written: Any = background.run(_write_own(store, flat, leaves, rank, prefix, shards))
         except Exception as exc:
             error, written = exc, _Failure.of(rank, exc)
         try:
@@ -572,17 +604,32 @@ def _raise_first(parts: list[Any], own: BaseException | None, store: Store, step
 
 
 async def _write_own(
-    store: Store, flat: FlatState, leaves: list[_Leaf], rank: int, prefix: str
+    store: Store,
+    flat: FlatState,
+    leaves: list[_Leaf],
+    rank: int,
+    prefix: str,
+    shards: sharding.RankShards,
 ) -> _Written:
     mine = [number for number, leaf in enumerate(leaves) if leaf.owner == rank]
+    # the boxes of sharded leaves this rank writes, planned and written like leaves
+    boxes = [
+        (number, k, box)
+        for number, leaf in enumerate(leaves)
+        for writer, k, box in leaf.chunks or ()
+        if writer == rank
+    ]
+    chunk_arrays = [shards.arrays[leaves[n].holders[rank]][k] for n, k, _ in boxes]
     own = FlatState(
         tree=None,
-        paths=[leaves[n].path for n in mine],
-        arrays=[flat.arrays[leaves[n].holders[rank]] for n in mine],
-        attrs=[leaves[n].attrs for n in mine],
+        paths=[leaves[n].path for n in mine]
+        + [f"{leaves[n].path} {list(b[0])}" for n, _, b in boxes],
+        arrays=[flat.arrays[leaves[n].holders[rank]] for n in mine] + chunk_arrays,
+        attrs=[leaves[n].attrs for n in mine] + [None] * len(boxes),
     )
     plan = save_path.plan(store, own.nbytes, own.paths)
     written = await save_path.write(store, own.arrays, plan, prefix)
+    at = len(mine)
     return _Written(
         objects=[
             (obj.name, obj.size, crc)
@@ -592,6 +639,14 @@ async def _write_own(
             (number, plan.leaf_object[i], plan.leaf_offset[i], written.leaf_crc[i])
             for i, number in enumerate(mine)
         ],
+        block_size=store.settings.chunk_block_size,
+        chunks=await sharding.chunk_reports(
+            chunk_arrays,
+            [(n, box) for n, _, box in boxes],
+            plan.leaf_object[at:],
+            plan.leaf_offset[at:],
+            store.settings.chunk_block_size,
+        ),
     )
 
 
@@ -612,6 +667,7 @@ async def _commit(
     object_crcs: list[int] = []
     leaf_object, leaf_offset, leaf_crc = [-1] * n, [0] * n, [0] * n
     reported = [False] * n
+    chunk_rows: list[sharding.ChunkRow] = []
     for rank, written in enumerate(reports):
         base = len(object_keys)
         for name, size, crc in written.objects:
@@ -623,6 +679,22 @@ async def _commit(
             leaf_offset[number] = offset
             leaf_crc[number] = crc
             reported[number] = True
+        for number, start, shape, obj, offset, crcs in written.chunks:
+            chunk_rows.append((number, start, shape, base + obj, offset, crcs))
+    block_sizes = {r.block_size for r in reports if r.chunks}
+    if len(block_sizes) > 1:
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "CkptStoreError",
+                f"the ranks use different Settings.chunk_block_size {sorted(block_sizes)}",
+            ),
+        )
+    written_boxes = Counter(row[0] for row in chunk_rows)
+    for number, leaf in enumerate(leaves):
+        if leaf.chunks is not None:
+            reported[number] = written_boxes[number] == len(leaf.chunks)
     if not all(reported):
         missing = [leaves[i].path for i, ok in enumerate(reported) if not ok]
         return _Outcome(
@@ -657,6 +729,9 @@ async def _commit(
         leaf_length=[leaf.nbytes for leaf in leaves],
         leaf_crc=leaf_crc,
         attrs=[leaf.attrs for leaf in leaves],
+        chunks=sharding.chunk_table(
+            block_sizes.pop() if block_sizes else store.settings.chunk_block_size, chunk_rows
+        ),
     )
     try:
         return _Outcome(await save_path.commit(store, attempt, manifest))

@@ -16,7 +16,10 @@ goes through these stages, so they agree on what a request means and on what goe
      to read (its leaves' paths, when ``keys`` is not given, each of which must exist, as a
      key would), gives each array's type, dtype and placement, and the result is built in the
      target's own containers: named tuples, dataclasses, registered JAX pytree nodes (an
-     optax state, a flax ``TrainState``) come back as themselves.
+     optax state, a flax ``TrainState``) come back as themselves. A target leaf that is a
+     shard of a global array (a :class:`~ckptstore.stage.shards.Shard`, a ``DTensor``, a
+     JAX array or shape struct with a sharding that splits it) asks for the boxes its shard
+     covers: only the bytes of those boxes are read (:mod:`ckptstore.layout.chunks`).
 
    A checkpoint another face wrote in its own format (DCP's) is refused here with
    :class:`~ckptstore.errors.CheckpointFormatError` naming the face that reads it.
@@ -45,10 +48,12 @@ import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CheckpointFormatError, NotFoundError
+from ckptstore.layout.chunks import Box
 from ckptstore.layout.commit import latest_step, read_manifest
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.restore import read_leaves
+from ckptstore.layout.restore import Pieces, read_leaves
 from ckptstore.layout.tree import flatten, iter_leaves, select_paths, unflatten
+from ckptstore.stage.shards import rebuild_pieces, wanted_boxes
 from ckptstore.stage.stager import (
     ArrayKind,
     kind_named,
@@ -96,7 +101,8 @@ class Selection:
         asked: the request it answers.
         leaves: indices of the array leaves to read.
         accept: the path predicate of the selection (``None``: everything).
-        arrays: the verified host arrays by leaf index, once :func:`read` has run.
+        arrays: the verified host arrays by leaf index, once :func:`read` has run (for a
+            leaf a target asked for in parts, its :class:`~ckptstore.layout.restore.Pieces`).
     """
 
     manifest: Manifest
@@ -104,7 +110,7 @@ class Selection:
     asked: Request
     leaves: list[int]
     accept: Callable[[str], bool] | None = None
-    arrays: dict[int, np.ndarray[Any, Any]] = field(default_factory=dict)
+    arrays: dict[int, Any] = field(default_factory=dict)
 
 
 async def find_manifest(store: Store, step: int | None) -> Manifest:
@@ -161,12 +167,14 @@ class Request:
         kind: the array kind every array becomes (a ``target`` string), or ``None``.
         like: the target state the result is built in, or ``None``.
         likes: target leaves by path, when a state target gives types but ``keys`` select.
+        boxes: by path, the boxes of the leaves a target asks for in parts (its shards).
     """
 
     keys: list[str] | None = None
     kind: ArrayKind | None = None
     like: Any = None
     likes: dict[str, Any] = field(default_factory=dict)
+    boxes: dict[str, list[Box]] = field(default_factory=dict)
 
 
 def request(keys: str | Iterable[str] | None = None, target: Any = None) -> Request:
@@ -182,6 +190,10 @@ def request(keys: str | Iterable[str] | None = None, target: Any = None) -> Requ
         asked.kind = kind_named(target)
     elif target is not None:
         leaves = list(iter_leaves(target, expand=expand, is_leaf=_is_target_leaf))
+        for path, leaf in leaves:
+            boxes = wanted_boxes(leaf)
+            if boxes is not None:
+                asked.boxes[path] = boxes
         if keys is None:
             if not leaves:
                 raise ValueError("the restore target holds no leaves to load")
@@ -253,7 +265,11 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
                     f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
                 )
             fill[index[path]] = array
-    selection.arrays = await read_leaves(store, manifest, selection.leaves, fill)
+    boxes: dict[int, list[Box]] = {}
+    if asked.boxes:
+        index = {path: i for i, path in enumerate(manifest.paths)}
+        boxes = {index[path]: wanted for path, wanted in asked.boxes.items() if path in index}
+    selection.arrays = await read_leaves(store, manifest, selection.leaves, fill, boxes)
     return selection
 
 
@@ -279,6 +295,8 @@ def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
             like = asked.likes.get(paths[index])
         leaf_attrs = attrs[index] or {}
         try:
+            if isinstance(array, Pieces):
+                return rebuild_pieces(array, leaf_attrs, like)
             if like is not None and asked.kind is None:
                 return rebuild_leaf(array, leaf_attrs, None, like)
             kind = asked.kind
