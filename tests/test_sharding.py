@@ -1,0 +1,354 @@
+"""Sharded tensors and resharding, with ranks as threads (``LocalGroup``) on local disk: the
+chunk format, verified partial reads, hostile chunk lists, and the save's checks across ranks.
+The same on real gloo processes and SeaweedFS: tests/test_sharding_ranks.py; JAX meshes:
+tests/test_sharding_jax.py."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import background
+from ckptstore.distributed import LocalGroup, Shard, load, save
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.layout.chunks import check_grid
+from ckptstore.layout.keys import manifest_key
+from ckptstore.layout.manifest import Manifest
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.registry import open_store
+from ckptstore.store.wrappers import CountingStore
+
+BLOCK = 4 << 10
+FULL = np.arange(192 * 96, dtype=np.float32).reshape(192, 96) * 0.5  # 72 KiB
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+def split(shape: tuple[int, ...], parts: int, dim: int) -> list[Box]:
+    """``parts`` boxes of ``shape`` along ``dim``, as torch.chunk splits (uneven at the end)."""
+    per = -(-shape[dim] // parts)
+    boxes = []
+    for i in range(parts):
+        low = min(shape[dim], i * per)
+        high = min(shape[dim], low + per)
+        start = tuple(low if d == dim else 0 for d in range(len(shape)))
+        size = tuple(high - low if d == dim else n for d, n in enumerate(shape))
+        boxes.append((start, size))
+    return boxes
+
+
+def grid(shape: tuple[int, ...], rows: int, cols: int) -> list[Box]:
+    return [
+        ((r[0][0], c[0][1]), (r[1][0], c[1][1]))
+        for r in split(shape, rows, 0)
+        for c in split(shape, cols, 1)
+    ]
+
+
+def cut(full: np.ndarray[Any, Any], box: Box) -> np.ndarray[Any, Any]:
+    return full[tuple(slice(s, s + n) for s, n in zip(*box, strict=True))]
+
+
+def in_threads(world: int, fn: Callable[[int, Any], Any]) -> list[Any]:
+    group = LocalGroup(world, timeout=60)
+    with ThreadPoolExecutor(world) as pool:
+        return list(pool.map(lambda rank: fn(rank, group.member(rank)), range(world)))
+
+
+def save_boxes(root: str, boxes: list[Box], step: int = 1) -> None:
+    """Save FULL as ``w`` from ``len(boxes)`` ranks, rank r holding ``boxes[r]`` of it."""
+
+    def one(rank: int, comm: Any) -> Any:
+        box = boxes[rank]
+        part = {"w": Shard(cut(FULL, box), offsets=box[0], global_shape=FULL.shape), "step": step}
+        return save(root, part, step=step, comm=comm, chunk_block_size=BLOCK)
+
+    in_threads(len(boxes), one)
+
+
+def load_boxes(
+    root: str, boxes: list[Box], step: int = 1
+) -> list[tuple[np.ndarray[Any, Any], int]]:
+    """Load each box on a rank of its own; return what each read and its bytes read."""
+
+    def one(rank: int, comm: Any) -> tuple[np.ndarray[Any, Any], int]:
+        box = boxes[rank]
+        counting = CountingStore(open_store(root))
+        like = {"w": Shard(np.empty(box[1], np.float32), offsets=box[0], global_shape=FULL.shape)}
+        got = load(counting, step, target=like)["w"]
+        background.run(counting.close())
+        assert isinstance(got, Shard)
+        assert got.offsets == box[0]
+        return got.tensor, counting.bytes["read"]
+
+    return in_threads(len(boxes), one)
+
+
+SAVED_AS = {
+    "rows": split(FULL.shape, 4, 0),
+    "columns": split(FULL.shape, 4, 1),
+    "grid": grid(FULL.shape, 2, 2),
+}
+LOADED_AS: dict[str, Callable[[int], list[Box]]] = {
+    "rows": lambda world: split(FULL.shape, world, 0),
+    "columns": lambda world: split(FULL.shape, world, 1),
+    "grid": lambda world: grid(FULL.shape, 2, world // 2) if world % 2 == 0 else [],
+}
+
+
+@pytest.mark.parametrize("saved_as", sorted(SAVED_AS))
+@pytest.mark.parametrize("loaded_as", sorted(LOADED_AS))
+def test_4_ranks_save_and_any_world_and_sharding_load_bit_exact(
+    tmp_path: Path, saved_as: str, loaded_as: str
+) -> None:
+    root = str(tmp_path / "ckpt")
+    save_boxes(root, SAVED_AS[saved_as])
+    manifest = ckptstore.read_manifest(root)
+    assert manifest.chunks is not None
+    assert len(manifest.chunks.leaf) == 4
+    for world in (2, 3, 8):
+        boxes = LOADED_AS[loaded_as](world)
+        if not boxes:
+            continue
+        for box, (array, _) in zip(boxes, load_boxes(root, boxes), strict=True):
+            assert array.shape == box[1]
+            np.testing.assert_array_equal(array, cut(FULL, box))
+    # 4 -> 1: one process, the full tensor
+    whole = ckptstore.load(root)
+    np.testing.assert_array_equal(whole["w"], FULL)
+    assert whole["step"] == 1
+
+
+def test_row_resharding_reads_at_most_1_1x_what_it_needs(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    big = np.random.default_rng(0).standard_normal((1024, 256), dtype=np.float32)  # 1 MiB
+
+    def one(rank: int, comm: Any) -> Any:
+        box = split(big.shape, 4, 0)[rank]
+        part = {"w": Shard(cut(big, box), offsets=box[0], global_shape=big.shape)}
+        return save(root, part, step=1, comm=comm, chunk_block_size=BLOCK)
+
+    in_threads(4, one)
+    for world in (3, 5, 8):
+        for box in split(big.shape, world, 0):
+            counting = CountingStore(open_store(root))
+            like = {
+                "w": Shard(np.empty(box[1], np.float32), offsets=box[0], global_shape=big.shape)
+            }
+            got = load(counting, 1, target=like)["w"]
+            np.testing.assert_array_equal(got.tensor, cut(big, box))
+            needed = math.prod(box[1]) * 4
+            assert needed <= counting.bytes["read"] <= 1.1 * needed, (world, box)
+            # over-read is at most one partial block at each end of each chunk overlap
+            assert counting.bytes["read"] - needed < 2 * 2 * BLOCK
+
+
+def _chunk_object(root: str, chunk: int) -> tuple[Path, int]:
+    manifest = ckptstore.read_manifest(root)
+    assert manifest.chunks is not None
+    key = manifest.object_key(manifest.chunks.object[chunk])
+    return Path(root) / key, manifest.chunks.offset[chunk]
+
+
+def test_a_corrupted_block_fails_the_loads_that_read_it_and_no_other(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    save_boxes(root, SAVED_AS["rows"])
+    manifest = ckptstore.read_manifest(root)
+    assert manifest.chunks is not None
+    first = manifest.chunks.start.index([0, 0])  # rows [0, 48): 18 KiB, blocks 0-4
+    path, offset = _chunk_object(root, first)
+    raw = bytearray(path.read_bytes())
+    raw[offset + 3 * BLOCK + 100] ^= 0x40  # in block 3: rows 32-42
+    path.write_bytes(bytes(raw))
+
+    with pytest.raises(CorruptCheckpointError, match=r"block 3: crc32c mismatch"):
+        load_boxes(root, [((30, 0), (10, 96))])
+    with pytest.raises(CorruptCheckpointError, match=r"block 3"):
+        ckptstore.load(root)
+    # a box whose blocks are intact loads: verification is per block, not per chunk
+    ((array, _),) = load_boxes(root, [((0, 0), (16, 96))])
+    np.testing.assert_array_equal(array, FULL[:16])
+
+
+def test_replicated_boxes_are_written_once_spread_over_their_holders(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    halves = split(FULL.shape, 2, 0)
+    save_boxes(root, [halves[0], halves[0], halves[1], halves[1]])
+    manifest = ckptstore.read_manifest(root)
+    assert manifest.chunks is not None
+    assert sorted(map(tuple, manifest.chunks.start)) == [(0, 0), (96, 0)]
+    np.testing.assert_array_equal(ckptstore.load(root)["w"], FULL)
+
+
+def test_ranks_whose_shards_do_not_tile_the_array_all_get_the_same_error(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    overlapping = [((0, 0), (100, 96)), ((90, 0), (102, 96))]
+    with pytest.raises(ValueError, match=r"shards of 'w'.*overlap"):
+        save_boxes(root, overlapping)
+    gap = [((0, 0), (90, 96)), ((100, 0), (92, 96))]
+    with pytest.raises(ValueError, match=r"no chunk covers \[90, 100\) along dimension 0"):
+        save_boxes(root, gap)
+
+    def mixed(rank: int, comm: Any) -> Any:
+        box = split(FULL.shape, 2, 0)[rank]
+        leaf = Shard(cut(FULL, box), offsets=box[0], global_shape=FULL.shape) if rank else FULL
+        try:
+            save(root, {"w": leaf}, step=1, comm=comm)
+        except ValueError as exc:
+            return str(exc)
+        return "saved"
+
+    errors = in_threads(2, mixed)
+    assert errors[0] == errors[1]
+    assert "shard of a global array on rank 1" in errors[0]
+    assert ckptstore.list_steps(root) == []
+
+
+def test_a_shard_target_reads_its_box_of_a_leaf_saved_whole(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    ckptstore.save(root, {"w": FULL}, step=3)
+    ((array, _),) = load_boxes(root, [((10, 20), (5, 7))], step=3)
+    np.testing.assert_array_equal(array, FULL[10:15, 20:27])
+
+
+def test_shard_arguments_and_targets_are_checked() -> None:
+    with pytest.raises(ValueError, match="reaches out of the global shape"):
+        Shard(np.ones((2, 2)), offsets=(3, 0), global_shape=(4, 4))
+    with pytest.raises(ValueError, match="2 dimensions"):
+        Shard(np.ones((2, 2)), offsets=(0,), global_shape=(4, 4))
+    with pytest.raises(TypeError, match="ints"):
+        Shard(np.ones((2, 2)), offsets=(0.5, 0), global_shape=(4, 4))
+
+
+def test_a_shard_target_of_another_global_shape_is_refused(tmp_path: Path) -> None:
+    root = str(tmp_path / "ckpt")
+    save_boxes(root, SAVED_AS["rows"])
+    like = {"w": Shard(np.empty((4, 96), np.float32), offsets=(0, 0), global_shape=(200, 96))}
+    with pytest.raises(ValueError, match=r"target has global shape \[200, 96\], the checkpoint"):
+        load(root, 1, target=like)
+    like = {"w": Shard(np.empty((8, 96), np.float32), offsets=(190, 0), global_shape=(200, 96))}
+    with pytest.raises(ValueError, match="not inside the checkpoint's shape"):
+        load(root, 1, target=like)
+
+
+# --------------------------------------------------------------------------- the format
+
+
+def _saved_doc(tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    root = str(tmp_path / "ckpt")
+    save_boxes(root, grid(FULL.shape, 2, 2))
+    raw = (Path(root) / manifest_key(1)).read_bytes()
+    assert raw.startswith(b'{"format":"ckptstore","version":3,')
+    return root, json.loads(raw[raw.index(b'"body":') + 7 : -1])
+
+
+def _encode(doc: dict[str, Any], version: int = 3) -> bytes:
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc32c(body)},"body":'
+    return head.encode() + body + b"}"
+
+
+def _set_chunk(field: str, chunk: int, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        doc["chunks"][field][chunk] = value
+
+    return mutate
+
+
+def _drop_chunk(doc: dict[str, Any]) -> None:
+    for field, column in doc["chunks"].items():
+        if field != "block_size":
+            del column[-1]
+
+
+def _repeat_chunk(doc: dict[str, Any]) -> None:
+    for field, column in doc["chunks"].items():
+        if field != "block_size":
+            column.append(copy.deepcopy(column[0]))
+
+
+def _same_bytes_as_chunk_0(doc: dict[str, Any]) -> None:
+    doc["chunks"]["object"][1] = doc["chunks"]["object"][0]
+    doc["chunks"]["offset"][1] = doc["chunks"]["offset"][0]
+
+
+def _negative_block_crcs(doc: dict[str, Any]) -> None:
+    doc["chunks"]["crc32c"][0] = [-1] * len(doc["chunks"]["crc32c"][0])
+
+
+HOSTILE: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "overlapping chunk": (_set_chunk("start", 1, [0, 40]), "overlap along dimension 1"),
+    "same box twice": (_repeat_chunk, "two chunks cover the box at"),
+    "missing chunk": (_drop_chunk, "a gap in the grid"),
+    "out of bounds": (_set_chunk("start", 3, [96, 60]), "reaches out of the array's shape"),
+    "empty chunk": (_set_chunk("shape", 0, [0, 48]), "is empty or too large"),
+    "wrong rank": (_set_chunk("start", 0, [0]), "not a list of 2 ints"),
+    "block count": (_set_chunk("crc32c", 0, [1]), "does not hold"),
+    "block crc not u32": (_negative_block_crcs, "32-bit"),
+    "block size": (lambda doc: doc["chunks"].__setitem__("block_size", 3000), "power of two"),
+    "tiny block size": (lambda doc: doc["chunks"].__setitem__("block_size", 512), "power of two"),
+    "unknown leaf": (_set_chunk("leaf", 0, 7), "chunks.leaf"),
+    "unknown object": (_set_chunk("object", 0, 99), "chunks.object"),
+    "negative offset": (_set_chunk("offset", 0, -1), "chunks.offset"),
+    "chunks overlap in an object": (_same_bytes_as_chunk_0, "overlap in one object"),
+    "chunk past its object": (_set_chunk("offset", 0, 1 << 40), "reaches past the end"),
+    "leaf with an object too": (
+        lambda doc: doc["leaves"]["object"].__setitem__(0, 0),
+        "both an object and chunks",
+    ),
+    "unknown field": (lambda doc: doc["chunks"].__setitem__("extra", []), "exactly the fields"),
+    "columns differ": (lambda doc: doc["chunks"]["offset"].pop(), "differ in length"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_chunk_lists_are_refused_before_any_data_read(tmp_path: Path, case: str) -> None:
+    root, doc = _saved_doc(tmp_path)
+    mutate, reason = HOSTILE[case]
+    mutate(doc)
+    (Path(root) / manifest_key(1)).write_bytes(_encode(doc))
+    counting = CountingStore(open_store(root))
+    with pytest.raises(CorruptCheckpointError, match="invalid manifest") as caught:
+        ckptstore.load(counting, 1)
+    assert reason in str(caught.value)
+    assert counting.bytes["read"] == 0
+
+
+def test_chunks_in_an_older_version_are_refused_and_older_manifests_still_load(
+    tmp_path: Path,
+) -> None:
+    _, doc = _saved_doc(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match="version-2 manifest has no chunks"):
+        Manifest.parse(_encode(doc, version=2))
+    plain = str(tmp_path / "plain")
+    ckptstore.save(plain, {"w": FULL}, step=1)
+    raw = (Path(plain) / manifest_key(1)).read_bytes()
+    assert raw.startswith(
+        (b'{"format":"ckptstore","version":1,', b'{"format":"ckptstore","version":2,')
+    )
+    np.testing.assert_array_equal(ckptstore.load(plain)["w"], FULL)
+
+
+def test_grid_check_names_each_problem() -> None:
+    shape = (4, 4)
+    check_grid(shape, [(0, 0), (0, 2), (2, 0), (2, 2)], [(2, 2)] * 4)
+    with pytest.raises(ValueError, match="gap in the grid"):
+        check_grid(shape, [(0, 0), (0, 2), (2, 0)], [(2, 2)] * 3)
+    with pytest.raises(ValueError, match="overlap"):
+        check_grid(shape, [(0, 0), (1, 0)], [(3, 4), (3, 4)])
+    with pytest.raises(ValueError, match=r"no chunk covers \[2, 4\) along dimension 1"):
+        check_grid(shape, [(0, 0), (2, 0)], [(2, 2), (2, 2)])
+    with pytest.raises(ValueError, match="reaches out"):
+        check_grid(shape, [(0, 0), (2, 0)], [(2, 4), (3, 4)])
+    # an exact tiling that is not a grid is refused, as no framework makes one
+    with pytest.raises(ValueError, match="overlap along dimension 1"):
+        check_grid(shape, [(0, 0), (2, 0), (2, 2)], [(2, 4), (2, 2), (2, 2)])
