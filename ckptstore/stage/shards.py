@@ -22,7 +22,7 @@ torch and JAX are imported only when a leaf of theirs is seen.
 
 from __future__ import annotations
 
-import math
+import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -116,11 +116,18 @@ def _torch_dtensor(leaf: Any) -> Any:
     """The DTensor class, if torch is imported and ``leaf`` is one (else ``None``)."""
     if "torch" not in sys.modules:
         return None
+    dtensor = _dtensor_class()
+    return dtensor if dtensor is not None and isinstance(leaf, dtensor) else None
+
+
+@functools.cache
+def _dtensor_class() -> Any:
+    """torch's DTensor class (looked up once: every leaf of every save asks)."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
         return None
-    return DTensor if isinstance(leaf, DTensor) else None
+    return DTensor
 
 
 def _dtensor_box(tensor: Any) -> Box | None:
@@ -260,7 +267,3 @@ def rebuild_pieces(pieces: Pieces, attrs: dict[str, Any], like: Any) -> Any:
 
     return jax.make_array_from_callback(shape, like.sharding, piece)
 
-
-def box_bytes(boxes: Sequence[Box], itemsize: int) -> int:
-    """Bytes the boxes hold (what a load of them needs at least)."""
-    return sum(math.prod(shape) for _, shape in boxes) * itemsize
