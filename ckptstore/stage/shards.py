@@ -22,7 +22,6 @@ torch and JAX are imported only when a leaf of theirs is seen.
 
 from __future__ import annotations
 
-import functools
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -113,21 +112,11 @@ class LocalChunks:
 
 
 def _torch_dtensor(leaf: Any) -> Any:
-    """The DTensor class, if torch is imported and ``leaf`` is one (else ``None``)."""
-    if "torch" not in sys.modules:
-        return None
-    dtensor = _dtensor_class()
+    """The DTensor class if ``leaf`` is a DTensor, else ``None``. Nothing can be a DTensor
+    before its module is imported, so a state without any costs no import."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
     return dtensor if dtensor is not None and isinstance(leaf, dtensor) else None
-
-
-@functools.cache
-def _dtensor_class() -> Any:
-    """torch's DTensor class (looked up once: every leaf of every save asks)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
 
 
 def _dtensor_box(tensor: Any) -> Box | None:
