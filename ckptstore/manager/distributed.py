@@ -51,6 +51,7 @@ tensors through a host copy), so they must not change until ``save`` returns.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import math
@@ -628,7 +629,11 @@ async def _write_own(
         attrs=[leaves[n].attrs for n in mine] + [None] * len(boxes),
     )
     plan = save_path.plan(store, own.nbytes, own.paths)
-    written = await save_path.write(store, own.arrays, plan, prefix)
+    block = store.settings.chunk_block_size
+    written, blocks = await asyncio.gather(
+        save_path.write(store, own.arrays, plan, prefix),
+        sharding.block_checksums(chunk_arrays, block),
+    )
     at = len(mine)
     return _Written(
         objects=[
@@ -639,14 +644,13 @@ async def _write_own(
             (number, plan.leaf_object[i], plan.leaf_offset[i], written.leaf_crc[i])
             for i, number in enumerate(mine)
         ],
-        block_size=store.settings.chunk_block_size,
-        chunks=await sharding.chunk_reports(
-            chunk_arrays,
-            [(n, box) for n, _, box in boxes],
-            plan.leaf_object[at:],
-            plan.leaf_offset[at:],
-            store.settings.chunk_block_size,
-        ),
+        chunks=[
+            (n, list(box[0]), list(box[1]), obj, offset, crcs)
+            for (n, _, box), obj, offset, crcs in zip(
+                boxes, plan.leaf_object[at:], plan.leaf_offset[at:], blocks, strict=True
+            )
+        ],
+        block_size=block,
     )
 
 

@@ -23,11 +23,12 @@ The steps, as :mod:`ckptstore.manager.distributed` calls them:
    rank shares.
 3. :func:`merged_chunks` (in the merge) and :func:`assign_writers`: one writer per box,
    after checking that the boxes tile the global shape exactly.
-4. :func:`chunk_reports`: block checksums of the chunks a rank wrote, for the manifest.
+4. :func:`block_checksums`: the crc32c of every block of the chunks a rank writes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ __all__ = [
     "ChunkRow",
     "RankShards",
     "assign_writers",
-    "chunk_reports",
+    "block_checksums",
     "chunk_table",
     "describe",
     "merged_chunks",
@@ -186,20 +187,12 @@ def assign_writers(
     return writers
 
 
-async def chunk_reports(
-    arrays: Sequence[np.ndarray[Any, Any]],
-    numbers: Sequence[tuple[int, Box]],
-    objects: Sequence[int],
-    offsets: Sequence[int],
-    block_size: int,
-) -> list[ChunkRow]:
-    """What a rank reports of the chunks it wrote: per chunk its leaf, box, place and the
-    crc32c of each block (one pass over the staged bytes, in the hashing threads)."""
-    rows = []
-    for array, (number, box), obj, offset in zip(arrays, numbers, objects, offsets, strict=True):
-        crcs = await in_hash_thread(block_crcs, array, block_size)
-        rows.append((number, list(box[0]), list(box[1]), obj, offset, crcs))
-    return rows
+async def block_checksums(
+    arrays: Sequence[np.ndarray[Any, Any]], block_size: int
+) -> list[list[int]]:
+    """The crc32c of each block of each chunk a rank writes: one pass over the staged bytes
+    in the hashing threads, which the caller runs alongside the writes."""
+    return list(await asyncio.gather(*(in_hash_thread(block_crcs, a, block_size) for a in arrays)))
 
 
 def chunk_table(block_size: int, rows: list[ChunkRow]) -> Chunks:

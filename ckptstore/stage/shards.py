@@ -255,4 +255,3 @@ def rebuild_pieces(pieces: Pieces, attrs: dict[str, Any], like: Any) -> Any:
         return array if array.dtype == dtype else array.astype(dtype)
 
     return jax.make_array_from_callback(shape, like.sharding, piece)
-

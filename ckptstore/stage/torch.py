@@ -194,8 +194,9 @@ class TorchKind(ArrayKind):
         tensor: torch.Tensor = leaf
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
             raise TypeError(
-                f"tensor subclass {type(tensor).__name__} is not staged natively (for DTensor "
-                "and sharded states use ckptstore's torch.distributed.checkpoint integration)"
+                f"tensor subclass {type(tensor).__name__} is not staged natively (save a "
+                "DTensor with ckptstore.distributed.save, which stores its shards as one "
+                "global tensor, or with ckptstore's torch.distributed.checkpoint integration)"
             )
         if tensor.layout != torch.strided:
             raise TypeError(f"{tensor.layout} tensors are not supported; convert to dense first")
