@@ -116,6 +116,23 @@ def run_ranks(
     return outcomes
 
 
+def gloo_worker(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
+    """The main of a worker script: join the gloo group the environment describes (RANK,
+    WORLD_SIZE, MASTER_ADDR, MASTER_PORT), run the scenario named by the first argument with
+    the others, and print its ``RESULT``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    scenario, *args = sys.argv[1:]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        result = scenarios[scenario](*args)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
 def sigkill_when_ready(victim: int) -> During:
     """A ``during`` for :func:`run_ranks`: wait until rank ``victim`` prints :data:`KILL_ME`,
     then SIGKILL it from outside, as a preemption or the OOM killer would. The wait has the

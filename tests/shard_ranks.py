@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -39,6 +37,7 @@ import ckptstore.distributed as cdist
 from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
+from tests.multirank import gloo_worker
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 #: small enough that a rank's share of ``w`` spans many blocks
@@ -159,13 +158,7 @@ SCENARIOS = {"save": scenario_save, "load": scenario_load}
 
 
 def main() -> None:
-    scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        result = SCENARIOS[scenario](*args)
-        print("RESULT " + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
+    gloo_worker(SCENARIOS)
 
 
 if __name__ == "__main__":
