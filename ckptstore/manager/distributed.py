@@ -19,7 +19,9 @@ the value for plain values, the kind of container) and is written once, by the h
 the fewest bytes assigned so far. The checkpoint is then an ordinary ckptstore checkpoint of
 the merged state: ``ckptstore.load``, :class:`~ckptstore.CheckpointManager` ``restore`` and
 the CLI read it like any other, on any number of processes, and a rank that loads with
-``keys`` or a ``target`` reads only the byte ranges of the leaves it names.
+``keys`` or a ``target`` reads only the byte ranges of the leaves it names. A leaf that
+several ranks load is read from the store by one of them and sent to the others
+(:mod:`ckptstore.manager.broadcast`; ``broadcast=False`` turns it off).
 
 The save is three collectives around the commit protocol of :mod:`ckptstore.layout.commit`:
 

@@ -31,7 +31,11 @@ goes through these stages, so they agree on what a request means and on what goe
 before its collectives); :func:`read` runs stages 1-2 on the event loop; :func:`rebuild` runs
 in the caller's thread,
 since building tensors on a device is not the loop's work. :func:`arestore` and
-:func:`restore` chain them for async and sync callers.
+:func:`restore` chain them for async and sync callers. A face that runs collectives between
+the stages (``ckptstore.distributed.load``, whose ranks read shared leaves once and send
+them to each other: :mod:`ckptstore.manager.broadcast`) calls :func:`select_step`, then
+:func:`read_selected` for the leaves it reads itself, and :func:`rebuild` once the other
+leaves' arrays are in the selection.
 """
 
 from __future__ import annotations
