@@ -7,6 +7,7 @@ tests/test_broadcast_ranks.py runs the same loads on real gloo processes.
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -17,14 +18,16 @@ import pytest
 import ckptstore
 import ckptstore.manager.distributed as cd
 from ckptstore import background
-from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError, StoreError
 from ckptstore.manager.broadcast import plan_reads
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
-from ckptstore.store.wrappers import CountingStore
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, transient_error
 from tests.test_distributed import assert_same, run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
+#: the operations a load reads data with
+READS = frozenset({"get", "read"})
 
 
 def replicated() -> dict[str, Any]:
@@ -167,6 +170,42 @@ def test_a_corrupt_shared_object_fails_every_rank(store: Store, tmp_path: Path) 
         if other is not own[0]:
             assert f"rank {reader}: CorruptCheckpointError" in str(other)
             assert "'embed'" in str(other)
+
+
+def test_a_store_error_on_the_rank_reading_a_shared_leaf_fails_every_rank(
+    store: Store,
+) -> None:
+    ckptstore.save(store, replicated(), step=1)
+    manifest = ckptstore.read_manifest(store, 1)
+    embed = manifest.object_key(manifest.leaf_object[manifest.paths.index("embed")])
+    # every rank's store fails reads of the embedding's object; only its reader gets there
+    failing = FaultStore(store, [Fault(READS, transient_error, key=re.escape(embed))])
+
+    results = run_ranks(3, lambda rank, comm: cd.load(failing, 1, comm=comm))
+    assert sum(isinstance(r, StoreError) for r in results) == 1, results
+    reader = next(rank for rank, r in enumerate(results) if isinstance(r, StoreError))
+    for rank, other in enumerate(results):
+        if rank != reader:
+            assert isinstance(other, CkptStoreError), other
+            assert f"rank {reader}: StoreError" in str(other)
+            assert "injected fault" in str(other)
+
+
+def test_collectives_without_exchange_are_refused_before_any_collective(store: Store) -> None:
+    ckptstore.save(store, {"w": np.ones(4)}, step=1)
+
+    class Old:
+        """Collectives written before exchange() existed."""
+
+        rank, world = 0, 2
+
+        def all_gather(self, obj: Any) -> list[Any]:
+            raise AssertionError("no collective may run")
+
+    with pytest.raises(TypeError, match="exchange"):
+        cd.load(store, 1, comm=Old())  # type: ignore[arg-type]
+    got = cd.load(store, 1, comm=Old(), broadcast=False)  # type: ignore[arg-type]
+    assert_same(got, {"w": np.ones(4)})
 
 
 def test_a_key_one_rank_lacks_fails_every_rank(store: Store) -> None:

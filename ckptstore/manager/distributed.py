@@ -806,6 +806,12 @@ def load(
                 raise NotFoundError(f"{store.url}: no committed checkpoint")
             step = int(found)
         if broadcast and comm is not None and comm.world > 1:
+            if not callable(getattr(comm, "exchange", None)):
+                raise TypeError(
+                    f"{type(comm).__name__} has no exchange(), which a load with "
+                    "broadcast=True sends shared leaves with; add it (see Collectives) or "
+                    "pass broadcast=False"
+                )
             # imported here: the broadcast module builds on this one's collectives
             from ckptstore.manager.broadcast import load_shared
 
