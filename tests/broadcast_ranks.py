@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ import ckptstore.manager.distributed as cd
 from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
+from tests.multirank import rank_main
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 SHARD = 256 * 1024  # float32 elements: 1 MiB, an object of its own (never packed)
@@ -105,15 +104,5 @@ def scenario_corrupt(root: str, step: str) -> dict[str, Any]:
 SCENARIOS = {"load": scenario_load, "corrupt": scenario_corrupt}
 
 
-def main() -> None:
-    scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        result = SCENARIOS[scenario](*args)
-        print("RESULT " + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(SCENARIOS)
