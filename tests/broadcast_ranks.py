@@ -101,7 +101,29 @@ def scenario_corrupt(root: str, step: str) -> dict[str, Any]:
     return {"error": None}
 
 
-SCENARIOS = {"load": scenario_load, "corrupt": scenario_corrupt}
+class DiesInExchange(cd.TorchCollectives):
+    """A rank that dies (as a preempted or OOM-killed one would: no exception, no cleanup)
+    when the shared leaves are to be sent, having read its share for the others."""
+
+    def exchange(self, sends: list[cd.Message], receives: list[cd.Message]) -> None:
+        os._exit(17)
+
+
+def scenario_die(root: str, step: str) -> dict[str, Any]:
+    """Rank 1 dies as the shared leaves are sent: report the error this rank got."""
+    rank = dist.get_rank()
+    comm = DiesInExchange() if rank == 1 else cd.TorchCollectives()
+    store = open_store(root, **OPTIONS)
+    try:
+        cd.load(store, int(step), comm=comm)
+    except Exception as exc:
+        return {"error": type(exc).__name__, "message": str(exc)}
+    finally:
+        background.run(store.close())
+    return {"error": None}
+
+
+SCENARIOS = {"load": scenario_load, "corrupt": scenario_corrupt, "die": scenario_die}
 
 
 if __name__ == "__main__":

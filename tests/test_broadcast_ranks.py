@@ -106,3 +106,21 @@ def test_a_corrupt_object_read_for_others_fails_every_rank(
         assert "'model/embed'" in result["message"]
         if "another rank" in result["message"]:
             assert f"rank {readers[0]}: CorruptCheckpointError" in result["message"]
+
+
+def test_a_rank_dying_as_shared_leaves_are_sent_fails_the_others_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 of 3 reads its share of the model, then dies before sending it: the survivors
+    wait on it in the transfer, see the connection close, and raise (run_ranks bounds their
+    run, so a hang fails the test)."""
+    root = str(tmp_path / "ckpts")
+    ckptstore.save(root, worker.state(3), step=1)
+    outcomes = run_ranks(WORKER, 3, "die", root, "1", logs=tmp_path / "logs")
+    assert outcomes[1].returncode == 17, outcomes[1].log[-4000:]
+    for rank in (0, 2):
+        assert outcomes[rank].returncode == 0, outcomes[rank].log[-4000:]
+        result = outcomes[rank].results[-1]
+        assert result["error"] == "CkptStoreError", result
+        assert "sending the shared leaves failed" in result["message"], result
+        assert "another rank died" in result["message"], result
