@@ -25,7 +25,7 @@ from ckptstore import background
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
-from tests.multirank import KILL_ME, gloo_worker
+from tests.multirank import KILL_ME, rank_main
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 SHARD = 256 * 1024  # float32 elements: 1 MiB
@@ -167,9 +167,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    gloo_worker(SCENARIOS)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(SCENARIOS)

@@ -37,7 +37,7 @@ import ckptstore.distributed as cdist
 from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
-from tests.multirank import gloo_worker
+from tests.multirank import rank_main
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 #: small enough that a rank's share of ``w`` spans many blocks
@@ -157,9 +157,5 @@ def scenario_load(root: str, step: str) -> dict[str, Any]:
 SCENARIOS = {"save": scenario_save, "load": scenario_load}
 
 
-def main() -> None:
-    gloo_worker(SCENARIOS)
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(SCENARIOS)

@@ -84,7 +84,8 @@ def load_boxes(
         box = boxes[rank]
         counting = CountingStore(open_store(root))
         like = {"w": Shard(np.empty(box[1], np.float32), offsets=box[0], global_shape=FULL.shape)}
-        got = load(counting, step, target=like)["w"]
+        # a collective load (read once, broadcast): each rank still reads its own boxes
+        got = load(counting, step, target=like, comm=comm)["w"]
         background.run(counting.close())
         assert isinstance(got, Shard)
         assert got.offsets == box[0]

@@ -34,13 +34,17 @@ goes through these stages, so they agree on what a request means and on what goe
 before its collectives); :func:`read` runs stages 1-2 on the event loop; :func:`rebuild` runs
 in the caller's thread,
 since building tensors on a device is not the loop's work. :func:`arestore` and
-:func:`restore` chain them for async and sync callers.
+:func:`restore` chain them for async and sync callers. A face that runs collectives between
+the stages (``ckptstore.distributed.load``, whose ranks read shared leaves once and send
+them to each other: :mod:`ckptstore.manager.broadcast`) calls :func:`select_step`, then
+:func:`read_selected` for the leaves it reads itself, and :func:`rebuild` once the other
+leaves' arrays are in the selection.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,10 +76,12 @@ __all__ = [
     "arestore",
     "find_manifest",
     "read",
+    "read_selected",
     "rebuild",
     "request",
     "restore",
     "select",
+    "select_step",
 ]
 
 #: A face's own way to turn one restored host array into its value:
@@ -111,6 +117,14 @@ class Selection:
     leaves: list[int]
     accept: Callable[[str], bool] | None = None
     arrays: dict[int, Any] = field(default_factory=dict)
+
+    def boxes(self) -> dict[int, list[Box]]:
+        """By leaf index, the boxes a target asks for of the leaves it wants in parts (its
+        shards of sharded leaves); a face reads those leaves on the rank that asked."""
+        if not self.asked.boxes:
+            return {}
+        index = {path: i for i, path in enumerate(self.manifest.paths)}
+        return {index[p]: boxes for p, boxes in self.asked.boxes.items() if p in index}
 
 
 async def find_manifest(store: Store, step: int | None) -> Manifest:
@@ -253,8 +267,8 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
             ``into`` the step lacks.
         CorruptCheckpointError: the manifest or any byte read fails verification.
     """
-    manifest = await find_manifest(store, step)
-    selection = select(manifest, store.url, asked)
+    selection = await select_step(store, step, asked)
+    manifest = selection.manifest
     fill: dict[int, np.ndarray[Any, Any]] = {}
     if into is not None:
         index = {path: i for i, path in enumerate(manifest.paths)}
@@ -265,12 +279,52 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
                     f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
                 )
             fill[index[path]] = array
-    boxes: dict[int, list[Box]] = {}
-    if asked.boxes:
-        index = {path: i for i, path in enumerate(manifest.paths)}
-        boxes = {index[path]: wanted for path, wanted in asked.boxes.items() if path in index}
-    selection.arrays = await read_leaves(store, manifest, selection.leaves, fill, boxes)
+    await read_selected(store, selection, into=fill)
     return selection
+
+
+async def select_step(store: Store, step: int | None, asked: Request) -> Selection:
+    """Stage 1 on a store: the step's validated manifest and what ``asked`` selects of it.
+
+    Raises:
+        NotFoundError: no such step, or a key or target leaf naming nothing.
+        CorruptCheckpointError: the manifest fails validation.
+        CheckpointFormatError: the checkpoint is in a format only another face reads.
+    """
+    return select(await find_manifest(store, step), store.url, asked)
+
+
+async def read_selected(
+    store: Store,
+    selection: Selection,
+    *,
+    leaves: Sequence[int] | None = None,
+    into: Mapping[int, np.ndarray[Any, Any]] | None = None,
+) -> None:
+    """Stage 2: read and verify ``leaves`` (default: every selected leaf) into
+    ``selection.arrays``. A face that gets some leaves another way (a multi-rank load, where
+    one rank reads a shared leaf for all) reads the rest here and adds its own arrays.
+
+    Args:
+        store: the store the selection's manifest came from.
+        selection: what :func:`select` chose.
+        leaves: the leaf indices to read, a subset of ``selection.leaves``.
+        into: arrays to read into, by leaf index (dtype and shape as the checkpoint's).
+
+    Raises:
+        CorruptCheckpointError: anything read fails verification.
+    """
+    wanted = selection.leaves if leaves is None else leaves
+    boxes = selection.boxes()
+    selection.arrays.update(
+        await read_leaves(
+            store,
+            selection.manifest,
+            wanted,
+            into,
+            {leaf: boxes[leaf] for leaf in wanted if leaf in boxes},
+        )
+    )
 
 
 def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
