@@ -353,3 +353,35 @@ def test_grid_check_names_each_problem() -> None:
     # an exact tiling that is not a grid is refused, as no framework makes one
     with pytest.raises(ValueError, match="overlap along dimension 1"):
         check_grid(shape, [(0, 0), (2, 0), (2, 2)], [(2, 4), (2, 2), (2, 2)])
+
+
+def test_verify_finds_a_damaged_chunk_and_cp_copies_a_sharded_step(tmp_path: Path) -> None:
+    from ckptstore.layout.maintenance import copy_step, verify_step
+
+    root, copy_root = str(tmp_path / "ckpt"), str(tmp_path / "copy")
+    save_boxes(root, grid(FULL.shape, 2, 2))
+
+    async def copy_and_verify() -> tuple[int, int]:
+        async with open_store(root) as src, open_store(copy_root) as dst:
+            await copy_step(src, dst, 1)
+            return len((await verify_step(src, 1)).damage), len((await verify_step(dst, 1)).damage)
+
+    assert background.run(copy_and_verify()) == (0, 0)
+    copied = ckptstore.read_manifest(copy_root)
+    assert copied.chunks is not None
+    np.testing.assert_array_equal(ckptstore.load(copy_root)["w"], FULL)
+    ((array, _),) = load_boxes(copy_root, [((50, 10), (100, 70))])
+    np.testing.assert_array_equal(array, FULL[50:150, 10:80])
+
+    path, offset = _chunk_object(copy_root, 2)
+    raw = bytearray(path.read_bytes())
+    raw[offset + 10] ^= 1
+    path.write_bytes(bytes(raw))
+
+    async def verify() -> list[str]:
+        async with open_store(copy_root) as store:
+            return [str(d) for d in (await verify_step(store, 1)).damage]
+
+    damage = background.run(verify())
+    assert len(damage) == 1
+    assert "crc32c mismatch" in damage[0]
