@@ -385,3 +385,44 @@ def test_verify_finds_a_damaged_chunk_and_cp_copies_a_sharded_step(tmp_path: Pat
     damage = background.run(verify())
     assert len(damage) == 1
     assert "crc32c mismatch" in damage[0]
+
+
+async def test_any_box_of_any_grid_reads_exactly_its_elements() -> None:
+    """Random grids of chunks in 1 to 3 dimensions, random dtypes and boxes, 4 KiB and 1 MiB
+    blocks: what read_boxes returns (100 trials) equals numpy's slice of the global array."""
+    import itertools
+    import random
+
+    from ckptstore.layout.chunks import Chunks, block_crcs, read_boxes
+    from ckptstore.store.memory import MemoryStore
+
+    rng = random.Random(22)
+
+    def intervals(n: int) -> list[tuple[int, int]]:
+        cuts = sorted(rng.sample(range(1, n), min(rng.randint(0, 3), n - 1)))
+        bounds = [0, *cuts, n]
+        return list(itertools.pairwise(bounds))
+
+    for trial in range(100):
+        shape = tuple(rng.randint(1, 40) for _ in range(rng.randint(1, 3)))
+        dtype = np.dtype(rng.choice(["u1", "i2", "f4", "f8"]))
+        full = (np.arange(math.prod(shape)) % 251).astype(dtype).reshape(shape)
+        block = rng.choice([4 << 10, 1 << 20])
+        store = MemoryStore()
+        rows = []
+        for i, cell in enumerate(itertools.product(*(intervals(n) for n in shape))):
+            data = np.ascontiguousarray(full[tuple(slice(a, b) for a, b in cell)])
+            await store.put(f"chunk{i}", data.tobytes())
+            rows.append(
+                (0, [a for a, _ in cell], [b - a for a, b in cell], i, 0, block_crcs(data, block))
+            )
+        boxes: list[Box] = []
+        for _ in range(rng.randint(1, 3)):
+            start = tuple(rng.randint(0, n - 1) for n in shape)
+            size = tuple(rng.randint(1, n - s) for s, n in zip(start, shape, strict=True))
+            boxes.append((start, size))
+        got = await read_boxes(
+            store, "chunk{}".format, Chunks.build(block, rows), 0, shape, dtype, boxes, where="t"
+        )
+        for box, array in zip(boxes, got, strict=True):
+            np.testing.assert_array_equal(array, cut(full, box), err_msg=f"trial {trial}")
