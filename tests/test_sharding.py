@@ -378,13 +378,15 @@ def test_verify_finds_a_damaged_chunk_and_cp_copies_a_sharded_step(tmp_path: Pat
     raw[offset + 10] ^= 1
     path.write_bytes(bytes(raw))
 
-    async def verify() -> list[str]:
+    async def verify() -> list[tuple[str, str, str]]:
         async with open_store(copy_root) as store:
-            return [str(d) for d in (await verify_step(store, 1)).damage]
+            return [(d.kind, d.name, d.problem) for d in (await verify_step(store, 1)).damage]
 
-    damage = background.run(verify())
-    assert len(damage) == 1
-    assert "crc32c mismatch" in damage[0]
+    # the object's crc32c and the crc32c of the block the flipped byte is in
+    (obj, block) = background.run(verify())
+    assert obj[0] == "object"
+    assert "crc32c mismatch" in obj[2]
+    assert block[:2] == ("leaf", f"w (chunk at {copied.chunks.start[2]}, block 0)")
 
 
 async def test_any_box_of_any_grid_reads_exactly_its_elements() -> None:
@@ -426,3 +428,22 @@ async def test_any_box_of_any_grid_reads_exactly_its_elements() -> None:
         )
         for box, array in zip(boxes, got, strict=True):
             np.testing.assert_array_equal(array, cut(full, box), err_msg=f"trial {trial}")
+
+
+def test_verify_checks_every_block_against_its_own_crc32c(tmp_path: Path) -> None:
+    """A block crc32c that lies (the object's crc32c intact) fails verify as it fails loads."""
+    from ckptstore.layout.maintenance import verify_step
+
+    root, doc = _saved_doc(tmp_path)
+    doc["chunks"]["crc32c"][1][2] ^= 1
+    (Path(root) / manifest_key(1)).write_bytes(_encode(doc))
+
+    async def verify() -> list[tuple[str, str]]:
+        async with open_store(root) as store:
+            return [(d.kind, d.name) for d in (await verify_step(store, 1)).damage]
+
+    (damage,) = background.run(verify())
+    assert damage[0] == "leaf"
+    assert damage[1] == f"w (chunk at {doc['chunks']['start'][1]}, block 2)"
+    with pytest.raises(CorruptCheckpointError, match="block 2: crc32c mismatch"):
+        ckptstore.load(root)

@@ -185,18 +185,63 @@ class VerifyReport:
         return not self.damage
 
 
-def _leaf_index(manifest: Manifest) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Per object: its leaves sorted by offset, their offsets and their ends."""
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """A byte range of an object with a recorded crc32c: a leaf, or a block of a chunk of a
+    sharded leaf (see :mod:`ckptstore.layout.chunks`)."""
+
+    offset: int
+    length: int
+    crc: int
+    name: str
+    leaf: bool
+
+
+def _spans(manifest: Manifest) -> list[tuple[int, _Span]]:
+    """Every checksummed range of every object: ``(object, span)``."""
+    spans = [
+        (
+            obj,
+            _Span(
+                manifest.leaf_offset[leaf],
+                manifest.leaf_length[leaf],
+                manifest.leaf_crc[leaf],
+                manifest.paths[leaf],
+                True,
+            ),
+        )
+        for leaf, obj in enumerate(manifest.leaf_object)
+        if obj >= 0 and manifest.leaf_length[leaf] > 0
+    ]
+    chunks = manifest.chunks
+    if chunks is not None:
+        block = chunks.block_size
+        for c, leaf in enumerate(chunks.leaf):
+            length = chunks.length(c, manifest.dtype(leaf).itemsize)
+            where = f"{manifest.paths[leaf]} (chunk at {chunks.start[c]}"
+            for b, crc in enumerate(chunks.crc32c[c]):
+                size = min(block, length - b * block)
+                name = f"{where}, block {b})"
+                spans.append(
+                    (chunks.object[c], _Span(chunks.offset[c] + b * block, size, crc, name, False))
+                )
+    return spans
+
+
+def _leaf_index(
+    spans: list[tuple[int, _Span]],
+) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Per object: its spans (indices into ``spans``) sorted by offset, their offsets and
+    their ends."""
     by_object: dict[int, list[int]] = defaultdict(list)
-    for leaf, obj in enumerate(manifest.leaf_object):
-        if obj >= 0 and manifest.leaf_length[leaf] > 0:
-            by_object[obj].append(leaf)
+    for i, (obj, _) in enumerate(spans):
+        by_object[obj].append(i)
     index = {}
-    for obj, leaves in by_object.items():
-        leaves.sort(key=lambda i: manifest.leaf_offset[i])
-        offsets = [manifest.leaf_offset[i] for i in leaves]
-        ends = [manifest.leaf_offset[i] + manifest.leaf_length[i] for i in leaves]
-        index[obj] = (leaves, offsets, ends)
+    for obj, members in by_object.items():
+        members.sort(key=lambda i: spans[i][1].offset)
+        offsets = [spans[i][1].offset for i in members]
+        ends = [spans[i][1].offset + spans[i][1].length for i in members]
+        index[obj] = (members, offsets, ends)
     return index
 
 
@@ -231,7 +276,8 @@ async def verify_manifest(
     chunk = chunk_size or store.settings.part_size
     buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
     slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
-    leaf_index = _leaf_index(manifest)
+    spans = _spans(manifest)
+    leaf_index = _leaf_index(spans)
     leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
 
     def hash_chunk(obj: int, start: int, view: memoryview) -> tuple[int, list[tuple[int, int]]]:
@@ -256,8 +302,9 @@ async def verify_manifest(
             finally:
                 buf.release()
         for leaf, piece_crc in pieces:
-            lo = max(manifest.leaf_offset[leaf], start)
-            hi = min(manifest.leaf_offset[leaf] + manifest.leaf_length[leaf], start + length)
+            span = spans[leaf][1]
+            lo = max(span.offset, start)
+            hi = min(span.offset + span.length, start + length)
             leaf_pieces[leaf].append((lo, piece_crc, hi - lo))
         if progress is not None:
             progress(length)
@@ -296,15 +343,15 @@ async def verify_manifest(
                 )
             )
         for leaf in leaf_index.get(obj, ([], [], []))[0]:
-            report.leaves += 1
+            span = spans[leaf][1]
+            report.leaves += int(span.leaf)
             leaf_crc = _combine(leaf_pieces.pop(leaf, []))
-            if leaf_crc != manifest.leaf_crc[leaf]:
+            if leaf_crc != span.crc:
                 report.damage.append(
                     Damage(
                         "leaf",
-                        manifest.paths[leaf],
-                        f"crc32c mismatch in {key}: recorded {manifest.leaf_crc[leaf]}, "
-                        f"read {leaf_crc}",
+                        span.name,
+                        f"crc32c mismatch in {key}: recorded {span.crc}, read {leaf_crc}",
                     )
                 )
 
