@@ -10,8 +10,6 @@ manager on real gloo processes, SIGKILL included.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -23,42 +21,12 @@ import pytest
 import ckptstore
 import ckptstore.distributed
 from ckptstore import background
-from ckptstore.errors import NotFoundError, StoreError
+from ckptstore.errors import NotFoundError
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
-from ckptstore.store.wrappers import StoreWrapper
+from tests.gated_store import HELD_FOR, Gate
 
 MiB = 1 << 20
-HELD_FOR = 60.0  # seconds a held write waits for its release before the test fails
-
-
-class Gate(StoreWrapper):
-    """One rank's view of the shared store: its puts pass, wait for :meth:`release`
-    (``hold``), or fail (``fail``)."""
-
-    def __init__(self, inner: Store) -> None:
-        super().__init__(inner)
-        self.mode = "pass"
-        self.released = threading.Event()
-        self.held = threading.Event()  # set once a put is waiting on the gate
-
-    def hold(self) -> None:
-        self.mode = "hold"
-        self.released.clear()
-
-    def release(self) -> None:
-        self.mode = "pass"
-        self.released.set()
-
-    async def _hook(self, op: str, key: str, nbytes: int) -> None:
-        if op not in ("put", "create_multipart"):
-            return
-        if self.mode == "fail":
-            raise StoreError(f"injected failure of the put of {key!r}")
-        if self.mode == "hold":
-            self.held.set()
-            if not await asyncio.to_thread(self.released.wait, HELD_FOR):
-                raise TimeoutError("the test never released the held write")
 
 
 def run_ranks(world: int, fn: Callable[[int, ckptstore.distributed.Collectives], Any]) -> list[Any]:
