@@ -1,6 +1,7 @@
 """The import path ``ckptstore.distributed``, kept for scripts that use it.
 
-The module is :mod:`ckptstore.manager.distributed`.
+The modules are :mod:`ckptstore.manager.distributed` (``save``, ``load``, the collectives)
+and :mod:`ckptstore.manager.distributed_manager` (the multi-rank ``CheckpointManager``).
 """
 
 from __future__ import annotations

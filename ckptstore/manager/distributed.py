@@ -41,7 +41,9 @@ timeout). Either way no manifest is written and the attempt's objects are garbag
 (the surviving ranks remove their own at once).
 
 Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
-tensors through a host copy), so they must not change until ``save`` returns.
+tensors through a host copy), so they must not change until ``save`` returns. The multi-rank
+:class:`~ckptstore.manager.distributed_manager.CheckpointManager` copies them instead and runs
+:func:`commit_parts` in the background, on a process group of its own.
 """
 
 from __future__ import annotations
