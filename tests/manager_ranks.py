@@ -12,8 +12,6 @@ shared root, so the scenario holds, fails or freezes this rank's background writ
 from __future__ import annotations
 
 import json
-import sys
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -21,10 +19,10 @@ import torch.distributed as dist
 
 import ckptstore.distributed
 from tests.gated_store import HELD_FOR, Gate
-from tests.native_ranks import SHARD, opened, part, replicated, shard
+from tests.native_ranks import SHARD, main, opened, part, replicated, shard
 
 FAILING_RANK = 1
-#: seconds the manager's gloo group waits in a collective before failing
+#: seconds the manager's gloo group waits in a collective before failing (as the world's)
 GROUP_TIMEOUT = 60.0
 
 
@@ -125,15 +123,5 @@ def scenario_sigkill(root: str) -> dict[str, Any]:
 SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill}
 
 
-def main() -> None:
-    scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=GROUP_TIMEOUT))
-    try:
-        result = SCENARIOS[scenario](*args)
-        print("RESULT " + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    main(SCENARIOS)

@@ -169,11 +169,12 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
+def main(scenarios: dict[str, Any] = SCENARIOS) -> None:
+    """Run the scenario named on the command line (one of ``scenarios``) on this rank."""
     scenario, *args = sys.argv[1:]
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     try:
-        result = SCENARIOS[scenario](*args)
+        result = scenarios[scenario](*args)
         print("RESULT " + json.dumps(result), flush=True)
     finally:
         dist.destroy_process_group()

@@ -10,8 +10,6 @@ manager on real gloo processes, SIGKILL included.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +23,9 @@ from ckptstore.errors import NotFoundError
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from tests.gated_store import HELD_FOR, Gate
+from tests.test_distributed import run_ranks
 
 MiB = 1 << 20
-
-
-def run_ranks(world: int, fn: Callable[[int, ckptstore.distributed.Collectives], Any]) -> list[Any]:
-    """Run ``fn(rank, comm)`` on ``world`` threads; each result or raised exception."""
-    group = ckptstore.distributed.LocalGroup(world, timeout=60)
-
-    def one(rank: int) -> Any:
-        try:
-            return fn(rank, group.member(rank))
-        except BaseException as exc:  # collected and checked by the test
-            return exc
-
-    with ThreadPoolExecutor(world) as pool:
-        return list(pool.map(one, range(world)))
 
 
 def part(rank: int, seed: int) -> dict[str, Any]:
