@@ -226,7 +226,7 @@ def test_retention_restore_and_delete_are_the_single_process_managers(shared: St
     assert steps_of(shared) == [5]
 
 
-def test_refusals(shared: Store) -> None:
+def test_refusals_and_a_group_of_one(shared: Store) -> None:
     group = ckptstore.distributed.LocalGroup(2)
     with pytest.raises(ValueError, match="not both"):
         ckptstore.distributed.CheckpointManager(shared, comm=group.member(0), group=object())
@@ -242,7 +242,13 @@ def test_refusals(shared: Store) -> None:
         assert mgr.save(1, part(0, 1)) is True  # a group of one is a plain async manager
         mgr.wait_until_finished()
         assert "rank=0, world=1" in repr(mgr)
-    assert steps_of(shared) == [1]
+    with ckptstore.distributed.CheckpointManager(
+        shared, comm=ckptstore.distributed.LocalGroup(1).member(0), async_save=False
+    ) as mgr:
+        assert mgr.save(2, part(0, 2)) is True
+        assert mgr.last_handle is not None
+        assert mgr.last_handle.done()  # async_save=False: committed when the call returns
+    assert steps_of(shared) == [1, 2]
 
 
 def test_without_torch_distributed_initialised_the_fix_is_named(shared: Store) -> None:

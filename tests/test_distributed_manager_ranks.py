@@ -32,6 +32,14 @@ TARGETS_AND_WORLDS = [
     pytest.param("local", 8, marks=pytest.mark.slow, id="local-8"),
     pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
 ]
+#: the same for the SIGKILL test, whose runs take longer (a second world loads step 1):
+#: 2 local ranks by default, the rest in the slow suite
+SIGKILL_TARGETS_AND_WORLDS = [
+    pytest.param("local", 2, id="local-2"),
+    pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
+    pytest.param("local", 8, marks=pytest.mark.slow, id="local-8"),
+    pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
+]
 
 
 def step_dirs(target: Target) -> dict[str, set[str]]:
@@ -72,8 +80,7 @@ def test_async_save_on_ranks_returns_after_the_copy_retains_and_reports_failures
     assert held["8"] == {f"r{rank}" for rank in range(world)}  # every rank wrote its shard
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+@pytest.mark.parametrize(("target", "world"), SIGKILL_TARGETS_AND_WORLDS, indirect=["target"])
 def test_rank_sigkilled_during_the_background_write_leaves_no_step(
     target: Target, world: int, tmp_path: Path
 ) -> None:
