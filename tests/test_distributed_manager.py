@@ -20,6 +20,7 @@ import ckptstore
 import ckptstore.distributed
 from ckptstore import background
 from ckptstore.errors import NotFoundError
+from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from tests.gated_store import HELD_FOR, Gate
@@ -191,6 +192,39 @@ def test_rank_whose_staging_fails_raises_at_once_and_the_others_learn_of_it(
             assert seen["wait"].startswith("CkptStoreError"), seen["wait"]
             assert "step 1 was not saved: rank 1:" in seen["wait"], seen["wait"]
     assert steps_of(shared) == [2]
+
+
+class FailingCopy(Stager):
+    """A stager whose copies seem to land later and then fail, as a device-to-host copy
+    whose stream failed would."""
+
+    def stage(self, state: Any, *, copy: bool = True, lazy: bool = False) -> StagedState:
+        staged = super().stage(state, copy=copy, lazy=lazy)
+        staged.fences.append(self.fail)
+        return staged
+
+    @staticmethod
+    def fail() -> None:
+        raise RuntimeError("the device-to-host copy failed")
+
+
+def test_copy_that_fails_after_the_call_is_shared_with_the_other_ranks(shared: Store) -> None:
+    def rank_body(rank: int, comm: ckptstore.distributed.Collectives) -> str:
+        stager = FailingCopy() if rank == 1 else None
+        with ckptstore.distributed.CheckpointManager(shared, comm=comm, stager=stager) as mgr:
+            assert mgr.save(1, part(rank, 1)) is True
+            try:
+                mgr.wait_until_finished()
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "succeeded"
+
+    seen = run_ranks(3, rank_body)
+    assert seen[1] == "RuntimeError: the device-to-host copy failed"
+    for rank in (0, 2):
+        assert seen[rank].startswith("CkptStoreError"), seen[rank]
+        assert "step 1 was not saved: rank 1: RuntimeError" in seen[rank], seen[rank]
+    assert steps_of(shared) == []
 
 
 def test_retention_restore_and_delete_are_the_single_process_managers(shared: Store) -> None:

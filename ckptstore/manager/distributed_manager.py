@@ -61,6 +61,7 @@ from ckptstore import background
 from ckptstore.errors import CkptStoreError
 from ckptstore.layout.commit import CommitInfo, delete_step
 from ckptstore.layout.keys import check_step
+from ckptstore.layout.tree import FlatState
 from ckptstore.manager.checkpoint_manager import CheckpointManager as _SingleProcessManager
 from ckptstore.manager.distributed import (
     Collectives,
@@ -212,19 +213,27 @@ class CheckpointManager(_SingleProcessManager):
         meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         document = self._document(meta, metadata)
 
+        fences: list[Callable[[], None]] = []
+
         def stage() -> StagedState:
             try:
                 check_step(step)
-                return save_path.stage(self._stager, state)
+                staged = save_path.stage(self._stager, state)
             except Exception as exc:
                 # The other ranks' background saves wait for this rank's part: tell them.
                 told = self._thread.submit(self._share_failure, step, exc)
                 self._saver.track(step, told)
                 raise
+            # Copies still landing (CUDA sources) are waited for in the manager's thread,
+            # where a failure is shared with the other ranks like any other.
+            fences[:], staged.fences = staged.fences, []
+            return staged
 
         async def write(staged: StagedState) -> CommitInfo:
             run = asyncio.get_running_loop().run_in_executor
-            return await run(self._thread, self._commit_everywhere, staged, step, document, meta)
+            return await run(
+                self._thread, self._commit_everywhere, staged, fences, step, document, meta
+            )
 
         self.last_handle = self._saver.submit(step, stage, write)
         if not self.async_save:
@@ -232,13 +241,24 @@ class CheckpointManager(_SingleProcessManager):
         return True
 
     def _commit_everywhere(
-        self, staged: StagedState, step: int, document: dict[str, Any], meta: dict[str, Any]
+        self,
+        staged: StagedState,
+        fences: list[Callable[[], None]],
+        step: int,
+        document: dict[str, Any],
+        meta: dict[str, Any],
     ) -> CommitInfo:
-        """The background half of a save, in the manager's thread: the multi-rank protocol,
-        then retention on the coordinator."""
-        info = commit_parts(
-            self._comm, self._store, staged.flat(), None, step, document, self.coordinator
-        )
+        """The background half of a save, in the manager's thread: the staged copies'
+        ``fences``, the multi-rank protocol, then retention on the coordinator."""
+        flat: FlatState | None = None
+        error: Exception | None = None
+        try:
+            for fence in fences:
+                fence()
+            flat = staged.flat()
+        except Exception as exc:
+            error = exc
+        info = commit_parts(self._comm, self._store, flat, error, step, document, self.coordinator)
         if self.rank == self.coordinator:  # what retention ranks it by
             self._info[step] = (meta["time"], meta["metrics"])
         self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
