@@ -19,10 +19,11 @@ import pytest
 import ckptstore
 import ckptstore.distributed
 from ckptstore import background
-from ckptstore.errors import NotFoundError
+from ckptstore.errors import NotFoundError, StoreError
 from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
+from ckptstore.store.wrappers import StoreWrapper
 from tests.gated_store import HELD_FOR, Gate
 from tests.test_distributed import run_ranks
 
@@ -258,6 +259,36 @@ def test_retention_restore_and_delete_are_the_single_process_managers(shared: St
         shard = f"shard{rank}"
         assert_equal_trees(result["mine"], {"model": {shard: part(rank, 4)["model"][shard]}})
     assert steps_of(shared) == [5]
+
+
+class FailingDeletes(StoreWrapper):
+    """The coordinator's store, whose deletions fail."""
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        if op == "delete":
+            raise StoreError(f"injected failure of the deletion of {key!r}")
+
+
+def test_failed_retention_is_raised_on_every_rank_and_the_step_stays_committed(
+    shared: Store,
+) -> None:
+    def rank_body(rank: int, comm: ckptstore.distributed.Collectives) -> str:
+        store = FailingDeletes(shared) if rank == 0 else shared
+        with ckptstore.distributed.CheckpointManager(store, comm=comm, max_to_keep=1) as mgr:
+            mgr.save(1, part(rank, 1))
+            mgr.save(2, part(rank, 2))  # retention then deletes step 1, and fails
+            try:
+                mgr.wait_until_finished()
+            except Exception as exc:
+                return f"{type(exc).__name__}: {exc}"
+            return "succeeded"
+
+    seen = run_ranks(2, rank_body)
+    assert seen[0].startswith("StoreError: injected failure of the deletion"), seen[0]
+    assert seen[1].startswith("CkptStoreError"), seen[1]
+    assert "step 2 is committed; retention after it failed on rank 0: StoreError" in seen[1]
+    assert steps_of(shared) == [1, 2]  # nothing lost: step 2 committed, step 1 kept
+    assert_equal_trees(ckptstore.load(shared, 2), merged(2, 2))
 
 
 def test_refusals_and_a_group_of_one(shared: Store) -> None:
