@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 import ckptstore.distributed
 from tests.gated_store import HELD_FOR, Gate
-from tests.native_ranks import SHARD, main, opened, part, replicated, shard
+from tests.multirank import rank_main
+from tests.native_ranks import SHARD, opened, part, replicated, shard
 
 FAILING_RANK = 1
 #: seconds the manager's gloo group waits in a collective before failing (as the world's)
@@ -124,4 +125,4 @@ SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill}
 
 
 if __name__ == "__main__":
-    main(SCENARIOS)
+    rank_main(SCENARIOS)

@@ -297,18 +297,25 @@ class CheckpointManager(_SingleProcessManager):
 
     # ------------------------------------------------------------------ reading, deleting
 
-    def restore(self, step: int | None = None, target: Any = None, keys: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        keys: Any = None,
+        broadcast: bool = True,
+    ) -> Any:
         """Read what this rank needs of a committed step, verifying every byte; every rank
         calls it.
 
-        Args and raises as :meth:`ckptstore.CheckpointManager.restore`; with ``step=None``
-        the coordinator picks the newest committed step and every rank reads that one
-        (:func:`ckptstore.distributed.load <ckptstore.manager.distributed.load>`, which this
-        calls on the manager's collectives, after waiting for saves in flight).
+        It is :func:`ckptstore.distributed.load <ckptstore.manager.distributed.load>` on
+        the manager's collectives, once the saves in flight have finished (their
+        collectives run on the same group): with ``step=None`` the coordinator picks the
+        newest committed step and every rank reads that one, and a leaf several ranks ask
+        for is read from the store once and sent to the others, unless ``broadcast`` is
+        false. Args and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`.
         """
         self._check_open()
-        if step is None or (self.last_handle is not None and self.last_handle.step == step):
-            self.wait_until_finished()
+        self.wait_until_finished()
         return load(
             self._store,
             step,
@@ -316,6 +323,7 @@ class CheckpointManager(_SingleProcessManager):
             target=target,
             comm=self._comm,
             coordinator=self.coordinator,
+            broadcast=broadcast,
         )
 
     def delete(self, step: int) -> None:
