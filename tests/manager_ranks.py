@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import ckptstore.distributed
 from tests.gated_store import HELD_FOR, Gate
-from tests.multirank import rank_main
+from tests.multirank import outcome_of, rank_main
 from tests.native_ranks import SHARD, opened, part, replicated, shard
 
 FAILING_RANK = 1
@@ -45,14 +45,6 @@ def like(rank: int) -> dict[str, Any]:
         },
         "step": 0,
     }
-
-
-def error_of(call: Any) -> str:
-    try:
-        call()
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "succeeded"
 
 
 def scenario_manager(root: str) -> dict[str, Any]:
@@ -92,9 +84,9 @@ def scenario_manager(root: str) -> dict[str, Any]:
         if rank == FAILING_RANK:
             gate.mode = "fail"
         mgr.save(5, part(rank, 5))
-        out["wait"] = error_of(mgr.wait_until_finished)
+        out["wait"] = outcome_of(mgr.wait_until_finished)
         mgr.save(6, part(rank, 6))
-        out["next save"] = error_of(lambda: mgr.save(7, part(rank, 7)))
+        out["next save"] = outcome_of(lambda: mgr.save(7, part(rank, 7)))
         gate.mode = "pass"
         mgr.save(8, part(rank, 8))
         mgr.wait_until_finished()
@@ -116,8 +108,8 @@ def scenario_sigkill(root: str) -> dict[str, Any]:
         gate.mode = "kill"
     out["returned"] = mgr.save(2, part(rank, 2))
     print("RESULT " + json.dumps(out), flush=True)
-    out["killed"] = error_of(mgr.wait_until_finished)
-    out["close"] = error_of(mgr.close)
+    out["killed"] = outcome_of(mgr.wait_until_finished)
+    out["close"] = outcome_of(mgr.close)
     return out
 
 

@@ -25,6 +25,7 @@ from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import StoreWrapper
 from tests.gated_store import HELD_FOR, Gate
+from tests.multirank import outcome_of
 from tests.test_distributed import run_ranks
 
 MiB = 1 << 20
@@ -125,17 +126,9 @@ def test_failing_rank_surfaces_on_every_rank_at_wait_and_at_the_next_save(
             if rank == 1:
                 gate.mode = "fail"
             mgr.save(2, part(rank, 2))  # returns: the failure is in the background
-            try:
-                mgr.wait_until_finished()
-                seen["wait"] = "succeeded"
-            except Exception as exc:
-                seen["wait"] = f"{type(exc).__name__}: {exc}"
+            seen["wait"] = outcome_of(mgr.wait_until_finished)
             mgr.save(3, part(rank, 3))  # fails again in the background
-            try:
-                mgr.save(4, part(rank, 4))
-                seen["next save"] = "succeeded"
-            except Exception as exc:
-                seen["next save"] = f"{type(exc).__name__}: {exc}"
+            seen["next save"] = outcome_of(lambda: mgr.save(4, part(rank, 4)))
             gate.mode = "pass"
             mgr.save(5, part(rank, 5))
             mgr.wait_until_finished()
@@ -168,16 +161,8 @@ def test_rank_whose_staging_fails_raises_at_once_and_the_others_learn_of_it(
             state = part(rank, 1)
             if rank == 1:
                 state["bad"] = object()  # nothing ckptstore can store
-            try:
-                mgr.save(1, state)
-                seen["save"] = "returned"
-            except Exception as exc:
-                seen["save"] = f"{type(exc).__name__}: {exc}"
-            try:
-                mgr.wait_until_finished()
-                seen["wait"] = "succeeded"
-            except Exception as exc:
-                seen["wait"] = f"{type(exc).__name__}: {exc}"
+            seen["save"] = outcome_of(lambda: mgr.save(1, state))
+            seen["wait"] = outcome_of(mgr.wait_until_finished)
             mgr.save(2, part(rank, 2))  # the ranks' collectives are still in step
             mgr.wait_until_finished()
         return seen
@@ -189,7 +174,7 @@ def test_rank_whose_staging_fails_raises_at_once_and_the_others_learn_of_it(
             assert "'bad'" in seen["save"], seen["save"]  # the leaf is named, at the call
             assert seen["wait"] == "succeeded"  # its error is not raised twice
         else:
-            assert seen["save"] == "returned"
+            assert seen["save"] == "succeeded"
             assert seen["wait"].startswith("CkptStoreError"), seen["wait"]
             assert "step 1 was not saved: rank 1:" in seen["wait"], seen["wait"]
     assert steps_of(shared) == [2]
@@ -214,11 +199,7 @@ def test_copy_that_fails_after_the_call_is_shared_with_the_other_ranks(shared: S
         stager = FailingCopy() if rank == 1 else None
         with ckptstore.distributed.CheckpointManager(shared, comm=comm, stager=stager) as mgr:
             assert mgr.save(1, part(rank, 1)) is True
-            try:
-                mgr.wait_until_finished()
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
-            return "succeeded"
+            return outcome_of(mgr.wait_until_finished)
 
     seen = run_ranks(3, rank_body)
     assert seen[1] == "RuntimeError: the device-to-host copy failed"
@@ -277,11 +258,7 @@ def test_failed_retention_is_raised_on_every_rank_and_the_step_stays_committed(
         with ckptstore.distributed.CheckpointManager(store, comm=comm, max_to_keep=1) as mgr:
             mgr.save(1, part(rank, 1))
             mgr.save(2, part(rank, 2))  # retention then deletes step 1, and fails
-            try:
-                mgr.wait_until_finished()
-            except Exception as exc:
-                return f"{type(exc).__name__}: {exc}"
-            return "succeeded"
+            return outcome_of(mgr.wait_until_finished)
 
     seen = run_ranks(2, rank_body)
     assert seen[0].startswith("StoreError: injected failure of the deletion"), seen[0]
