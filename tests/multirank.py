@@ -59,6 +59,16 @@ def rank_main(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
         dist.destroy_process_group()
 
 
+def outcome_of(call: Callable[[], Any]) -> str:
+    """``"succeeded"``, or the error ``call()`` raised as ``"<type>: <message>"``: what a
+    rank reports of a call that may fail."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "succeeded"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

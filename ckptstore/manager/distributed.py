@@ -48,7 +48,9 @@ leaf of the global shape made of the ranks' chunks (:mod:`ckptstore.manager.shar
 a load with shard targets reads only the parts of the chunks its boxes overlap.
 
 Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
-tensors through a host copy), so they must not change until ``save`` returns.
+tensors through a host copy), so they must not change until ``save`` returns. The multi-rank
+:class:`~ckptstore.manager.distributed_manager.CheckpointManager` copies them instead and runs
+:func:`commit_parts` in the background, on a process group of its own.
 """
 
 from __future__ import annotations
@@ -516,19 +518,15 @@ def save(
             own error is raised as itself. Nothing is committed in either case.
     """
     comm = comm if comm is not None else TorchCollectives(group)
-    rank = comm.rank
-    if not 0 <= coordinator < comm.world:
-        raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
+    check_coordinator(comm, coordinator)
     with (
         opened(root, store_options) as store,
         _stager(store) as stager,
         contextlib.ExitStack() as later,
     ):
-        # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
         shards = sharding.RankShards({}, {}, {})
         error: BaseException | None = None
-        begun: Attempt | None = None
         try:
             check_step(step)
             state, sharded = sharding.split_shards(state)
@@ -536,21 +534,67 @@ def save(
             later.callback(staged.release)
             staged.wait_ready()
             flat = staged.flat()
-            part = _describe(flat, step)
             if sharded:
                 pieces = save_path.stage(stager, sharding.chunk_state(sharded), copy=False)
                 later.callback(pieces.release)
                 pieces.wait_ready()
                 shards = sharding.RankShards.of(flat.paths, sharded, pieces.flat().arrays)
-                shapes, nbytes, boxes = sharding.describe(shards, part.shapes, part.nbytes)
-                part = dataclasses.replace(part, shapes=shapes, nbytes=nbytes, chunks=boxes)
-            if rank == coordinator:
-                begun = background.run(save_path.begin(store, step, metadata))
-                later.callback(_release_lease, begun)  # committed or not, when this returns
-                part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
-            shared: Any = part
         except Exception as exc:
-            error, shared = exc, _Failure.of(rank, exc)
+            error = exc
+        return commit_parts(comm, store, flat, error, step, metadata, coordinator, shards=shards)
+
+
+def check_coordinator(comm: Collectives, coordinator: int) -> None:
+    """Refuse a coordinator outside the group."""
+    if not 0 <= coordinator < comm.world:
+        raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
+
+
+def commit_parts(
+    comm: Collectives,
+    store: Store,
+    flat: FlatState | None,
+    error: BaseException | None,
+    step: int,
+    metadata: Any,
+    coordinator: int,
+    *,
+    shards: sharding.RankShards | None = None,
+) -> CommitInfo:
+    """Everything of a multi-rank save after this rank's part is staged: the collectives,
+    this rank's writes and the coordinator's commit (:func:`save` runs it in the caller's
+    thread; the multi-rank :class:`~ckptstore.manager.distributed_manager.CheckpointManager`
+    in a thread of its own, on a group of its own).
+
+    Args:
+        flat: this rank's staged part, which must not change until this returns; ``None``
+            if staging failed.
+        error: why staging failed, or ``None``. A failed rank still takes part, so the
+            others learn of it instead of waiting, and then raises ``error`` itself.
+        shards: this rank's staged chunks of sharded leaves (:mod:`ckptstore.manager.
+            sharding`), whose placeholders are in ``flat``.
+
+    Returns and raises as :func:`save`.
+    """
+    rank = comm.rank
+    shards = shards or sharding.RankShards({}, {}, {})
+    with contextlib.ExitStack() as later:
+        # 1. share every rank's part; the coordinator adds the attempt
+        begun: Attempt | None = None
+        shared: Any = None if error is None else _Failure.of(rank, error)
+        if flat is not None and error is None:
+            try:
+                part = _describe(flat, step)
+                if shards.global_shapes:
+                    shapes, nbytes, boxes = sharding.describe(shards, part.shapes, part.nbytes)
+                    part = dataclasses.replace(part, shapes=shapes, nbytes=nbytes, chunks=boxes)
+                if rank == coordinator:
+                    begun = background.run(save_path.begin(store, step, metadata))
+                    later.callback(_release_lease, begun)  # committed or not, at the end
+                    part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
+                shared = part
+            except Exception as exc:
+                error, shared = exc, _Failure.of(rank, exc)
         try:
             parts = comm.all_gather(shared)
         except Exception as exc:
