@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.cli.main import main
+from ckptstore.cli.main import format_bytes, main
 from ckptstore.pipeline.root import opened
 from ckptstore.store.local import LocalStore
 from ckptstore.store.memory import MemoryStore
@@ -78,6 +78,51 @@ def test_show_reports_own_and_referenced_bytes(
     assert all(o["key"].startswith("1/") for o in referenced)
     assert main(["show", str(tmp_path), "2"]) == 0
     assert "referenced" in capsys.readouterr().out
+
+
+def test_ls_counts_each_stored_object_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = FineTuning()
+    for step in (1, 2, 3):
+        run.train_step()
+        ckptstore.save(tmp_path, run.state, step=step)
+    # its base weights stay, referenced by 2 and 3, and so does the rest of its attempt
+    ckptstore.delete_step(tmp_path, 1)
+
+    def data_files(*steps: str) -> list[Path]:
+        """The data objects under the steps' attempts, as the file system sees them."""
+        return [
+            f
+            for step in steps
+            for f in (tmp_path / step).glob("attempt-*/*")
+            if f.suffix != ".json"
+        ]
+
+    def on_disk(*steps: str) -> int:
+        return sum(f.stat().st_size for f in data_files(*steps))
+
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows, total = listing["steps"], listing["total"]
+    assert [row["step"] for row in rows] == [2, 3]
+    assert total["steps"] == 2
+    assert total["nbytes"] == on_disk("1", "2", "3") > 0
+    assert total["own_bytes"] == on_disk("2", "3") == sum(row["own_bytes"] for row in rows)
+    assert total["retained_bytes"] == on_disk("1") > 0
+    assert total["objects"] == len(data_files("1", "2", "3"))
+    # summing the rows counts step 1's objects once per step that references them
+    assert total["steps_nbytes"] == sum(row["nbytes"] for row in rows) > total["nbytes"]
+
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["step", "size", "own", "referenced"]
+    step2 = rows[0]
+    assert lines[1].split()[3:5] == format_bytes(step2["own_bytes"]).split()
+    assert lines[1].split()[5:7] == format_bytes(step2["referenced_bytes"]).split()
+    assert lines[3].startswith(f"total: {format_bytes(total['nbytes'])} stored in ")
+    assert f"{format_bytes(total['retained_bytes'])} kept of deleted steps" in lines[3]
+    assert format_bytes(total["steps_nbytes"]) in lines[4]
 
 
 # ---------------------------------------------------------------------- the manager
