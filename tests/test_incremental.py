@@ -184,6 +184,44 @@ def test_manager_retention_keeps_what_kept_steps_reference(tmp_path: Path) -> No
     assert left == {"9", "10"}  # what only deleted steps used is gone
 
 
+def test_retention_reads_each_manifest_once_per_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retention pass reads a manifest once, however many steps it deletes: a deleted
+    step's to make its record (or to decide, if the manager has not seen the step; then
+    not again), a kept step's after marking (the read the gc rule requires). Only a step the
+    manager has not seen and keeps is read twice: to decide, then after marking."""
+    run = FineTuning()
+    for step in range(1, 6):  # saved before the manager opens: it has not seen them
+        run.train_step()
+        ckptstore.save(tmp_path, run.state, step=step)
+    counting = KeyCountingStore(LocalStore(tmp_path))
+    passes: list[dict[str, int]] = []
+    with ckptstore.CheckpointManager(counting, max_to_keep=2, async_save=False) as manager:
+        retain = manager._retain
+
+        async def observed() -> None:
+            before = counting.get_keys.copy()
+            await retain()
+            reads = counting.get_keys - before
+            passes.append({k: n for k, n in reads.items() if k.endswith("/manifest.json")})
+
+        monkeypatch.setattr(manager, "_retain", observed)
+        for step in range(6, 10):
+            run.train_step()
+            manager.save(step, run.state)
+        assert manager.all_steps() == [8, 9]
+        assert _flat_bytes(manager.restore(9)) == _flat_bytes(run.state)
+    first, *later = passes
+    assert first == {
+        **{f"{step}/manifest.json": 1 for step in (1, 2, 3, 4)},  # to decide: deleted
+        "5/manifest.json": 2,  # to decide, then after marking: kept
+        "6/manifest.json": 1,  # saved by the manager: after marking
+    }
+    for step, reads in zip((7, 8, 9), later, strict=True):
+        assert reads == {f"{s}/manifest.json": 1 for s in (step - 2, step - 1, step)}, step
+
+
 def test_manager_without_full_every_keeps_the_base_alive(tmp_path: Path) -> None:
     run = FineTuning()
     with ckptstore.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as manager:

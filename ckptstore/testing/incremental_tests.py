@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -33,16 +34,20 @@ __all__ = ["FineTuning", "IncrementalTests", "KeyCountingStore"]
 
 
 class KeyCountingStore(CountingStore):
-    """A counting store that also keeps the bytes put per key."""
+    """A counting store that also keeps the bytes put per key and the whole-object reads
+    (``get``) per key."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
         self.put_keys: dict[str, int] = {}
+        self.get_keys: Counter[str] = Counter()
 
     async def _hook(self, op: str, key: str, nbytes: int) -> None:
         await super()._hook(op, key, nbytes)
         if op in ("put", "put_part"):
             self.put_keys[key] = self.put_keys.get(key, 0) + nbytes
+        elif op == "get":
+            self.get_keys[key] += 1
 
     def data_bytes(self) -> int:
         """Bytes put to data objects (not manifests, leases, records or markers)."""
