@@ -51,8 +51,9 @@ def discover() -> dict[str, Suite]:
 def machine() -> str:
     import numpy
 
+    cpu = report.machine_facts().get("cpu", "cpu unknown")
     return (
-        f"{platform.node() or 'host'}: {os.cpu_count()} cores, "
+        f"{platform.node() or 'host'}: {os.cpu_count()} cores ({cpu}), "
         f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / (1 << 30):.0f} GiB, "
         f"{platform.platform()}, Python {platform.python_version()}, numpy {numpy.__version__}"
     )
@@ -119,8 +120,10 @@ def embed_chart(suite: Suite) -> None:
 
 
 def write_header() -> None:
-    block = report.header_block(report.library_versions(), report.machine_facts())
     text = DOC.read_text() if DOC.exists() else ""
+    block = report.header_block(
+        report.library_versions(), report.machine_facts(), sections=report.section_runs(text)
+    )
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(report.replace_header(text, block))
 
@@ -156,12 +159,12 @@ def charts_only(suites: dict[str, Suite], results: Path, chosen: list[str]) -> i
     return 0
 
 
-def write_section(suite: Suite, rows: list[Result], command: str, extra: str) -> None:
+def write_section(suite: Suite, rows: list[Result], command: str, commit: str, extra: str) -> None:
     text = DOC.read_text() if DOC.exists() else ""
     start, end = f"<!-- suite:{suite.name} -->", f"<!-- /suite:{suite.name} -->"
-    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    when = datetime.datetime.now(datetime.UTC)
     body = (
-        f"{start}\n## {suite.title}\n\n`{command}` on {when}; {machine()}.\n\n"
+        f"{start}\n## {suite.title}\n\n{report.section_line(command, commit, when, machine())}\n\n"
         f"{suite.description}\n\n{table(rows)}\n\n{extra}\n\n{chart_line(suite)}\n{end}"
     )
     if start in text and end in text:
@@ -207,6 +210,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     write_doc = not args.no_doc and not args.quick
     command = "python scripts/bench.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    # read once, before the run writes its sections: every section of this run names it
+    commit = report.ckptstore_version()
+    if write_doc and "uncommitted" in commit:
+        raise SystemExit(
+            f"ckptstore is at {commit}: commit first, so every section of docs/benchmarks.md "
+            "names a commit that reproduces it (or pass --no-doc)"
+        )
     all_rows: list[dict[str, object]] = []
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="ckptstore-bench-") as scratch:
         for name in chosen:
@@ -228,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             if write_doc:
                 if rows:
                     draw_chart(suite, dicts)
-                write_section(suite, rows, command.strip(), extra)
+                write_section(suite, rows, command.strip(), commit, extra)
             all_rows += dicts
     merge_results(args.out / "results.json", chosen, all_rows)
     if write_doc:

@@ -130,10 +130,10 @@ def test_a_measured_section_embeds_its_chart(
         Result(**{k: v for k, v in r.items() if k in Result.__annotations__}) for r in rows()
     ]
 
-    bench.write_section(suite, results, "python scripts/bench.py demo", "")
+    bench.write_section(suite, results, "python scripts/bench.py demo", "git abc", "")
     assert "appears on the next run of `python scripts/bench.py demo`" in doc.read_text()
     assert bench.draw_chart(suite, rows())
-    bench.write_section(suite, results, "python scripts/bench.py demo", "")
+    bench.write_section(suite, results, "python scripts/bench.py demo", "git abc", "")
     text = doc.read_text()
     assert "![Demo: GiB/s per system](img/bench-demo.png)" in text
     assert "appears on the next run" not in text
@@ -150,3 +150,56 @@ def test_rows_of_one_system_on_two_targets_get_groups_of_their_own() -> None:
     assert value[("1 GiB, memory", "save"), "ckptstore"] == pytest.approx(4.0)
     # one target: the label stays the workload alone
     assert report.bar_groups(rows())[0] == [("1 GiB", "save"), ("1 GiB", "load")]
+
+
+def test_every_section_names_its_commit_and_the_header_lists_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    doc = tmp_path / "docs" / "benchmarks.md"
+    monkeypatch.setattr(bench, "DOC", doc)
+    monkeypatch.setattr(bench, "draw_chart", lambda suite, rows: None)
+    old = "<!-- suite:old -->\n## Old\n\n`python scripts/bench.py` on 2026-11-20 10:00 UTC; vm.\n"
+    doc.parent.mkdir()
+    doc.write_text(old + "<!-- /suite:old -->\n")
+    result = [Result(**{k: v for k, v in r.items() if k in Result.__annotations__}) for r in rows()]
+    for name, commit in (("a", "git 111"), ("b", "git 222")):
+        suite = Suite(name=name, title=f"Suite {name}", run=lambda ctx: [])
+        bench.write_section(suite, result, f"python scripts/bench.py {name}", commit, "")
+    text = doc.read_text()
+    assert "`python scripts/bench.py a` at ckptstore git 111 on " in text
+    assert "`python scripts/bench.py b` at ckptstore git 222 on " in text
+    runs = report.section_runs(text)
+    assert [(title, commit) for title, commit, _ in runs] == [
+        ("Old", "not recorded"),
+        ("Suite a", "git 111"),
+        ("Suite b", "git 222"),
+    ]
+    assert runs[0][2] == "2026-11-20 10:00 UTC"
+
+    bench.write_header()
+    header = doc.read_text().split(report.HEADER_END)[0]
+    # three runs: the header says so and names each, and claims no single commit
+    assert "The 3 sections below cannot be taken as one run: 1 at ckptstore git 111; " in header
+    assert "1 with no recorded commit" in header
+    assert "| Suite a | git 111 |" in header
+    assert "| Old | not recorded | 2026-11-20 10:00 UTC |" in header
+    assert "\n| ckptstore | git" not in header  # no library row claims one commit
+
+
+def test_a_page_of_one_run_says_so() -> None:
+    block = report.header_block(
+        {"ckptstore": "git 999", "numpy": "2"},
+        {"cores": "2"},
+        sections=[("A", "git 999", "t1"), ("B", "git 999", "t2")],
+    )
+    assert "Every section below was measured at ckptstore git 999." in block
+
+
+def test_the_page_is_not_written_from_uncommitted_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bench, "DOC", tmp_path / "benchmarks.md")
+    monkeypatch.setattr(report, "ckptstore_version", lambda: "git 123 (with uncommitted changes)")
+    with pytest.raises(SystemExit, match="uncommitted changes"):
+        bench.main(["store-local", "--out", str(tmp_path / "out")])
+    assert not (tmp_path / "benchmarks.md").exists()

@@ -1,10 +1,13 @@
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import stat
+import threading
+import time
 import tracemalloc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +170,88 @@ async def test_durable_put_fsyncs_the_file_before_publishing_then_every_changed_
         assert published.target == str(final)
         assert os.stat(final).st_ino == synced.inode
         assert dirs == [_Step("fsync-dir", _real(final.parent))]
+
+
+def _wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.001)
+
+
+def test_writers_into_one_directory_share_its_fsyncs() -> None:
+    """Eight writers publish while the first one's directory fsync is in flight: that fsync
+    cannot cover them (it started before their names existed), so one more does, and every
+    writer returns only after an fsync that started after its own publish."""
+    syncs = local._DirectorySyncs()
+    release = threading.Event()
+    started: list[int] = []  # the publish count each fsync began at
+
+    def fsync(path: str) -> None:
+        started.append(syncs._dirs[path].published)
+        if len(started) == 1:
+            assert release.wait(30)
+
+    returned: list[int] = []
+
+    def writer(ticket: int) -> None:
+        syncs.published("/d", fsync)
+        returned.append(ticket)
+
+    first = threading.Thread(target=writer, args=(1,))
+    first.start()
+    _wait_until(lambda: len(started) == 1, "the first fsync")
+    rest = [threading.Thread(target=writer, args=(n,)) for n in range(2, 9)]
+    for thread in rest:
+        thread.start()
+    _wait_until(lambda: syncs._dirs["/d"].published == 8, "seven more publishes")
+    assert returned == []  # nobody is durable yet: the fsync in flight predates them
+    release.set()
+    for thread in [first, *rest]:
+        thread.join(30)
+    assert sorted(returned) == list(range(1, 9))
+    assert started == [1, 8]  # two fsyncs for eight names; the second began after all eight
+    assert syncs._dirs == {}  # nothing kept once no writer waits
+
+
+def test_a_failed_directory_fsync_is_not_taken_for_a_durable_name() -> None:
+    syncs = local._DirectorySyncs()
+    calls: list[str] = []
+
+    def failing(path: str) -> None:
+        calls.append(path)
+        raise OSError(errno.EIO, "disk gone")
+
+    with pytest.raises(OSError, match="disk gone"):
+        syncs.published("/d", failing)
+    syncs.published("/d", calls.append)  # the next writer fsyncs again, it does not skip
+    assert calls == ["/d", "/d"]
+
+
+async def test_concurrent_puts_into_one_directory_share_its_fsyncs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    directory = str(tmp_path / "attempt")
+    synced: list[str] = []
+    real = LocalStore._sync_dir
+
+    async with LocalStore(tmp_path) as store:
+        await store.put("attempt/first", b"x")  # creates the directory
+
+        def held(self: LocalStore, path: str) -> None:
+            synced.append(path)
+            if len(synced) == 1:  # the first fsync waits until all four names are there
+                _wait_until(
+                    lambda: store._dir_syncs._dirs[directory].published == 4, "four publishes"
+                )
+            real(self, path)
+
+        monkeypatch.setattr(LocalStore, "_sync_dir", held)
+        await asyncio.gather(*(store.put(f"attempt/o{i}", b"y" * 100) for i in range(4)))
+        for i in range(4):
+            assert await store.get(f"attempt/o{i}") == b"y" * 100
+    assert synced == [directory, directory]  # four puts, two directory fsyncs
 
 
 @pytest.mark.parametrize("mode", ["create", "overwrite"])

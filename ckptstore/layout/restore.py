@@ -38,8 +38,12 @@ A manifest that references objects of earlier steps (an incremental save) has ea
 referenced attempt checked first (:func:`ckptstore.layout.references.check_references`: one
 record read per attempt): the object must be a committed object of it, with the length and
 crc32c its own record gives; a reference that is not raises
-:class:`~ckptstore.errors.BrokenReferenceError` before any data is read. Referenced bytes are
-then read and verified exactly like the step's own.
+:class:`~ckptstore.errors.BrokenReferenceError`. The check runs alongside the data reads, not
+before them: it costs up to three round trips one after the other (the referenced step's
+manifest, then the attempt's record, its size and its bytes), which a restore from a
+high-latency store would otherwise pay before its first byte. No leaf is returned unless the
+check passed, and when a read fails as well, the broken reference is the error raised, as it
+is the cause. Referenced bytes are read and verified exactly like the step's own.
 
 A mismatch, a short, long or missing object raises
 :class:`~ckptstore.errors.CorruptCheckpointError` naming the object and, where one is to
@@ -48,6 +52,7 @@ blame, the leaf, with the recorded and the computed checksums when they differ.
 
 from __future__ import annotations
 
+import asyncio
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -55,7 +60,12 @@ from typing import Any
 import crc32c
 import numpy as np
 
-from ckptstore.errors import CorruptCheckpointError, InvalidRangeError, NotFoundError
+from ckptstore.errors import (
+    BrokenReferenceError,
+    CorruptCheckpointError,
+    InvalidRangeError,
+    NotFoundError,
+)
 from ckptstore.layout.commit import gather_all
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import check_references
@@ -116,9 +126,42 @@ async def read_leaves(
         BrokenReferenceError: a referenced object is not a committed object of its attempt.
         CorruptCheckpointError: an object is missing, of the wrong size, or fails a crc32c.
     """
-    if manifest.references():
-        await check_references(store, manifest)
-    into = into or {}
+    if not manifest.references():
+        return await _read_verified(store, manifest, leaves, into or {})
+    checking = asyncio.ensure_future(check_references(store, manifest))
+    try:
+        out = await _read_verified(store, manifest, leaves, into or {})
+    except Exception:
+        # a broken reference (a reclaimed or foreign object) is the cause of a failed read
+        broken = await _broken(checking)
+        if broken is not None:
+            raise broken from None
+        raise
+    except BaseException:
+        checking.cancel()
+        raise
+    await checking
+    return out
+
+
+async def _broken(checking: asyncio.Future[None]) -> BrokenReferenceError | None:
+    """The error of a finished reference check if it found a broken reference."""
+    try:
+        await checking
+    except BrokenReferenceError as exc:
+        return exc
+    except Exception:  # the read's own error is the one to report
+        return None
+    return None
+
+
+async def _read_verified(
+    store: Store,
+    manifest: Manifest,
+    leaves: Sequence[int],
+    into: Mapping[int, np.ndarray[Any, Any]],
+) -> dict[int, np.ndarray[Any, Any]]:
+    """:func:`read_leaves` without the reference check."""
     out: dict[int, np.ndarray[Any, Any]] = {}
     by_object: dict[int, list[int]] = defaultdict(list)
     for leaf in leaves:

@@ -20,7 +20,13 @@ How a write becomes durable and atomic here:
    atomic put-if-absent on every POSIX filesystem; rename would silently replace the name, and
    ``renameat2(RENAME_NOREPLACE)`` is missing on many filesystems and on NFS.
 4. The directory holding the new name (and any directory this write created) is fsynced, so
-   the name survives a power loss, not only the bytes.
+   the name survives a power loss, not only the bytes. Writes into one directory share these
+   fsyncs (:class:`_DirectorySyncs`, a group commit): an fsync that starts after a name was
+   published makes that name durable, so a write whose name an fsync already in flight
+   cannot cover waits for it and then one more fsync serves every write that queued behind
+   it. A save writes all its objects into one attempt directory; on this machine's ext4 its
+   129 objects of the transformer state cost 129 directory fsyncs, about a quarter of a
+   0.45-0.6 s save, before the writes shared them.
 
 A reader never sees a partial object under its final name: until step 3 the bytes exist only
 under the temp name, which listings hide and which :func:`temp_files` finds for cleanup after
@@ -184,6 +190,57 @@ def temp_files(root: str | os.PathLike[str]) -> Iterator[str]:
                 yield os.path.join(dirpath, name)
 
 
+class _Directory:
+    """One directory's group-commit state (see :class:`_DirectorySyncs`)."""
+
+    __slots__ = ("published", "synced", "syncing", "users")
+
+    def __init__(self) -> None:
+        self.published = 0  # names published in it so far (by this store's writers)
+        self.synced = 0  # of those, how many an fsync that has finished covers
+        self.syncing = threading.Lock()  # one fsync of it at a time
+        self.users = 0  # writers between their publish and their durable return
+
+
+class _DirectorySyncs:
+    """Group commit of directory fsyncs for one store.
+
+    A writer calls :meth:`published` right after its name appears in a directory and returns
+    only once an fsync of that directory has *started* after that moment, which is what makes
+    the name durable. Each writer takes a ticket (the count of names published there); a
+    writer that finds an fsync already finished past its ticket returns at once, otherwise it
+    runs one, which covers every name published before it started. So N writes that finish
+    together cost two fsyncs, not N, and none returns before its own name is durable.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._dirs: dict[str, _Directory] = {}
+
+    def published(self, path: str, fsync: Callable[[str], None]) -> None:
+        """Make the name just published in directory ``path`` durable."""
+        with self._lock:
+            entry = self._dirs.get(path)
+            if entry is None:
+                entry = self._dirs[path] = _Directory()
+            entry.users += 1
+            entry.published += 1
+            ticket = entry.published
+        try:
+            with entry.syncing:
+                if entry.synced >= ticket:
+                    return  # an fsync that started after our publish has finished
+                with self._lock:
+                    covered = entry.published  # every publish up to here precedes the fsync
+                fsync(path)
+                entry.synced = covered
+        finally:
+            with self._lock:
+                entry.users -= 1
+                if entry.users == 0:  # no writer waits on it: a later one starts afresh
+                    del self._dirs[path]
+
+
 class LocalStore(Store):
     """A directory on a local filesystem."""
 
@@ -198,6 +255,7 @@ class LocalStore(Store):
         self._root = os.path.abspath(os.fspath(root))
         self._executor: ThreadPoolExecutor | None = None
         self._direct_ok = True  # cleared when the filesystem refuses O_DIRECT
+        self._dir_syncs = _DirectorySyncs()
 
     @classmethod
     def from_url(cls, url: str, **options: Any) -> LocalStore:
@@ -357,8 +415,11 @@ class LocalStore(Store):
     def _sync_dirs(self, directory: str, created: list[str]) -> None:
         if not self.settings.durable:
             return
-        for path in dict.fromkeys([directory, *(os.path.dirname(c) for c in created)]):
-            self._sync_dir(path)
+        self._dir_syncs.published(directory, self._sync_dir)
+        # the parents of directories this write created: once per new directory, no sharing
+        for path in dict.fromkeys(os.path.dirname(c) for c in created):
+            if path != directory:
+                self._sync_dir(path)
 
     def _finish(
         self, temp: _TempFile, final: str, mode: PutMode, key: str, created: list[str]

@@ -1,17 +1,22 @@
 """The parts of the benchmark report that are not one suite's: the header and the charts.
 
-The header names the single command that regenerates the whole report, the machine, and the
-version of every library the suites measure, all read when the script runs. Charts are drawn
+The header names the single command that regenerates the whole report, the machine, the
+version of every library the suites measure, all read when the script runs, and, per
+section, the ckptstore commit and time it was measured at (read from the section's own first
+line, which :func:`section_line` writes), so a page whose sections come from different runs
+says so instead of naming one commit for all of them. Charts are drawn
 from the same rows (``Result.as_dict()``, as stored in ``results.json``) as the tables, one PNG
 per suite: throughput of each system for each workload and operation.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,6 +30,8 @@ __all__ = [
     "header_block",
     "library_versions",
     "machine_facts",
+    "section_line",
+    "section_runs",
 ]
 
 HEADER_START = "<!-- bench:header -->"
@@ -59,7 +66,9 @@ def _run(command: Sequence[str], cwd: Path | None = None) -> str | None:
     return done.stdout.strip() if done.returncode == 0 and done.stdout.strip() else None
 
 
-def _ckptstore_version() -> str:
+def ckptstore_version() -> str:
+    """``git <commit>`` of this checkout, marked when tracked files other than the report's
+    own outputs have uncommitted changes."""
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT)
     if commit is None:
         return "unknown (not a git checkout)"
@@ -104,7 +113,7 @@ def _fake_gcs_version() -> str:
 
 def library_versions() -> dict[str, str]:
     """Name -> version of ckptstore and of every library and server the suites measure."""
-    versions = {"ckptstore": _ckptstore_version(), "Python": platform.python_version()}
+    versions = {"ckptstore": ckptstore_version(), "Python": platform.python_version()}
     for name in PYTHON_PACKAGES:
         try:
             versions[name] = importlib.metadata.version(name)
@@ -133,13 +142,72 @@ def machine_facts() -> dict[str, str]:
     return facts
 
 
+#: What :func:`section_runs` gives a section whose line names no commit.
+NOT_RECORDED = "not recorded"
+
+#: A section's first line: its command, the ckptstore it measured, its time.
+_SECTION_LINE = re.compile(
+    r"^## (?P<title>.+)\n\n`(?P<command>[^`]+)`(?: at ckptstore (?P<commit>.+?))? on "
+    r"(?P<when>\d{4}-\d\d-\d\d \d\d:\d\d UTC);",
+    re.MULTILINE,
+)
+
+
+def section_line(command: str, commit: str, when: datetime.datetime, machine: str) -> str:
+    """The first line under a section's title: what ran, at which ckptstore, when, where."""
+    return f"`{command}` at ckptstore {commit} on {when.strftime('%Y-%m-%d %H:%M UTC')}; {machine}."
+
+
+def section_runs(text: str) -> list[tuple[str, str, str]]:
+    """(title, commit, time) of every section of the page ``text``, in page order; a section
+    written before sections named their commit gets ``"not recorded"``."""
+    return [
+        (m["title"], m["commit"] or NOT_RECORDED, m["when"]) for m in _SECTION_LINE.finditer(text)
+    ]
+
+
 def header_block(
     versions: Mapping[str, str],
     facts: Mapping[str, str],
     when: datetime.datetime | None = None,
+    sections: Sequence[tuple[str, str, str]] = (),
 ) -> str:
-    """The generated top of docs/benchmarks.md, between the header markers."""
+    """The generated top of docs/benchmarks.md, between the header markers.
+
+    Args:
+        versions: library versions (``ckptstore`` is left out of the table: each section
+            names the commit it measured, in ``sections``).
+        facts: machine facts.
+        when: when the header is written.
+        sections: (title, commit, time) of each section (:func:`section_runs`).
+    """
     when = when or datetime.datetime.now(datetime.UTC)
+    per_commit = collections.Counter(commit for _, commit, _ in sections)
+    unrecorded = per_commit.pop(NOT_RECORDED, 0)
+    if not sections:
+        provenance = "No section has been measured yet."
+    elif len(per_commit) == 1 and not unrecorded:
+        provenance = f"Every section below was measured at ckptstore {next(iter(per_commit))}."
+    else:
+        parts = [f"{n} at ckptstore {commit}" for commit, n in sorted(per_commit.items())]
+        if unrecorded:
+            parts.append(f"{unrecorded} with no recorded commit (measured before sections said)")
+        provenance = (
+            f"The {len(sections)} sections below cannot be taken as one run: "
+            + "; ".join(parts)
+            + ". The table lists each section's commit and time; a section's figures hold for "
+            "its own commit only."
+        )
+    section_table = (
+        [
+            "",
+            "| section | ckptstore | measured |",
+            "| --- | --- | --- |",
+            *(f"| {title} | {commit} | {at} |" for title, commit, at in sections),
+        ]
+        if sections
+        else []
+    )
     lines = [
         HEADER_START,
         "# Benchmarks",
@@ -154,17 +222,20 @@ def header_block(
         "`DIR/results.json` without measuring.) Every figure is the median of repeated runs; "
         "ratios compare systems measured side by side in the same run on the same machine. "
         "CPU is the benchmark process's user+system seconds (all threads). Each section names "
-        "the exact command and time of its own run; the raw numbers of each run are in its "
-        "table's runs column and in `results.json`.",
+        "the exact command, ckptstore commit and time of its own run; the raw numbers of each "
+        "run are in its table's runs column and in `results.json`.",
+        "",
+        provenance,
+        *section_table,
         "",
         f"Header written {when.strftime('%Y-%m-%d %H:%M UTC')} on: "
         + ", ".join(f"{k} {v}" for k, v in facts.items())
-        + ". Versions below are those installed when this header was written; a section "
-        "measured earlier names its own date.",
+        + ". Library versions below are those installed when this header was written; each "
+        "section's first line names its own date and the machine it ran on.",
         "",
         "| library | version |",
         "| --- | --- |",
-        *(f"| {name} | {version} |" for name, version in versions.items()),
+        *(f"| {name} | {version} |" for name, version in versions.items() if name != "ckptstore"),
         HEADER_END,
     ]
     return "\n".join(lines)
