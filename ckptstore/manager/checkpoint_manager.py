@@ -444,7 +444,13 @@ class CheckpointManager:
         doomed = [step for step in steps if step not in kept]
         if not doomed:
             return
-        used = set().union(*(self._uses.get(step, ()) for step in kept))
+        # what the kept steps use, if the manager knows it for all of them (not for steps it
+        # read from another tier); otherwise reclaim reads it
+        used = (
+            set().union(*(self._uses[step] for step in kept))
+            if all(step in self._uses for step in kept)
+            else None
+        )
         try:
             await delete_steps(self._store, doomed, used=used, manifests=read)
         finally:
