@@ -43,6 +43,32 @@ class RankOutcome:
     log: str
 
 
+def rank_main(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
+    """A worker script's main: join the gloo group its environment names, run the scenario
+    named by the first argument with the rest, and print its result as ``RESULT <json>``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    scenario, *args = sys.argv[1:]
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    try:
+        result = scenarios[scenario](*args)
+        print("RESULT " + json.dumps(result), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def outcome_of(call: Callable[[], Any]) -> str:
+    """``"succeeded"``, or the error ``call()`` raised as ``"<type>: <message>"``: what a
+    rank reports of a call that may fail."""
+    try:
+        call()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "succeeded"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

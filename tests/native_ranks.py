@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -27,7 +25,7 @@ from ckptstore import background
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
-from tests.multirank import KILL_ME
+from tests.multirank import KILL_ME, rank_main
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 SHARD = 256 * 1024  # float32 elements: 1 MiB
@@ -169,15 +167,5 @@ SCENARIOS = {
 }
 
 
-def main() -> None:
-    scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    try:
-        result = SCENARIOS[scenario](*args)
-        print("RESULT " + json.dumps(result), flush=True)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    main()
+    rank_main(SCENARIOS)

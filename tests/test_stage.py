@@ -140,6 +140,38 @@ def test_copy_false_lets_host_arrays_through_without_a_buffer() -> None:
     assert np.shares_memory(staged.tree["w"], state["w"])
 
 
+@pytest.mark.jax
+@pytest.mark.torch
+def test_copy_false_copies_only_the_leaves_outside_host_memory() -> None:
+    """A JAX array has no host view, so a copy=False stage copies it and lets the numpy
+    array and the CPU tensor beside it through, all in one flat view."""
+    import jax.numpy as jnp
+    import torch
+
+    state = {
+        "np": np.arange(1000, dtype=np.float32),
+        "torch": torch.arange(300, dtype=torch.int16),
+        "jax": jnp.arange(77, dtype=jnp.float32) * 0.5,
+        "step": 9,
+    }
+    stager = Stager()
+    staged = stager.stage(state, copy=False)
+    assert staged.buffer is not None  # the JAX array's slot
+    flat = staged.flat()
+    arrays = dict(zip(flat.paths, flat.arrays, strict=True))
+    assert np.shares_memory(arrays["np"], state["np"])
+    assert np.shares_memory(arrays["torch"], state["torch"].numpy())
+    lo = staged.buffer.data.ctypes.data
+    assert lo <= arrays["jax"].ctypes.data < lo + staged.buffer.capacity
+    assert bits(arrays["jax"]) == bits(state["jax"])
+    assert staged.nbytes == 4000 + 600 + 308
+    back = rebuild_state(staged.tree, staged.attrs)
+    assert bits(back["torch"]) == bits(state["torch"])
+    assert back["step"] == 9
+    staged.release()
+    stager.close()
+
+
 def test_steady_state_saves_reuse_the_arena() -> None:
     state = numpy_state()
     stager = Stager()

@@ -72,7 +72,7 @@ from ckptstore.layout.references import check_references
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 
-__all__ = ["check_object_size", "read_leaves"]
+__all__ = ["check_object_size", "empty_array", "read_leaves"]
 
 
 #: Fresh arrays at least this large start on a page boundary, so stores that read with
@@ -81,7 +81,8 @@ _ALIGN_MIN = 1 << 20
 _PAGE = 4096
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+def empty_array(shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """A fresh array to read into: page-aligned when large (see ``_ALIGN_MIN``)."""
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if nbytes < _ALIGN_MIN:
         return np.empty(shape, dtype)
@@ -96,7 +97,7 @@ def _destination(
     dtype, shape = manifest.dtype(leaf), tuple(manifest.shapes[leaf])
     out = into.get(leaf)
     if out is None:
-        return _empty(shape, dtype)
+        return empty_array(shape, dtype)
     path = manifest.paths[leaf]
     if out.dtype != dtype or out.shape != shape:
         raise ValueError(
@@ -213,7 +214,7 @@ async def _read_verified(
         out[leaf] = dest
 
     async def read_whole(obj: int, key: str, length: int, wanted: list[int]) -> None:
-        buf = _empty((length,), np.dtype(np.uint8))
+        buf = empty_array((length,), np.dtype(np.uint8))
         crc = await store.read_into_crc32c(key, 0, buf)
         offsets, lengths, recorded = manifest.leaf_offset, manifest.leaf_length, manifest.leaf_crc
         bad = await in_hash_thread(_first_mismatch, buf, wanted, offsets, lengths, recorded)

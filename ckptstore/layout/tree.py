@@ -174,6 +174,29 @@ def branch(node: Any, expand: Expand | None = None) -> Branch | None:
     return None
 
 
+def walker_branch(expand: Expand | None) -> Callable[[Any], Branch | None]:
+    """:func:`branch` for one walk of a state, remembering the types it found to be leaves.
+
+    Whether a node is a leaf depends on its type alone: each container kind is recognised by
+    type, and JAX's registry is keyed by type too (``expand`` must keep to that). A state of
+    20,000 tensors has a handful of leaf types, so the chain of checks in :func:`branch`
+    (costliest for leaves, which fail every one of them, an ``isinstance`` against the
+    ``Mapping`` ABC among them) runs once per type instead of once per leaf.
+    """
+    leaf_types: set[type] = set()
+
+    def of(node: Any) -> Branch | None:
+        kind = type(node)
+        if kind in leaf_types:
+            return None
+        found = branch(node, expand)
+        if found is None:
+            leaf_types.add(kind)
+        return found
+
+    return of
+
+
 @dataclass(slots=True)
 class FlatState:
     """A state as flat arrays plus the JSON tree that puts them back together.
@@ -271,10 +294,11 @@ def iter_leaves(
         UnsupportedLeafError: a dict key that is neither str nor int, colliding keys, or
             nesting deeper than MAX_DEPTH.
     """
+    branch_of = walker_branch(expand)
     stack: list[tuple[Any, str, int]] = [(state, "", 0)]
     while stack:
         node, path, depth = stack.pop()
-        found = None if is_leaf is not None and is_leaf(node) else branch(node, expand)
+        found = None if is_leaf is not None and is_leaf(node) else branch_of(node)
         if found is None:
             yield path, node
             continue
@@ -298,8 +322,10 @@ def map_leaves(
     rebuilt container and returns what takes its place.
     """
 
+    branch_of = walker_branch(expand)
+
     def visit(node: Any, path: str, depth: int) -> Any:
-        found = None if is_leaf is not None and is_leaf(node) else branch(node, expand)
+        found = None if is_leaf is not None and is_leaf(node) else branch_of(node)
         if found is None:
             return fn(path, node)
         paths = _child_paths(found, path, depth)
@@ -323,9 +349,10 @@ def flatten(
     Args:
         state: a nest of the containers :func:`branch` knows, holding numpy arrays, numpy
             scalars and plain JSON values.
-        convert: called with ``(leaf, path)`` for each leaf that is not a numpy value or
+        convert: called with ``(leaf, path)`` for each leaf that is not a numpy array or
             plain value; returns ``(host_array, attrs)`` to store it, or ``None`` to refuse
-            it. Stagers pass their tensor conversion here.
+            it (a numpy scalar it returns ``None`` for is stored as a scalar). Stagers pass
+            their tensor conversion here.
         expand: the framework registry of containers (see :data:`Expand`).
 
     Raises:
@@ -333,6 +360,7 @@ def flatten(
             that is neither str nor int, colliding keys, or nesting deeper than MAX_DEPTH.
     """
     flat = FlatState(tree=None)
+    branch_of = walker_branch(expand)
     paths = flat.paths
     arrays = flat.arrays
     attrs = flat.attrs
@@ -358,10 +386,15 @@ def flatten(
         if isinstance(node, np.ndarray):  # subclasses (memmap, matrix) are stored as arrays
             return add_array(np.asarray(node), path, None)
         if isinstance(node, np.generic):
+            # ``convert`` may claim a numpy scalar too (the stager stages it as a 0-d array
+            # with its own attrs, as it always has)
+            converted = convert(node, path) if convert is not None else None
+            if converted is not None:
+                return add_array(converted[0], path, converted[1])
             return {"s": add_array(np.asarray(node), path, None)}
         if isinstance(node, bool | int | float | str):  # subclasses (IntEnum...) as plain values
             return {"v": _plain(node)}
-        found = branch(node, expand)
+        found = branch_of(node)
         if found is None and convert is not None:
             converted = convert(node, path)
             if converted is not None:

@@ -9,6 +9,8 @@
 * :mod:`~ckptstore.manager.snapshot`: the fence of lazy snapshots (the optimizer step hook,
   ``fence()``).
 * :mod:`~ckptstore.manager.distributed`: one checkpoint saved by many ranks, committed once.
+* :mod:`~ckptstore.manager.distributed_manager`: the multi-rank ``CheckpointManager``, whose
+  saves return after the copy and finish in the background, on a process group of its own.
 * :mod:`~ckptstore.manager.tiers`: a manager's local tier, the background copy of chosen
   steps to the persistent tier, and restore from the nearest copy that verifies.
 

@@ -300,11 +300,7 @@ class CheckpointManager:
             if persist is None:
                 persist = force or step % self.persistent_every == 0
             manager_meta["persist"] = bool(persist)
-        document = {_META_KEY: manager_meta, "user": metadata}
-        try:
-            json.dumps(document)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
+        document = self._document(manager_meta, metadata)
 
         every = self.full_every
         full = full or (every is not None and self._saves % every == 0)
@@ -339,6 +335,21 @@ class CheckpointManager:
         if not self.async_save:
             self.wait_until_finished()
         return True
+
+    @staticmethod
+    def _document(manager_meta: dict[str, Any], metadata: Any) -> dict[str, Any]:
+        """What a step's manifest holds as its metadata: the manager's own entry (save time,
+        metrics) beside the user's ``metadata``.
+
+        Raises:
+            TypeError: either is not plain JSON.
+        """
+        document = {_META_KEY: manager_meta, "user": metadata}
+        try:
+            json.dumps(document)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"metadata and metrics must be plain JSON: {exc}") from None
+        return document
 
     def wait_until_finished(self) -> None:
         """Block until every save has committed (with a local tier: on the local tier, and

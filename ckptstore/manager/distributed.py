@@ -19,7 +19,9 @@ the value for plain values, the kind of container) and is written once, by the h
 the fewest bytes assigned so far. The checkpoint is then an ordinary ckptstore checkpoint of
 the merged state: ``ckptstore.load``, :class:`~ckptstore.CheckpointManager` ``restore`` and
 the CLI read it like any other, on any number of processes, and a rank that loads with
-``keys`` or a ``target`` reads only the byte ranges of the leaves it names.
+``keys`` or a ``target`` reads only the byte ranges of the leaves it names. A leaf that
+several ranks load is read from the store by one of them and sent to the others
+(:mod:`ckptstore.manager.broadcast`; ``broadcast=False`` turns it off).
 
 The save is three collectives around the commit protocol of :mod:`ckptstore.layout.commit`:
 
@@ -41,18 +43,23 @@ timeout). Either way no manifest is written and the attempt's objects are garbag
 (the surviving ranks remove their own at once).
 
 Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
-tensors through a host copy), so they must not change until ``save`` returns.
+tensors through a host copy), so they must not change until ``save`` returns. The multi-rank
+:class:`~ckptstore.manager.distributed_manager.CheckpointManager` copies them instead and runs
+:func:`commit_parts` in the background, on a process group of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
@@ -69,6 +76,9 @@ from ckptstore.store.base import Store
 
 __all__ = ["Collectives", "LocalGroup", "TorchCollectives", "load", "save"]
 
+#: One point-to-point transfer of :meth:`Collectives.exchange`: ``(peer, tag, buffer)``.
+Message = tuple[int, int, "np.ndarray[Any, Any]"]
+
 
 # =========================================================================== collectives
 
@@ -78,8 +88,9 @@ class Collectives(Protocol):
 
     :class:`TorchCollectives` implements them with ``torch.distributed``; another launcher
     (MPI, JAX's multi-process runtime) can pass its own. Every member must call the same
-    collectives in the same order; objects are small (trees, paths, checksums), never array
-    bytes.
+    collectives in the same order. The objects of ``all_gather``, ``gather`` and
+    ``broadcast`` are small (trees, paths, checksums), never array bytes; array bytes go
+    through :meth:`exchange` as raw buffers.
     """
 
     @property
@@ -102,6 +113,18 @@ class Collectives(Protocol):
 
     def broadcast(self, obj: Any, root: int) -> Any:
         """``root``'s ``obj`` on every member."""
+        ...
+
+    def exchange(self, sends: list[Message], receives: list[Message]) -> None:
+        """Send and receive array bytes point to point, all at once, without pickling.
+
+        Each ``(peer, tag, buffer)`` of ``sends`` goes to ``peer``; each of ``receives`` is
+        filled with what ``peer`` sent with the same ``tag`` (exactly its length). Buffers
+        are 1-D C-contiguous ``uint8`` arrays; a member sends at most one buffer per peer
+        and tag. Returns once every send and receive of this member is done. Only a
+        multi-rank load with ``broadcast=True`` calls it (every member calls it, some with
+        nothing to do).
+        """
         ...
 
 
@@ -147,6 +170,27 @@ class TorchCollectives:
         box = [obj]
         self._dist.broadcast_object_list(box, group=self._group, group_src=root)
         return box[0]
+
+    def exchange(self, sends: list[Message], receives: list[Message]) -> None:
+        # One batch of non-blocking sends and receives: every transfer runs at once, so no
+        # order of them can deadlock, and the bytes travel as tensors, never pickled.
+        import torch
+
+        dist = self._dist
+        ops = [
+            dist.P2POp(
+                dist.irecv, torch.from_numpy(buffer), group=self._group, tag=tag, group_peer=peer
+            )
+            for peer, tag, buffer in receives
+        ] + [
+            dist.P2POp(
+                dist.isend, torch.from_numpy(buffer), group=self._group, tag=tag, group_peer=peer
+            )
+            for peer, tag, buffer in sends
+        ]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
 
 class LocalGroup:
@@ -199,6 +243,12 @@ class _LocalMember:
 
     def broadcast(self, obj: Any, root: int) -> Any:
         return self.group._exchange(self.rank, obj if self.rank == root else None)[root]
+
+    def exchange(self, sends: list[Message], receives: list[Message]) -> None:
+        posted = self.group._exchange(self.rank, {(peer, tag): buf for peer, tag, buf in sends})
+        for peer, tag, buffer in receives:
+            buffer[...] = posted[peer][(self.rank, tag)]
+        self.group._exchange(self.rank, None)  # no sender reuses a buffer still being read
 
 
 # =========================================================================== messages
@@ -444,32 +494,68 @@ def save(
             own error is raised as itself. Nothing is committed in either case.
     """
     comm = comm if comm is not None else TorchCollectives(group)
-    rank = comm.rank
-    if not 0 <= coordinator < comm.world:
-        raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
+    check_coordinator(comm, coordinator)
     with (
         opened(root, store_options) as store,
         _stager(store) as stager,
         contextlib.ExitStack() as later,
     ):
-        # 1. share every rank's part; the coordinator adds the attempt
         flat: FlatState | None = None
         error: BaseException | None = None
-        begun: Attempt | None = None
         try:
             check_step(step)
             staged = save_path.stage(stager, state, copy=False)
             later.callback(staged.release)
             staged.wait_ready()
             flat = staged.flat()
-            part = _describe(flat, step)
-            if rank == coordinator:
-                begun = background.run(save_path.begin(store, step, metadata))
-                later.callback(_release_lease, begun)  # committed or not, when this returns
-                part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
-            shared: Any = part
         except Exception as exc:
-            error, shared = exc, _Failure.of(rank, exc)
+            error = exc
+        return commit_parts(comm, store, flat, error, step, metadata, coordinator)
+
+
+def check_coordinator(comm: Collectives, coordinator: int) -> None:
+    """Refuse a coordinator outside the group."""
+    if not 0 <= coordinator < comm.world:
+        raise ValueError(f"coordinator {coordinator} is outside a group of {comm.world}")
+
+
+def commit_parts(
+    comm: Collectives,
+    store: Store,
+    flat: FlatState | None,
+    error: BaseException | None,
+    step: int,
+    metadata: Any,
+    coordinator: int,
+) -> CommitInfo:
+    """Everything of a multi-rank save after this rank's part is staged: the collectives,
+    this rank's writes and the coordinator's commit (:func:`save` runs it in the caller's
+    thread; the multi-rank :class:`~ckptstore.manager.distributed_manager.CheckpointManager`
+    in a thread of its own, on a group of its own).
+
+    Args:
+        flat: this rank's staged part, which must not change until this returns; ``None``
+            if staging failed.
+        error: why staging failed, or ``None``. A failed rank still takes part, so the
+            others learn of it instead of waiting, and then raises ``error`` itself.
+
+    Returns and raises as :func:`save`.
+    """
+    rank = comm.rank
+    with contextlib.ExitStack() as later:
+        # 1. share every rank's part; the coordinator adds the attempt
+        begun: Attempt | None = None
+        shared: Any = None if error is None else _Failure.of(rank, error)
+        if flat is not None and error is None:
+            try:
+                part = _describe(flat, step)
+                if rank == coordinator:
+                    begun = background.run(save_path.begin(store, step, metadata))
+                    later.callback(_release_lease, begun)  # committed or not, at the end
+                    part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
+                shared = part
+            except Exception as exc:
+                error, shared = exc, _Failure.of(rank, exc)
         try:
             parts = comm.all_gather(shared)
         except Exception as exc:
@@ -702,9 +788,16 @@ def load(
     group: Any = None,
     coordinator: int = 0,
     comm: Collectives | None = None,
+    broadcast: bool = True,
     **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
+
+    On several ranks (``comm``, or an initialised ``torch.distributed``) a leaf that several
+    ranks select is read from the store by one of them and sent to the others over the
+    group (:mod:`ckptstore.manager.broadcast`), so a state replicated on N ranks is read
+    once, not N times; the load is then a collective every rank must call, for the same
+    step.
 
     Args:
         root: URL, path or Store of the run's checkpoint root.
@@ -715,19 +808,27 @@ def load(
             selects what is read: exactly the leaves it holds, so a rank reads only its own
             shards. ``keys`` and ``target`` follow the rule of every face (see
             :meth:`~ckptstore.CheckpointManager.restore`, :mod:`ckptstore.pipeline.restore`).
-        group, coordinator, comm: as for :func:`save`; used only when ``step`` is ``None``.
+        group, coordinator, comm: as for :func:`save`; ``coordinator`` chooses the step
+            when ``step`` is ``None``.
+        broadcast: read shared leaves once and send them between ranks; ``False`` makes
+            every rank read all it selects from the store itself, and a load with a step
+            given a plain read that needs no process group.
         **store_options: options for a URL ``root``, as on every face
             (:mod:`ckptstore.pipeline.root`).
 
     Raises:
         NotFoundError: nothing committed, no such step, or a key (or target leaf) matching
             nothing; every such key is named.
-        CorruptCheckpointError: anything read fails verification.
+        CorruptCheckpointError: anything read fails verification (with ``broadcast``, on
+            every rank, whichever rank read it).
+        CkptStoreError: with ``broadcast``, another rank failed or died.
     """
     asked = request(keys, target)  # bad arguments fail here, before any collective
     with opened(root, store_options) as store:
+        if comm is None and (step is None or (broadcast and _torch_group_running())):
+            comm = TorchCollectives(group)
         if step is None:
-            comm = comm if comm is not None else TorchCollectives(group)
+            assert comm is not None
             found: Any = None
             if comm.rank == coordinator:
                 try:
@@ -742,7 +843,24 @@ def load(
             if found is None:
                 raise NotFoundError(f"{store.url}: no committed checkpoint")
             step = int(found)
+        if broadcast and comm is not None and comm.world > 1:
+            if not callable(getattr(comm, "exchange", None)):
+                raise TypeError(
+                    f"{type(comm).__name__} has no exchange(), which a load with "
+                    "broadcast=True sends shared leaves with; add it (see Collectives) or "
+                    "pass broadcast=False"
+                )
+            # imported here: the broadcast module builds on this one's collectives
+            from ckptstore.manager.broadcast import load_shared
+
+            return load_shared(store, step, asked, comm)
         return restore(store, step, asked)
+
+
+def _torch_group_running() -> bool:
+    """Whether ``torch.distributed`` is initialised, without importing torch for it."""
+    dist = sys.modules.get("torch.distributed")
+    return dist is not None and bool(dist.is_available() and dist.is_initialized())
 
 
 # =========================================================================== helpers

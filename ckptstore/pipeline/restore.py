@@ -31,13 +31,17 @@ goes through these stages, so they agree on what a request means and on what goe
 before its collectives); :func:`read` runs stages 1-2 on the event loop; :func:`rebuild` runs
 in the caller's thread,
 since building tensors on a device is not the loop's work. :func:`arestore` and
-:func:`restore` chain them for async and sync callers.
+:func:`restore` chain them for async and sync callers. A face that runs collectives between
+the stages (``ckptstore.distributed.load``, whose ranks read shared leaves once and send
+them to each other: :mod:`ckptstore.manager.broadcast`) calls :func:`select_step`, then
+:func:`read_selected` for the leaves it reads itself, and :func:`rebuild` once the other
+leaves' arrays are in the selection.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,10 +71,12 @@ __all__ = [
     "arestore",
     "find_manifest",
     "read",
+    "read_selected",
     "rebuild",
     "request",
     "restore",
     "select",
+    "select_step",
 ]
 
 #: A face's own way to turn one restored host array into its value:
@@ -241,8 +247,8 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
             ``into`` the step lacks.
         CorruptCheckpointError: the manifest or any byte read fails verification.
     """
-    manifest = await find_manifest(store, step)
-    selection = select(manifest, store.url, asked)
+    selection = await select_step(store, step, asked)
+    manifest = selection.manifest
     fill: dict[int, np.ndarray[Any, Any]] = {}
     if into is not None:
         index = {path: i for i, path in enumerate(manifest.paths)}
@@ -253,8 +259,43 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
                     f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
                 )
             fill[index[path]] = array
-    selection.arrays = await read_leaves(store, manifest, selection.leaves, fill)
+    await read_selected(store, selection, into=fill)
     return selection
+
+
+async def select_step(store: Store, step: int | None, asked: Request) -> Selection:
+    """Stage 1 on a store: the step's validated manifest and what ``asked`` selects of it.
+
+    Raises:
+        NotFoundError: no such step, or a key or target leaf naming nothing.
+        CorruptCheckpointError: the manifest fails validation.
+        CheckpointFormatError: the checkpoint is in a format only another face reads.
+    """
+    return select(await find_manifest(store, step), store.url, asked)
+
+
+async def read_selected(
+    store: Store,
+    selection: Selection,
+    *,
+    leaves: Sequence[int] | None = None,
+    into: Mapping[int, np.ndarray[Any, Any]] | None = None,
+) -> None:
+    """Stage 2: read and verify ``leaves`` (default: every selected leaf) into
+    ``selection.arrays``. A face that gets some leaves another way (a multi-rank load, where
+    one rank reads a shared leaf for all) reads the rest here and adds its own arrays.
+
+    Args:
+        store: the store the selection's manifest came from.
+        selection: what :func:`select` chose.
+        leaves: the leaf indices to read, a subset of ``selection.leaves``.
+        into: arrays to read into, by leaf index (dtype and shape as the checkpoint's).
+
+    Raises:
+        CorruptCheckpointError: anything read fails verification.
+    """
+    wanted = selection.leaves if leaves is None else leaves
+    selection.arrays.update(await read_leaves(store, selection.manifest, wanted, into))
 
 
 def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:

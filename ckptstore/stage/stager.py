@@ -219,7 +219,7 @@ def kind_named(name: str) -> ArrayKind:
     raise ValueError(f"unknown array framework {name!r}; use 'numpy', 'torch' or 'jax'")
 
 
-@dataclass
+@dataclass(init=False, eq=False)
 class StagedState:
     """A state whose arrays are host copies the writer owns.
 
@@ -234,13 +234,43 @@ class StagedState:
         snapshot: the background copy of a lazy stage, until it is waited for.
     """
 
-    tree: Any
+    _tree: Any = field(repr=False)
     attrs: dict[Path, dict[str, Any]]
     nbytes: int
-    buffer: HostBuffer | None = None
-    fences: list[Callable[[], None]] = field(default_factory=list)
-    snapshot: LazyCopy | None = None
-    _flat: FlatState | None = field(default=None, init=False, repr=False, compare=False)
+    buffer: HostBuffer | None
+    fences: list[Callable[[], None]]
+    snapshot: LazyCopy | None
+    _flat: FlatState | None = field(repr=False, compare=False)
+    _make_tree: Callable[[], Any] | None = field(repr=False, compare=False)
+
+    def __init__(
+        self,
+        tree: Any = None,
+        attrs: dict[Path, dict[str, Any]] | None = None,
+        nbytes: int = 0,
+        buffer: HostBuffer | None = None,
+        fences: list[Callable[[], None]] | None = None,
+        snapshot: LazyCopy | None = None,
+        *,
+        make_tree: Callable[[], Any] | None = None,
+    ) -> None:
+        """``make_tree``, if given, builds :attr:`tree` at its first use instead: a save
+        needs only :meth:`flat`, and the tree costs a second walk of the state."""
+        self._tree = tree
+        self.attrs = {} if attrs is None else attrs
+        self.nbytes = nbytes
+        self.buffer = buffer
+        self.fences = [] if fences is None else fences
+        self.snapshot = snapshot
+        self._flat = None
+        self._make_tree = make_tree
+
+    @property
+    def tree(self) -> Any:
+        """See the class docstring."""
+        if self._make_tree is not None:
+            self._tree, self._make_tree = self._make_tree(), None
+        return self._tree
 
     def flat(self) -> FlatState:
         """The staged state as the format layer's :class:`~ckptstore.layout.tree.FlatState`:
@@ -345,10 +375,19 @@ class Stager:
             TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...),
                 or (``UnsupportedLeafError``) a leaf that is neither an array nor a plain value.
         """
-        if not copy and not lazy:
+        if lazy:
+            if not copy:
+                raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
+            return self._lazy(state)
+        if not copy:
             uncopied = self._uncopied(state)
             if uncopied is not None:
                 return uncopied
+        return self._copied(state, copy=copy)
+
+    def _lazy(self, state: Any) -> StagedState:
+        """``stage(state, lazy=True)``: the arena laid out, the copies left to
+        :meth:`_stage_lazy`."""
         kinds = array_kinds()
         found: list[tuple[Path, Any, ArrayKind]] = []
         for path, leaf in iter_leaves(state):
@@ -365,66 +404,20 @@ class Stager:
         for path, leaf, kind in found:
             specs.append(_spec(kind, leaf, path))
 
-        if lazy and not copy:
-            raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
         views: dict[Path, NDArray[Any]] = {}
-        to_copy: list[int] = []
-        for i, (path, leaf, kind) in enumerate(found):
-            view = None if copy else kind.host_view(leaf)
-            if view is None:
-                to_copy.append(i)
-            else:
-                views[path] = view
-        offsets, total = [], 0
-        small = self.leaf_alignment
-        large = max(PAGE, small)
-        for i in to_copy:
-            nbytes = specs[i].nbytes
-            start = align_up(total, large if nbytes >= PAGE_ALIGN_MIN else small)
-            offsets.append(start)
-            total = start + nbytes
-        total = align_up(total, small)
-
-        if not to_copy:
+        if not found:
             staged = self._staged(state, found, specs, views, None)
             staged.flat()
             return staged
-        pinned = any(specs[i].pinned for i in to_copy)
-        buffer = self.pool.acquire(total, pin=pinned_memory if pinned else None)
+        buffer, slots = self._arena(specs)
         try:
             dsts: dict[int, NDArray[Any]] = {}
-            for i, offset in zip(to_copy, offsets, strict=True):
-                path, _, _ = found[i]
-                spec = specs[i]
-                dst = buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
+            for i, ((path, _, _), dst) in enumerate(zip(found, slots, strict=True)):
                 dsts[i] = views[path] = dst
-            if lazy:
-                return self._stage_lazy(state, found, specs, views, buffer, dsts)
-            tasks: list[CopyTask] = []
-            for i in to_copy:
-                _, leaf, kind = found[i]
-                tasks += kind.copies(leaf, dsts[i], self.chunk_bytes)
-            copying = _Copying(tasks, self.threads, self.chunk_bytes)
-            copying.start(self._helpers)
-            try:
-                # The bookkeeping (the staged tree, the format layer's flat view of it) runs
-                # here while the helper threads copy, instead of after the last byte.
-                staged = self._staged(state, found, specs, views, buffer)
-                staged.flat()
-            except BaseException:
-                copying.cancel()
-                raise
-            finally:
-                copying.finish()
-            for kind in kinds:
-                mine = [found[i][1] for i in to_copy if found[i][2] is kind]
-                fence = kind.fence(mine) if mine else None
-                if fence is not None:
-                    staged.fences.append(fence)
+            return self._stage_lazy(state, found, specs, views, buffer, dsts)
         except BaseException:
             buffer.release()
             raise
-        return staged
 
     def _stage_lazy(
         self,
@@ -481,6 +474,100 @@ class Stager:
             self._lazy_executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-lazy")
         return self._lazy_executor
 
+    def _arena(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[NDArray[Any]]]:
+        """A pooled arena for leaves of these specs, and each leaf's slot in it (an array of
+        its dtype and shape): small leaves at ``leaf_alignment``, large ones on a page."""
+        offsets, total = [], 0
+        small = self.leaf_alignment
+        large = max(PAGE, small)
+        for spec in specs:
+            nbytes = spec.nbytes
+            start = align_up(total, large if nbytes >= PAGE_ALIGN_MIN else small)
+            offsets.append(start)
+            total = start + nbytes
+        pinned = any(spec.pinned for spec in specs)
+        buffer = self.pool.acquire(align_up(total, small), pin=pinned_memory if pinned else None)
+        slots = [
+            buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
+            for spec, offset in zip(specs, offsets, strict=True)
+        ]
+        return buffer, slots
+
+    def _copied(self, state: Any, *, copy: bool) -> StagedState:
+        """``stage(state)`` (not lazy) in one walk of the state.
+
+        The one walker builds the format layer's flat view straight from ``state``, taking
+        each framework's leaf apart (its spec) on the way and giving each leaf to copy a
+        zero-length stand-in of its dtype; then the arena is laid out, each stand-in replaced
+        by its slot, and the copies run. With ``copy=False`` a leaf in host memory goes into
+        the flat view as itself (numpy) or as its host view (a CPU tensor), and only the rest
+        is copied. (The general path walked the state three times: find the leaves, rebuild
+        the staged tree, flatten it.) The staged tree is built only if someone asks for it;
+        a save never does.
+        """
+        kinds = array_kinds()
+        numpy_kind = next(kind for kind in kinds if kind.name == "numpy")
+        others = [kind for kind in kinds if kind is not numpy_kind]
+        converted: dict[Path, tuple[Any, ArrayKind, LeafSpec]] = {}
+        attrs: dict[Path, dict[str, Any]] = {}
+        views: dict[Path, NDArray[Any]] = {}
+
+        def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any] | None] | None:
+            # numpy scalars come here too: staged as 0-d arrays marked as scalars
+            for kind in others if not isinstance(leaf, np.generic) else (numpy_kind,):
+                if kind.owns(leaf):
+                    spec = _spec(kind, leaf, path)
+                    if spec.attrs is not None:
+                        attrs[path] = spec.attrs
+                    view = None if copy else kind.host_view(leaf)
+                    if view is not None:
+                        views[path] = view
+                        return view, spec.attrs
+                    converted[path] = (leaf, kind, spec)
+                    return _stand_in(spec.dtype), spec.attrs
+            return None
+
+        flat = flatten(state, convert=convert, expand=expand)
+        to_copy: list[int] = []
+        sources: list[tuple[Any, ArrayKind, LeafSpec]] = []
+        for i, (path, array) in enumerate(zip(flat.paths, flat.arrays, strict=True)):
+            found = converted.get(path)
+            if found is None:
+                if path in views or not copy:
+                    continue  # let through: a host view, or a numpy leaf of a copy=False stage
+                found = (array, numpy_kind, _spec(numpy_kind, array, path))
+            to_copy.append(i)
+            sources.append(found)
+        staged = StagedState(state, attrs, sum(flat.nbytes))
+        staged._flat = flat
+        if not to_copy:
+            return staged
+        for kind in others:
+            mine = [leaf for leaf, k, _ in sources if k is kind]
+            if mine:
+                kind.start(mine)
+        buffer, slots = self._arena([spec for _, _, spec in sources])
+        try:
+            tasks: list[CopyTask] = []
+            for i, (leaf, kind, _), dst in zip(to_copy, sources, slots, strict=True):
+                flat.arrays[i] = views[flat.paths[i]] = dst
+                tasks += kind.copies(leaf, dst, self.chunk_bytes)
+            copying = _Copying(tasks, self.threads, self.chunk_bytes)
+            copying.start(self._helpers)
+            copying.finish()
+            staged.buffer = buffer
+            staged.nbytes = sum(flat.nbytes)
+            staged._make_tree = lambda: map_leaves(lambda p, leaf: views.get(p, leaf), state)
+            for kind in others:
+                mine = [leaf for leaf, k, _ in sources if k is kind]
+                fence = kind.fence(mine) if mine else None
+                if fence is not None:
+                    staged.fences.append(fence)
+        except BaseException:
+            buffer.release()
+            raise
+        return staged
+
     @staticmethod
     def _uncopied(state: Any) -> StagedState | None:
         """``stage(state, copy=False)`` in one walk, when every array leaf is in host memory.
@@ -513,8 +600,14 @@ class Stager:
             flat = flatten(state, convert=convert, expand=expand)
         except _NeedsCopy:
             return None
-        tree = map_leaves(lambda path, leaf: views.get(path, leaf), state) if views else state
-        staged = StagedState(tree=tree, attrs=attrs, nbytes=sum(flat.nbytes))
+        staged = StagedState(
+            state,
+            attrs,
+            sum(flat.nbytes),
+            make_tree=(lambda: map_leaves(lambda p, leaf: views.get(p, leaf), state))
+            if views
+            else None,
+        )
         staged._flat = flat
         return staged
 
@@ -631,6 +724,18 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
         else:
             copies[i]()
         i = j
+
+
+#: Zero-length arrays by dtype: what a leaf stands for in the flat view of
+#: :meth:`Stager._copied` until its arena slot exists.
+_STAND_INS: dict[np.dtype[Any], NDArray[Any]] = {}
+
+
+def _stand_in(dtype: np.dtype[Any]) -> NDArray[Any]:
+    array = _STAND_INS.get(dtype)
+    if array is None:
+        array = _STAND_INS[dtype] = np.empty(0, dtype)
+    return array
 
 
 def _spec(kind: ArrayKind, leaf: Any, path: Path) -> LeafSpec:

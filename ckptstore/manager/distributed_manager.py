@@ -1,0 +1,379 @@
+"""The multi-rank CheckpointManager: every rank saves its part asynchronously, one commit.
+
+::
+
+    import torch.distributed as dist
+    import ckptstore.distributed
+
+    dist.init_process_group("nccl")                      # or "gloo"
+    rank = dist.get_rank()
+    with ckptstore.distributed.CheckpointManager("s3://bucket/run", max_to_keep=3) as mgr:
+        for step in range(start, steps):
+            train_step()
+            mgr.save(step, {"model": {f"shard{rank}": shard}, "step": step})  # every rank
+    state = mgr.restore(target=like)
+
+:func:`ckptstore.distributed.save <ckptstore.manager.distributed.save>` blocks every rank
+until the commit, so a rank loses the whole write where a single-process async save loses
+only the copy. Here ``save`` returns once this rank's part is copied into pooled host buffers
+(as :class:`~ckptstore.CheckpointManager` does); the rest of the multi-rank protocol
+(:func:`~ckptstore.manager.distributed.commit_parts`: the ``all_gather`` of the ranks'
+trees, this rank's writes, the ``gather`` of their object lists, the one commit, the
+``broadcast`` of the outcome) and then retention run in a thread of the manager's own.
+
+Why a process group of its own: those background collectives run while the training loop
+issues its own (gradient all-reduces), and collectives on one group must be issued in the
+same order on every rank. Interleaved on the training's group, a rank whose background
+thread reached its ``gather`` before the training's ``all_reduce`` and a rank where it was
+the other way round would pair the wrong calls and hang or corrupt both. So with
+``torch.distributed`` the manager creates, at construction, a gloo group over the same
+ranks (``dist.new_group``, a collective of the whole world): gloo carries the small Python
+objects the protocol exchanges on CPU, whatever backend the training uses. Another launcher
+passes ``comm=``: a :class:`~ckptstore.manager.distributed.Collectives` the training does
+not use.
+
+Why every rank takes part in every save, even one that failed: the others' background
+thread is already waiting in the first collective. A rank whose staging fails (an
+unstorable leaf) raises at once, and its background thread still shares the failure, so the
+others' saves fail with an error naming it instead of waiting for the group timeout. Errors
+of the background work are kept and raised once each, on every rank, by the next ``save``
+(before it stages anything) and by :meth:`CheckpointManager.wait_until_finished`, the rule of
+:class:`~ckptstore.manager.async_save.BackgroundWork`; since every rank waits for its previous
+save before the next one, every rank raises at the same call and the ranks' sequences of
+collectives stay aligned. A rank that dies makes the others' collectives fail (at once when
+gloo sees the closed connection, at the group's ``timeout`` at worst): nothing is committed,
+and the survivors' next ``save`` or ``wait_until_finished`` raises.
+
+Retention is :class:`~ckptstore.CheckpointManager`'s, run by the coordinator alone once the
+step is committed; its outcome is broadcast so that a failed deletion surfaces on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal
+
+from ckptstore import background
+from ckptstore.errors import CkptStoreError
+from ckptstore.layout.commit import CommitInfo, delete_step
+from ckptstore.layout.keys import check_step
+from ckptstore.layout.tree import FlatState
+from ckptstore.manager.checkpoint_manager import CheckpointManager as _SingleProcessManager
+from ckptstore.manager.distributed import (
+    Collectives,
+    TorchCollectives,
+    _Failure,
+    check_coordinator,
+    commit_parts,
+    load,
+)
+from ckptstore.pipeline import save as save_path
+from ckptstore.stage import StagedState, Stager
+from ckptstore.store.base import Store
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager(_SingleProcessManager):
+    """A :class:`~ckptstore.CheckpointManager` whose saves every rank of a group makes, each
+    with its part of the state, merged and committed once (see
+    :func:`ckptstore.distributed.save <ckptstore.manager.distributed.save>` for how parts
+    merge).
+
+    Every rank constructs it, and calls :meth:`save` with the same steps (and ``force``),
+    :meth:`wait_until_finished`, :meth:`restore`, :meth:`delete` and :meth:`close`, in the
+    same order: each is, or waits for, a collective.
+
+    Args:
+        url: the run's checkpoint root, the same on every rank (any URL ``open_store``
+            takes, or an open Store, left open by :meth:`close`).
+        max_to_keep, keep_period, keep_time_interval, save_interval_steps, best_fn,
+            best_mode, async_save, stager: as for :class:`~ckptstore.CheckpointManager`;
+            retention runs on the coordinator after each commit, with the coordinator's
+            ``metrics``.
+        group: the ``torch.distributed`` process group whose ranks save (default: the
+            world). The manager's collectives run on a new gloo group over the same ranks,
+            created here; constructing the manager is then a collective of the whole world
+            (``torch.distributed.new_group``).
+        comm: collectives to use instead of ``torch.distributed``; they must be the
+            manager's alone (see the module docstring).
+        coordinator: the rank (within the group) that commits and applies retention.
+        timeout: seconds the new gloo group waits in a collective before failing (how long
+            survivors of a rank that died silently wait at most); default: torch's
+            (30 minutes). Only with ``torch.distributed``.
+        **store_options: options for a URL ``url``, as on every face.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised and no ``comm`` is given.
+        ValueError: ``comm`` with ``group`` or ``timeout``; a coordinator outside the group.
+    """
+
+    def __init__(
+        self,
+        url: str | os.PathLike[str] | Store,
+        *,
+        max_to_keep: int | None = None,
+        keep_period: int | None = None,
+        keep_time_interval: float | datetime.timedelta | None = None,
+        save_interval_steps: int = 1,
+        best_fn: Callable[[Any], float] | None = None,
+        best_mode: Literal["min", "max"] = "max",
+        async_save: bool = True,
+        stager: Stager | None = None,
+        group: Any = None,
+        comm: Collectives | None = None,
+        coordinator: int = 0,
+        timeout: float | None = None,
+        **store_options: Any,
+    ) -> None:
+        self._own_group: Any = None
+        if comm is not None:
+            if group is not None or timeout is not None:
+                raise ValueError(
+                    "give comm= or a torch.distributed group= (and its timeout=), not both"
+                )
+        else:
+            comm, self._own_group = _group_of_its_own(group, timeout)
+        try:
+            check_coordinator(comm, coordinator)
+            super().__init__(
+                url,
+                max_to_keep=max_to_keep,
+                keep_period=keep_period,
+                keep_time_interval=keep_time_interval,
+                save_interval_steps=save_interval_steps,
+                best_fn=best_fn,
+                best_mode=best_mode,
+                async_save=async_save,
+                max_in_flight=1,  # two saves in flight would interleave their collectives
+                stager=stager,
+                **store_options,
+            )
+        except BaseException:
+            self._destroy_group()
+            raise
+        self._comm = comm
+        self.coordinator = coordinator
+        # One thread: the background collectives of successive saves run in save order.
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-ranks")
+
+    @property
+    def rank(self) -> int:
+        """This rank's rank in the manager's group."""
+        return self._comm.rank
+
+    # ------------------------------------------------------------------ saving
+
+    def save(
+        self,
+        step: int,
+        state: Any,
+        metadata: Any = None,
+        force: bool = False,
+        metrics: Any = None,
+        full: bool = False,
+        persist: bool | None = None,
+    ) -> bool:
+        """Save this rank's part of the state as ``step`` if the interval says so (or
+        ``force``); every rank calls it, with the same ``step`` and ``force``.
+
+        Blocks while this rank's previous save is still in flight and while this rank's
+        arrays are copied into host buffers; once it returns, changing or freeing the state
+        cannot change what is written. The collectives, the writes, the commit and retention
+        follow in the background (with ``async_save=False`` this waits for them).
+
+        Args:
+            step, metadata, metrics: as for :meth:`ckptstore.CheckpointManager.save`
+                (``metadata`` and ``metrics``: the coordinator's are stored).
+            state: this rank's part, merged with the other ranks' by dict key.
+            force: save even if ``step`` is off the interval.
+            full: accepted for the signature's sake: multi-rank saves are always full.
+            persist: refused: a multi-rank manager has no local tier.
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            Exception: the error of an earlier background save not yet reported, on every
+                rank (its own error on a rank that failed; on the others a
+                ``CkptStoreError`` naming that rank). Nothing of this step is saved then.
+            UnsupportedLeafError, TypeError: a leaf of this rank's part that cannot be
+                stored (the other ranks' saves of this step then fail, naming this rank).
+        """
+        self._check_open()
+        if persist is not None:
+            raise ValueError("persist= needs a local tier; a multi-rank manager has none")
+        if not (force or self.should_save(step)):
+            self._saver.raise_errors()
+            return False
+        meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
+        document = self._document(meta, metadata)
+
+        fences: list[Callable[[], None]] = []
+
+        def stage() -> StagedState:
+            try:
+                check_step(step)
+                staged = save_path.stage(self._stager, state)
+            except Exception as exc:
+                # The other ranks' background saves wait for this rank's part: tell them.
+                told = self._thread.submit(self._share_failure, step, exc)
+                self._saver.track(step, told)
+                raise
+            # Copies still landing (CUDA sources) are waited for in the manager's thread,
+            # where a failure is shared with the other ranks like any other.
+            fences[:], staged.fences = staged.fences, []
+            return staged
+
+        async def write(staged: StagedState) -> CommitInfo:
+            run = asyncio.get_running_loop().run_in_executor
+            return await run(
+                self._thread, self._commit_everywhere, staged, fences, step, document, meta
+            )
+
+        self.last_handle = self._saver.submit(step, stage, write)
+        if not self.async_save:
+            self.wait_until_finished()
+        return True
+
+    def _commit_everywhere(
+        self,
+        staged: StagedState,
+        fences: list[Callable[[], None]],
+        step: int,
+        document: dict[str, Any],
+        meta: dict[str, Any],
+    ) -> CommitInfo:
+        """The background half of a save, in the manager's thread: the staged copies'
+        ``fences``, the multi-rank protocol, then retention on the coordinator."""
+        flat: FlatState | None = None
+        error: Exception | None = None
+        try:
+            for fence in fences:
+                fence()
+            flat = staged.flat()
+        except Exception as exc:
+            error = exc
+        info = commit_parts(self._comm, self._store, flat, error, step, document, self.coordinator)
+        if self.rank == self.coordinator:  # what retention ranks it by
+            self._info[step] = (meta["time"], meta["metrics"])
+        self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
+        return info
+
+    def _share_failure(self, step: int, error: Exception) -> None:
+        """Take part in the collectives of a save this rank could not stage, so the others
+        fail naming it; ``error`` was raised to this rank's caller already."""
+        try:
+            commit_parts(self._comm, self._store, None, error, step, None, self.coordinator)
+        except Exception as raised:
+            if raised is not error:
+                raise
+
+    def _on_coordinator(self, work: Callable[[], Coroutine[Any, Any, Any]], what: str) -> None:
+        """Run ``work`` on the coordinator; every rank raises if it failed (the coordinator
+        its own error, the others a ``CkptStoreError`` naming it)."""
+        failure: _Failure | None = None
+        error: Exception | None = None
+        if self.rank == self.coordinator:
+            try:
+                background.run(work())
+            except Exception as exc:
+                error, failure = exc, _Failure.of(self.rank, exc)
+        try:
+            failure = self._comm.broadcast(failure, self.coordinator)
+        except Exception as exc:
+            raise CkptStoreError(
+                f"{self._store.url}: {what}: hearing whether it succeeded from the coordinator "
+                f"failed ({type(exc).__name__}: {exc})"
+            ) from exc
+        if error is not None:
+            raise error
+        if failure is not None:
+            raise CkptStoreError(f"{self._store.url}: {what} failed on {failure.describe()}")
+
+    # ------------------------------------------------------------------ reading, deleting
+
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        keys: Any = None,
+        broadcast: bool = True,
+    ) -> Any:
+        """Read what this rank needs of a committed step, verifying every byte; every rank
+        calls it.
+
+        It is :func:`ckptstore.distributed.load <ckptstore.manager.distributed.load>` on
+        the manager's collectives, once the saves in flight have finished (their
+        collectives run on the same group): with ``step=None`` the coordinator picks the
+        newest committed step and every rank reads that one, and a leaf several ranks ask
+        for is read from the store once and sent to the others, unless ``broadcast`` is
+        false. Args and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`.
+        """
+        self._check_open()
+        self.wait_until_finished()
+        return load(
+            self._store,
+            step,
+            keys=keys,
+            target=target,
+            comm=self._comm,
+            coordinator=self.coordinator,
+            broadcast=broadcast,
+        )
+
+    def delete(self, step: int) -> None:
+        """Delete a committed step, on the coordinator (its manifest first, so it is never
+        half visible); every rank calls it and raises if the deletion failed."""
+        self._check_open()
+        self.wait_until_finished()
+
+        async def remove() -> None:
+            await delete_step(self._store, step)
+
+        self._on_coordinator(remove, f"deleting step {step}")
+        self._info.pop(step, None)
+
+    # ------------------------------------------------------------------ lifetime
+
+    def close(self) -> None:
+        """As :meth:`ckptstore.CheckpointManager.close`, then stop the manager's thread and
+        destroy the process group it created."""
+        if self._closed:
+            return
+        try:
+            super().close()
+        finally:
+            self._thread.shutdown(wait=True)
+            self._destroy_group()
+
+    def _destroy_group(self) -> None:
+        group, self._own_group = self._own_group, None
+        if group is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+
+    def __repr__(self) -> str:
+        return (
+            f"ckptstore.distributed.CheckpointManager({self._store.url!r}, "
+            f"rank={self.rank}, world={self._comm.world})"
+        )
+
+
+def _group_of_its_own(group: Any, timeout: float | None) -> tuple[Collectives, Any]:
+    """A gloo group over ``group``'s ranks (the world's by default), and its collectives."""
+    TorchCollectives(group)  # refuses an uninitialised torch.distributed, with the fix
+    import torch.distributed as dist
+
+    ranks = None if group is None else dist.get_process_group_ranks(group)
+    options: dict[str, Any] = {}
+    if timeout is not None:
+        options["timeout"] = datetime.timedelta(seconds=timeout)
+    own = dist.new_group(ranks, backend="gloo", **options)
+    return TorchCollectives(own), own

@@ -1,0 +1,120 @@
+"""One rank of a multi-process ckptstore.distributed.CheckpointManager scenario; started N
+times by tests/test_distributed_manager_ranks.py.
+
+Usage: ``python tests/manager_ranks.py SCENARIO ROOT`` with RANK, WORLD_SIZE, MASTER_ADDR
+and MASTER_PORT set, and store options as JSON in CKPTSTORE_TEST_STORE_OPTIONS. Each rank
+prints ``RESULT <json>`` lines; the test reads the last one. Rank r's part of the state is
+tests/native_ranks.py's (a 1 MiB shard of its own, small tensors of its own, a replicated
+bf16 weight and the step), and its store is a :class:`~tests.gated_store.Gate` over the
+shared root, so the scenario holds, fails or freezes this rank's background writes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import ckptstore.distributed
+from tests.gated_store import HELD_FOR, Gate
+from tests.multirank import outcome_of, rank_main
+from tests.native_ranks import SHARD, opened, part, replicated, shard
+
+FAILING_RANK = 1
+#: seconds the manager's gloo group waits in a collective before failing (as the world's)
+GROUP_TIMEOUT = 60.0
+
+
+def exact(got: dict[str, Any], rank: int, seed: int) -> bool:
+    """Whether ``got`` (read through :func:`like`) is rank ``rank``'s part at ``seed``,
+    bit for bit."""
+    return (
+        got["step"] == seed
+        and torch.equal(got["model"][f"shard{rank}"], shard(rank, seed))
+        and torch.equal(got["model"]["replicated"], replicated(seed))
+    )
+
+
+def like(rank: int) -> dict[str, Any]:
+    return {
+        "model": {
+            f"shard{rank}": torch.empty(SHARD),
+            "replicated": torch.empty(4096, dtype=torch.bfloat16),
+        },
+        "step": 0,
+    }
+
+
+def scenario_manager(root: str) -> dict[str, Any]:
+    """Step 1 with every rank's writes held until the rank has returned from ``save``, run
+    a training all-reduce and changed its state; steps 2-4 under ``max_to_keep=2``; step 5
+    and 6 with the failing rank's writes failing (reported at the wait, then at the next
+    save, step 7, which saves nothing); step 8."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gate = Gate(opened(root))
+    out: dict[str, Any] = {}
+    with ckptstore.distributed.CheckpointManager(gate, max_to_keep=2, timeout=GROUP_TIMEOUT) as mgr:
+        gate.hold()
+        state = part(rank, 1)
+        assert mgr.save(1, state) is True
+        assert mgr.last_handle is not None
+        # Returned, yet this rank's writes wait on the gate: nothing of step 1 is durable.
+        out["in flight at return"] = not mgr.last_handle.done() and mgr.all_steps() == []
+        # The training's collectives go on while the save's run on their own group (the
+        # coordinator's background waits on its gate, the others' in the first collective).
+        total = torch.tensor([float(rank)])
+        dist.all_reduce(total)
+        out["all_reduce"] = total.item() == world * (world - 1) / 2
+        # Each rank's background reaches a write of its own only once the ranks before it
+        # in the protocol let theirs through, so a rank waits for its own gate only.
+        assert gate.held.wait(HELD_FOR), "the background never reached a write"
+        for tensor in (*state["model"].values(), *state["small"].values()):
+            tensor.fill_(-7.0)  # after the call returned: must not reach the checkpoint
+        gate.release()
+        mgr.wait_until_finished()
+        out["exact"] = exact(mgr.restore(target=like(rank)), rank, 1)
+
+        for step in (2, 3, 4):
+            mgr.save(step, part(rank, step))
+        mgr.wait_until_finished()
+        out["kept"] = mgr.all_steps()
+
+        if rank == FAILING_RANK:
+            gate.mode = "fail"
+        mgr.save(5, part(rank, 5))
+        out["wait"] = outcome_of(mgr.wait_until_finished)
+        mgr.save(6, part(rank, 6))
+        out["next save"] = outcome_of(lambda: mgr.save(7, part(rank, 7)))
+        gate.mode = "pass"
+        mgr.save(8, part(rank, 8))
+        mgr.wait_until_finished()
+        out["steps"] = mgr.all_steps()
+        out["exact 8"] = exact(mgr.restore(target=like(rank)), rank, 8)
+    return out
+
+
+def scenario_sigkill(root: str) -> dict[str, Any]:
+    """Step 1; then step 2, during whose background write the test SIGKILLs the failing
+    rank; the survivors' ``wait_until_finished`` reports it."""
+    rank = dist.get_rank()
+    gate = Gate(opened(root, pack_size=64 << 10))
+    out: dict[str, Any] = {}
+    mgr = ckptstore.distributed.CheckpointManager(gate, max_to_keep=2, timeout=GROUP_TIMEOUT)
+    mgr.save(1, part(rank, 1))
+    mgr.wait_until_finished()
+    if rank == FAILING_RANK:
+        gate.mode = "kill"
+    out["returned"] = mgr.save(2, part(rank, 2))
+    print("RESULT " + json.dumps(out), flush=True)
+    out["killed"] = outcome_of(mgr.wait_until_finished)
+    out["close"] = outcome_of(mgr.close)
+    return out
+
+
+SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill}
+
+
+if __name__ == "__main__":
+    rank_main(SCENARIOS)

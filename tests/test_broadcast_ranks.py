@@ -1,0 +1,126 @@
+"""Read once, broadcast on real processes over gloo on 127.0.0.1, on local disk and
+SeaweedFS: N ranks loading a replicated model read it from the store about once in all, not
+N times, and get it bit-exact; with ``broadcast=False`` every rank reads it; a corrupt
+object read by one rank for the others fails every rank.
+
+Each test starts N copies of tests/broadcast_ranks.py; see tests/multirank.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+import ckptstore
+from ckptstore import background
+from ckptstore.store.registry import open_store
+from tests import broadcast_ranks as worker
+from tests.multirank import Target, assert_all_ok, run_ranks
+
+pytestmark = pytest.mark.torch
+
+WORKER = Path(worker.__file__)
+_SLOW = [pytest.mark.slow]
+_SEAWEED = [pytest.mark.s3, pytest.mark.slow]
+
+#: (target, world): 2 and 4 ranks on local disk by default; 8 ranks, and SeaweedFS, slow
+WORLDS = [
+    pytest.param("local", 2, id="local-2"),
+    pytest.param("local", 4, id="local-4"),
+    pytest.param("local", 8, marks=_SLOW, id="local-8"),
+    pytest.param("seaweedfs", 2, marks=_SEAWEED, id="seaweedfs-2"),
+    pytest.param("seaweedfs", 4, marks=_SEAWEED, id="seaweedfs-4"),
+    pytest.param("seaweedfs", 8, marks=_SEAWEED, id="seaweedfs-8"),
+]
+
+#: what a rank's ranged reads may take in beyond its leaves: the padding between the small
+#: packed leaves of the model, which one rank reads as one range
+SLACK = 64 * 1024
+
+
+@pytest.mark.parametrize(("target", "world"), WORLDS, indirect=["target"])
+def test_ranks_loading_a_replicated_model_read_it_from_the_store_once(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    ckptstore.save(target.base, worker.state(world), step=1, **target.options)
+    logs, env = tmp_path / "logs", target.env()
+    model = worker.nbytes(worker.model())
+    own = worker.SHARD * 4  # each rank's float32 shard
+
+    shared = assert_all_ok(
+        run_ranks(WORKER, world, "load", target.base, "1", "on", logs=logs, env=env)
+    )
+    assert [result["exact"] for result in shared] == [True] * world
+    reads = [result["bytes_read"] for result in shared]
+    # the model once over all ranks, and each rank's own shard
+    assert model + world * own <= sum(reads) <= model + world * own + SLACK
+    assert max(reads) < model  # the reads are spread: no rank read the whole model
+
+    alone = assert_all_ok(
+        run_ranks(WORKER, world, "load", target.base, "1", "off", logs=logs, env=env)
+    )
+    assert [result["exact"] for result in alone] == [True] * world
+    for result in alone:
+        assert result["bytes_read"] >= model + own  # every rank read the model itself
+
+
+def _damage(target: Target, step: int, path: str) -> None:
+    """Flip one byte of the object that holds leaf ``path`` of ``step``."""
+
+    async def run() -> None:
+        async with open_store(target.base, **target.options) as store:
+            manifest = await ckptstore.aread_manifest(store, step)
+            key = manifest.object_key(manifest.leaf_object[manifest.paths.index(path)])
+            data = bytearray(await store.get(key))
+            data[1000] ^= 0xFF
+            await store.put(key, bytes(data))
+
+    background.run(run())
+
+
+@pytest.mark.parametrize(
+    ("target", "world"),
+    [
+        pytest.param("local", 4, id="local-4"),
+        pytest.param("seaweedfs", 4, marks=_SEAWEED, id="seaweedfs-4"),
+    ],
+    indirect=["target"],
+)
+def test_a_corrupt_object_read_for_others_fails_every_rank(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    ckptstore.save(target.base, worker.state(world), step=1, **target.options)
+    _damage(target, 1, "model/embed")
+    outcomes = assert_all_ok(
+        run_ranks(
+            WORKER, world, "corrupt", target.base, "1", logs=tmp_path / "logs", env=target.env()
+        )
+    )
+    assert [result["error"] for result in outcomes] == ["CorruptCheckpointError"] * world
+    readers = [r for r, result in enumerate(outcomes) if "another rank" not in result["message"]]
+    assert len(readers) == 1  # one rank read the embedding for all
+    for result in outcomes:
+        assert "'model/embed'" in result["message"]
+        if "another rank" in result["message"]:
+            assert f"rank {readers[0]}: CorruptCheckpointError" in result["message"]
+
+
+def test_a_rank_dying_as_shared_leaves_are_sent_fails_the_others_without_a_hang(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 of 3 reads its share of the model, then dies before sending it: the survivors
+    wait on it in the transfer, see the connection close, and raise (run_ranks bounds their
+    run, so a hang fails the test)."""
+    root = str(tmp_path / "ckpts")
+    ckptstore.save(root, worker.state(3), step=1)
+    outcomes = run_ranks(WORKER, 3, "die", root, "1", logs=tmp_path / "logs")
+    assert outcomes[1].returncode == 17, outcomes[1].log[-4000:]
+    for rank in (0, 2):
+        assert outcomes[rank].returncode == 0, outcomes[rank].log[-4000:]
+        result = outcomes[rank].results[-1]
+        assert result["error"] == "CkptStoreError", result
+        assert "sending the shared leaves failed" in result["message"], result
+        assert "another rank died" in result["message"], result

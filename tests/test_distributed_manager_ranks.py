@@ -1,0 +1,104 @@
+"""ckptstore.distributed.CheckpointManager on real processes over gloo on 127.0.0.1: the
+save returns after the copy while the training's collectives go on, a change after the call
+is not written, retention keeps ``max_to_keep``, and a rank that fails or is SIGKILLed
+during the background write leaves no step and a clear error on the others; on 2, 4 and 8
+ranks, on local disk and SeaweedFS.
+
+Each test starts N copies of tests/manager_ranks.py; see tests/multirank.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+
+from tests.multirank import Target, assert_all_ok, run_and_sigkill, run_ranks
+
+pytestmark = pytest.mark.torch
+
+WORKER = Path(__file__).with_name("manager_ranks.py")
+LOADER = Path(__file__).with_name("native_ranks.py")
+FAILING_RANK = 1  # manager_ranks.FAILING_RANK
+
+_ON_S3 = [pytest.mark.s3, pytest.mark.slow]
+#: ``(target, world)``: local disk on 2 and 4 ranks by default, on 8 in the slow suite;
+#: SeaweedFS on 2 (each object store run adds a server and minutes).
+TARGETS_AND_WORLDS = [
+    pytest.param("local", 2, id="local-2"),
+    pytest.param("local", 4, id="local-4"),
+    pytest.param("local", 8, marks=pytest.mark.slow, id="local-8"),
+    pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
+]
+#: the same for the SIGKILL test, whose runs take longer (a second world loads step 1):
+#: 2 local ranks by default, the rest in the slow suite
+SIGKILL_TARGETS_AND_WORLDS = [
+    pytest.param("local", 2, id="local-2"),
+    pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
+    pytest.param("local", 8, marks=pytest.mark.slow, id="local-8"),
+    pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
+]
+
+
+def step_dirs(target: Target) -> dict[str, set[str]]:
+    """Which ranks' objects each step holds (``r0``, ``r1``...), by step."""
+    found: dict[str, set[str]] = {}
+    for key in target.keys(target.base):
+        step, *rest = key.split("/")
+        if len(rest) == 2:
+            found.setdefault(step, set()).add(rest[1].split("-")[0])
+    return found
+
+
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_async_save_on_ranks_returns_after_the_copy_retains_and_reports_failures(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    results = assert_all_ok(
+        run_ranks(WORKER, world, "manager", target.base, logs=tmp_path / "logs", env=target.env())
+    )
+    for rank, out in enumerate(results):
+        # the call returned with the rank's own writes still held, the training all-reduce
+        # ran meanwhile, and the state changed after the call is not what was written
+        assert out["in flight at return"] is True, f"rank {rank}"
+        assert out["all_reduce"] is True, f"rank {rank}"
+        assert out["exact"] is True, f"rank {rank}"
+        assert out["kept"] == [3, 4], f"rank {rank}"  # max_to_keep=2 after steps 1-4
+        for call, step in (("wait", 5), ("next save", 6)):
+            if rank == FAILING_RANK:
+                assert out[call].startswith("StoreError: injected failure"), out[call]
+            else:
+                assert out[call].startswith("CkptStoreError"), out[call]
+                assert f"step {step} was not saved: rank {FAILING_RANK}:" in out[call], out[call]
+        assert out["steps"] == [4, 8], f"rank {rank}"  # 5, 6 failed; 7 was refused
+        assert out["exact 8"] is True, f"rank {rank}"
+    assert target.steps() == [4, 8]
+    held = step_dirs(target)
+    assert sorted(held) == ["4", "8"]  # nothing left of the failed, refused, retired steps
+    assert held["8"] == {f"r{rank}" for rank in range(world)}  # every rank wrote its shard
+
+
+@pytest.mark.parametrize(("target", "world"), SIGKILL_TARGETS_AND_WORLDS, indirect=["target"])
+def test_rank_sigkilled_during_the_background_write_leaves_no_step(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """The test process SIGKILLs rank 1 while its background write of step 2 runs: every
+    rank had returned from ``save``; no step 2 becomes visible; every survivor's
+    ``wait_until_finished`` raises an error that says so within the group timeout, its own
+    objects are removed, and step 1 still loads on the same world."""
+    logs, env = tmp_path / "logs", target.env()
+    errors = run_and_sigkill(
+        WORKER, world, "sigkill", target.base, victim=FAILING_RANK, logs=logs, env=env
+    )
+    for error in errors:
+        assert error.startswith("CkptStoreError"), error
+        assert "step 2 was not saved" in error, error
+        assert "another rank died" in error, error
+    assert target.steps() == [1]
+    assert step_dirs(target).get("2", set()) <= {f"r{FAILING_RANK}"}
+    loaded = assert_all_ok(
+        run_ranks(LOADER, world, "load", target.base, "1", str(world), logs=logs, env=env)
+    )
+    assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
