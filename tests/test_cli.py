@@ -205,7 +205,9 @@ def test_ls_lists_steps_with_sizes(capsys: pytest.CaptureFixture[str], run_dir: 
     status, out, _ = run(capsys, "ls", str(run_dir))
     assert status == 0
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "size", "objects", "leaves", "committed", "(UTC)"]
+    assert lines[0].split() == [
+        "step", "size", "own", "referenced", "objects", "leaves", "committed", "(UTC)"
+    ]  # fmt: skip
     assert lines[1].split()[0] == "5"
     assert lines[2].split()[0] == "10"
 

@@ -14,12 +14,14 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.cli.main import main
+from ckptstore.cli.main import format_bytes, main
+from ckptstore.pipeline.root import opened
 from ckptstore.store.local import LocalStore
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.s3 import S3Store
 from ckptstore.testing.incremental_tests import FineTuning, IncrementalTests, KeyCountingStore
 from ckptstore.testing.servers import SeaweedFS
+from tests.multirank import Target
 from tests.servers.moto import MotoS3
 
 
@@ -76,6 +78,51 @@ def test_show_reports_own_and_referenced_bytes(
     assert all(o["key"].startswith("1/") for o in referenced)
     assert main(["show", str(tmp_path), "2"]) == 0
     assert "referenced" in capsys.readouterr().out
+
+
+def test_ls_counts_each_stored_object_once(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = FineTuning()
+    for step in (1, 2, 3):
+        run.train_step()
+        ckptstore.save(tmp_path, run.state, step=step)
+    # its base weights stay, referenced by 2 and 3, and so does the rest of its attempt
+    ckptstore.delete_step(tmp_path, 1)
+
+    def data_files(*steps: str) -> list[Path]:
+        """The data objects under the steps' attempts, as the file system sees them."""
+        return [
+            f
+            for step in steps
+            for f in (tmp_path / step).glob("attempt-*/*")
+            if f.suffix != ".json"
+        ]
+
+    def on_disk(*steps: str) -> int:
+        return sum(f.stat().st_size for f in data_files(*steps))
+
+    assert main(["ls", str(tmp_path), "--json"]) == 0
+    listing = json.loads(capsys.readouterr().out)
+    rows, total = listing["steps"], listing["total"]
+    assert [row["step"] for row in rows] == [2, 3]
+    assert total["steps"] == 2
+    assert total["nbytes"] == on_disk("1", "2", "3") > 0
+    assert total["own_bytes"] == on_disk("2", "3") == sum(row["own_bytes"] for row in rows)
+    assert total["retained_bytes"] == on_disk("1") > 0
+    assert total["objects"] == len(data_files("1", "2", "3"))
+    # summing the rows counts step 1's objects once per step that references them
+    assert total["steps_nbytes"] == sum(row["nbytes"] for row in rows) > total["nbytes"]
+
+    assert main(["ls", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:4] == ["step", "size", "own", "referenced"]
+    step2 = rows[0]
+    assert lines[1].split()[3:5] == format_bytes(step2["own_bytes"]).split()
+    assert lines[1].split()[5:7] == format_bytes(step2["referenced_bytes"]).split()
+    assert lines[3].startswith(f"total: {format_bytes(total['nbytes'])} stored in ")
+    assert f"{format_bytes(total['retained_bytes'])} kept of deleted steps" in lines[3]
+    assert format_bytes(total["steps_nbytes"]) in lines[4]
 
 
 # ---------------------------------------------------------------------- the manager
@@ -137,6 +184,44 @@ def test_manager_retention_keeps_what_kept_steps_reference(tmp_path: Path) -> No
     assert left == {"9", "10"}  # what only deleted steps used is gone
 
 
+def test_retention_reads_each_manifest_once_per_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retention pass reads a manifest once, however many steps it deletes: a deleted
+    step's to make its record (or to decide, if the manager has not seen the step; then
+    not again), a kept step's after marking (the read the gc rule requires). Only a step the
+    manager has not seen and keeps is read twice: to decide, then after marking."""
+    run = FineTuning()
+    for step in range(1, 6):  # saved before the manager opens: it has not seen them
+        run.train_step()
+        ckptstore.save(tmp_path, run.state, step=step)
+    counting = KeyCountingStore(LocalStore(tmp_path))
+    passes: list[dict[str, int]] = []
+    with ckptstore.CheckpointManager(counting, max_to_keep=2, async_save=False) as manager:
+        retain = manager._retain
+
+        async def observed() -> None:
+            before = counting.get_keys.copy()
+            await retain()
+            reads = counting.get_keys - before
+            passes.append({k: n for k, n in reads.items() if k.endswith("/manifest.json")})
+
+        monkeypatch.setattr(manager, "_retain", observed)
+        for step in range(6, 10):
+            run.train_step()
+            manager.save(step, run.state)
+        assert manager.all_steps() == [8, 9]
+        assert _flat_bytes(manager.restore(9)) == _flat_bytes(run.state)
+    first, *later = passes
+    assert first == {
+        **{f"{step}/manifest.json": 1 for step in (1, 2, 3, 4)},  # to decide: deleted
+        "5/manifest.json": 2,  # to decide, then after marking: kept
+        "6/manifest.json": 1,  # saved by the manager: after marking
+    }
+    for step, reads in zip((7, 8, 9), later, strict=True):
+        assert reads == {f"{s}/manifest.json": 1 for s in (step - 2, step - 1, step)}, step
+
+
 def test_manager_without_full_every_keeps_the_base_alive(tmp_path: Path) -> None:
     run = FineTuning()
     with ckptstore.CheckpointManager(tmp_path, max_to_keep=1, async_save=False) as manager:
@@ -156,7 +241,7 @@ def test_manager_without_full_every_keeps_the_base_alive(tmp_path: Path) -> None
 # ---------------------------------------------------------------------- torch fine-tuning
 
 
-def _torch_fine_tuning(root: Path, base_mib: int) -> None:
+def _torch_fine_tuning(target: Target, base_mib: int) -> None:
     """A frozen base of ``base_mib`` MiB, a trainable low-rank adapter, Adam on the adapter
     only: every save writes only the changed bytes, every step restores bit-exact, and
     restores still work after retention deleted any subset."""
@@ -181,8 +266,13 @@ def _torch_fine_tuning(root: Path, base_mib: int) -> None:
         }
 
     snapshots: dict[int, dict[str, tuple[int, bytes]]] = {}
-    counting = KeyCountingStore(LocalStore(root))
-    with ckptstore.CheckpointManager(counting, async_save=False) as manager:
+    root = target.base
+    with (
+        opened(root, target.options) as store,  # ours to close: a manager leaves it open
+        ckptstore.CheckpointManager(
+            counting := KeyCountingStore(store), async_save=False
+        ) as manager,
+    ):
         previous: dict[str, tuple[int, bytes]] = {}
         for step in range(1, 11):
             x = torch.randn(4, width)
@@ -203,20 +293,28 @@ def _torch_fine_tuning(root: Path, base_mib: int) -> None:
     deleted: set[int] = set()
     for batch in ((1,), (2, 3, 7), (4, 5, 6, 8, 9)):
         for step in batch:
-            ckptstore.delete_step(root, step)
+            ckptstore.delete_step(root, step, **target.options)
         deleted.update(batch)
         for step in sorted(set(snapshots) - deleted):
-            assert _flat_bytes(ckptstore.load(root, step, target="torch")) == snapshots[step]
-    ckptstore.delete_step(root, 10)
-    assert not [p for p in root.iterdir() if p.is_dir()]
+            loaded = ckptstore.load(root, step, target="torch", **target.options)
+            assert _flat_bytes(loaded) == snapshots[step]
+    ckptstore.delete_step(root, 10, **target.options)
+    assert target.keys(root) == []  # what only deleted steps used is gone
 
 
 @pytest.mark.torch
-def test_torch_fine_tuning_writes_only_changed_bytes(tmp_path: Path) -> None:
-    _torch_fine_tuning(tmp_path, base_mib=8)
+def test_torch_fine_tuning_writes_only_changed_bytes(target: Target) -> None:
+    """On local disk, moto and SeaweedFS (the ``target`` fixture)."""
+    _torch_fine_tuning(target, base_mib=8)
 
 
 @pytest.mark.torch
 @pytest.mark.slow
-def test_torch_fine_tuning_200_mib_base(tmp_path: Path) -> None:
-    _torch_fine_tuning(tmp_path, base_mib=200)
+@pytest.mark.parametrize(
+    "target", ["local", pytest.param("seaweedfs", marks=pytest.mark.s3)], indirect=True
+)
+def test_torch_fine_tuning_200_mib_base(target: Target) -> None:
+    """Not on moto: it keeps every object in the test process's memory and hashes each byte
+    in Python, so 200 MiB of base weights and ten steps of restores would cost minutes and
+    hundreds of MiB for what SeaweedFS, a real S3 server, already shows."""
+    _torch_fine_tuning(target, base_mib=200)

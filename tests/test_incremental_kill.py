@@ -6,7 +6,9 @@ every save, printing a line before each phase. The test kills it right after a r
 chosen line, so the kill lands inside a save, inside retention or inside gc, then checks
 that every committed step restores bit-exact and verifies, and starts the next child on the
 same root, so the leftovers of every crash (markers, records, half-reclaimed attempts)
-meet the next run. Marked slow: 30 trials start 30 interpreters.
+meet the next run. On local disk, moto and SeaweedFS (the ``target`` fixture of
+tests/multirank.py; the child reaches the S3 servers through the URL's query and, for moto,
+the ``AWS_*`` variables it inherits). Marked slow: 30 trials start 30 interpreters per store.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +28,9 @@ import pytest
 import ckptstore
 from ckptstore import background
 from ckptstore.layout.maintenance import verify_step
-from ckptstore.store.local import LocalStore
+from ckptstore.store.registry import open_store
 from ckptstore.testing.incremental_tests import FineTuning
+from tests.multirank import Target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -71,14 +75,16 @@ def _same(actual: Any, expected: Any) -> bool:
 
 
 @pytest.mark.slow
-def test_sigkill_during_save_retention_and_gc(tmp_path: Path) -> None:
+def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
+    query = urllib.parse.urlencode(target.options)
+    url = f"{target.base}?{query}" if query else target.base
     rng = random.Random(21)
     expected = _expected(400)
     kills = 0
     for _ in range(30):
-        latest = max(ckptstore.list_steps(tmp_path), default=0)
+        latest = max(ckptstore.list_steps(url), default=0)
         child = subprocess.Popen(
-            [sys.executable, "-c", CHILD, str(tmp_path), str(latest)],
+            [sys.executable, "-c", CHILD, url, str(latest)],
             stdout=subprocess.PIPE,
             text=True,
             cwd=ROOT,
@@ -92,11 +98,11 @@ def test_sigkill_during_save_retention_and_gc(tmp_path: Path) -> None:
         child.wait()
         child.stdout.close()
         kills += child.returncode == -signal.SIGKILL
-        for step in ckptstore.list_steps(tmp_path):
-            assert _same(ckptstore.load(tmp_path, step), expected[step]), step
+        for step in ckptstore.list_steps(url):
+            assert _same(ckptstore.load(url, step), expected[step]), step
 
             async def check(step: int = step) -> bool:
-                async with LocalStore(tmp_path) as store:
+                async with open_store(url) as store:
                     return (await verify_step(store, step)).ok
 
             assert background.run(check()), f"step {step} fails verification"

@@ -42,6 +42,7 @@ from ckptstore.store.registry import open_store
 from ckptstore.store.transport import redact, redact_data, redact_url
 
 if TYPE_CHECKING:
+    from ckptstore.layout.maintenance import RootTotals
     from ckptstore.layout.manifest import Manifest
 
 __all__ = [
@@ -363,7 +364,7 @@ async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | Ckpt
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import summarize_step
+    from ckptstore.layout.maintenance import retained_records, summarize_step, total_stored
     from ckptstore.manager.functions import alist_steps
 
     if args.local is not None:
@@ -371,6 +372,8 @@ async def _ls(args: argparse.Namespace) -> Outcome:
     async with cli_store(args.url, _options(args.option)) as store:
         steps = await alist_steps(store)
         manifests = await _manifests(store, steps)
+        valid = [m for m in manifests if not isinstance(m, CkptStoreError)]
+        totals = total_stored(valid, await retained_records(store, valid))
         url = store.url
     rows: list[dict[str, Any]] = []
     table: list[tuple[object, ...]] = []
@@ -378,7 +381,7 @@ async def _ls(args: argparse.Namespace) -> Outcome:
     for step, manifest in zip(steps, manifests, strict=True):
         if isinstance(manifest, CkptStoreError):
             rows.append({"step": step, "error": _one_line(manifest)})
-            table.append((step, "INVALID", "", "", ""))
+            table.append(_invalid_cells(step))
             invalid.append(f"step {step}: {_one_line(manifest)}")
             continue
         summary = summarize_step(manifest)
@@ -389,11 +392,37 @@ async def _ls(args: argparse.Namespace) -> Outcome:
         if url.startswith("memory://"):
             text += f" ({_MEMORY_NOTE})"
     else:
-        text = "\n".join([render_table(_LS_HEADERS, table), *invalid])
-    return Outcome({"url": url, "steps": rows}, text)
+        text = "\n".join([render_table(_LS_HEADERS, table), _totals_line(totals), *invalid])
+    return Outcome({"url": url, "steps": rows, "total": dataclasses.asdict(totals)}, text)
 
 
-_LS_HEADERS = ["step", "size", "objects", "leaves", "committed (UTC)"]
+#: ``size`` is what a restore of the step reads: its ``own`` objects plus the objects of
+#: earlier steps it ``referenced`` (an incremental save's).
+_LS_HEADERS = ["step", "size", "own", "referenced", "objects", "leaves", "committed (UTC)"]
+
+
+def _invalid_cells(step: int) -> tuple[object, ...]:
+    """The ``ls`` table cells of a step whose manifest fails validation."""
+    return (step, "INVALID", *[""] * (len(_LS_HEADERS) - 2))
+
+
+def _totals_line(totals: RootTotals) -> str:
+    """The lines under the ``ls`` table: what the steps store, each object counted once."""
+    line = (
+        f"total: {format_bytes(totals.nbytes)} stored in {count(totals.objects, 'object')}, "
+        "each counted once"
+    )
+    if totals.retained_bytes:
+        line += (
+            f": {format_bytes(totals.own_bytes)} written by these steps, "
+            f"{format_bytes(totals.retained_bytes)} kept of deleted steps they reference"
+        )
+    if totals.steps_nbytes != totals.nbytes:
+        line += (
+            "\n(a step's size includes the objects it references, so the sizes above add up "
+            f"to {format_bytes(totals.steps_nbytes)})"
+        )
+    return line
 
 
 def _summary_cells(manifest: Manifest) -> tuple[object, ...]:
@@ -404,6 +433,8 @@ def _summary_cells(manifest: Manifest) -> tuple[object, ...]:
     return (
         summary.step,
         format_bytes(summary.nbytes),
+        format_bytes(summary.own_bytes),
+        format_bytes(summary.referenced_bytes) if summary.referenced_bytes else "-",
         summary.objects,
         summary.leaves,
         _when(summary.created),
@@ -442,7 +473,7 @@ async def _ls_tiers(args: argparse.Namespace) -> Outcome:
         manifest = manifests[step]
         if isinstance(manifest, CkptStoreError):
             rows.append({"step": step, **where, "error": _one_line(manifest)})
-            table.append((step, "INVALID", "", "", "", *cells))
+            table.append((*_invalid_cells(step), *cells))
             invalid.append(f"step {step} ({tiers[0]}): {_one_line(manifest)}")
             continue
         summary = summarize_step(manifest)

@@ -98,6 +98,7 @@ class CommitInfo:
         manifest_bytes: size of the manifest.
         referenced_objects: objects of earlier steps the manifest references instead.
         referenced_bytes: bytes over those objects (not written by this save).
+        referenced_attempts: prefixes (``<step>/<attempt>/``) of the attempts they live in.
     """
 
     step: int
@@ -107,6 +108,7 @@ class CommitInfo:
     manifest_bytes: int
     referenced_objects: int = 0
     referenced_bytes: int = 0
+    referenced_attempts: tuple[str, ...] = ()
 
 
 def check_metadata(metadata: Any) -> None:
@@ -565,6 +567,7 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         len(data),
         len(referenced),
         manifest.referenced_bytes,
+        tuple(sorted(manifest.referenced_attempts())),
     )
 
 

@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,7 @@ from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
 from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
 from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.references import check_references
+from ckptstore.layout.references import attempt_record, check_references
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
@@ -65,11 +65,14 @@ from ckptstore.store.transfer import copy_object
 __all__ = [
     "CopyReport",
     "Damage",
+    "RootTotals",
     "StepSummary",
     "VerifyReport",
     "copy_step",
     "plain_values",
+    "retained_records",
     "summarize_step",
+    "total_stored",
     "verify_manifest",
     "verify_step",
 ]
@@ -117,6 +120,73 @@ def summarize_step(manifest: Manifest) -> StepSummary:
         attempt=manifest.attempt,
         own_bytes=manifest.own_bytes,
         referenced_bytes=manifest.referenced_bytes,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RootTotals:
+    """What the committed steps of a root hold in the store, each object counted once.
+
+    Summing the steps' ``nbytes`` would count an object once per step that names it: an
+    incremental step's referenced objects are another step's own objects, or objects of a
+    deleted step that kept steps still reference.
+
+    Attributes:
+        steps: the steps counted.
+        nbytes: bytes over every distinct data object the steps keep in the store.
+        objects: number of those objects.
+        own_bytes: of ``nbytes``, the objects the counted steps' attempts wrote.
+        retained_bytes: of ``nbytes``, the objects of the attempts of deleted steps that the
+            counted steps reference. Such an attempt is kept whole (under its committed
+            record) until nothing references it, its unreferenced objects included.
+        steps_nbytes: the sum of the steps' ``nbytes``: what restoring each of them reads.
+    """
+
+    steps: int
+    nbytes: int
+    objects: int
+    own_bytes: int
+    retained_bytes: int
+    steps_nbytes: int
+
+
+async def retained_records(store: Store, manifests: Sequence[Manifest]) -> list[Manifest]:
+    """The committed records of the attempts of deleted steps that ``manifests`` reference
+    (one record read per such attempt); an attempt without a valid record is left out
+    (``verify`` reports it)."""
+    own = {attempt_prefix(manifest.step, manifest.attempt) for manifest in manifests}
+    retained = sorted(set().union(*(m.referenced_attempts() for m in manifests)) - own)
+
+    async def record(prefix: str) -> Manifest | None:
+        step, attempt = prefix.rstrip("/").split("/")
+        with contextlib.suppress(CorruptCheckpointError):
+            return await attempt_record(store, int(step), attempt)
+        return None
+
+    return [r for r in await gather_all(record(prefix) for prefix in retained) if r is not None]
+
+
+def total_stored(manifests: Sequence[Manifest], records: Sequence[Manifest] = ()) -> RootTotals:
+    """The :class:`RootTotals` of the committed steps whose manifests are ``manifests``,
+    with the :func:`retained_records` of the deleted steps they reference."""
+    attempts = {attempt_prefix(manifest.step, manifest.attempt) for manifest in manifests}
+    lengths: dict[str, int] = {}
+    for manifest in manifests:
+        for i, length in enumerate(manifest.object_lengths):
+            lengths[manifest.object_key(i)] = length
+    for record in records:  # a retained attempt is kept whole
+        for i, length in enumerate(record.object_lengths):
+            if record.object_step(i) == record.step:
+                lengths[record.object_key(i)] = length
+    own = sum(n for key, n in lengths.items() if key.rsplit("/", 1)[0] + "/" in attempts)
+    total = sum(lengths.values())
+    return RootTotals(
+        steps=len(manifests),
+        nbytes=total,
+        objects=len(lengths),
+        own_bytes=own,
+        retained_bytes=total - own,
+        steps_nbytes=sum(manifest.nbytes for manifest in manifests),
     )
 
 

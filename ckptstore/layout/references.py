@@ -25,6 +25,7 @@ import contextlib
 import secrets
 import time
 from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ckptstore.errors import BrokenReferenceError, CorruptCheckpointError, NotFoundError
@@ -48,6 +49,7 @@ __all__ = [
     "attempt_record",
     "check_references",
     "delete_step",
+    "delete_steps",
     "hold_references",
     "reclaim",
 ]
@@ -237,7 +239,9 @@ async def _leased(store: Store, now: float) -> set[str] | None:
     return named
 
 
-async def reclaim(store: Store, candidates: list[str]) -> ReclaimReport:
+async def reclaim(
+    store: Store, candidates: list[str], *, used: Collection[str] | None = None
+) -> ReclaimReport:
     """Delete the objects of the attempt prefixes in ``candidates`` that nothing uses: no
     committed manifest names or references them and no unexpired lease names them. See
     docs/format.md ("The gc rule") for why a save that commits meanwhile never loses a byte.
@@ -245,11 +249,22 @@ async def reclaim(store: Store, candidates: list[str]) -> ReclaimReport:
     Order: read every manifest; mark each unreferenced candidate; read every lease; read
     every manifest again; delete a candidate neither names (its ``committed.json`` first,
     then its objects, then the markers); unmark the others.
+
+    Args:
+        store: the checkpoint root.
+        candidates: attempt prefixes (``<step>/<attempt>/``) to delete if nothing uses them.
+        used: attempt prefixes the caller already knows committed manifests name or
+            reference (a CheckpointManager remembers its steps'); given, it replaces the
+            first read of every manifest. It only spares used attempts a marker: the read
+            after marking alone decides what is deleted, so a stale ``used`` never costs a
+            referenced byte (at worst an attempt it wrongly names waits for the next
+            reclaim, such as the next gc).
     """
     report = ReclaimReport()
-    used = await _referenced(store, report)
     if used is None:
-        return report
+        used = await _referenced(store, report)
+        if used is None:
+            return report
     doomed = [c for c in dict.fromkeys(candidates) if c not in used]
     report.kept_referenced += [c for c in candidates if c in used]
     if not doomed:
@@ -258,12 +273,12 @@ async def reclaim(store: Store, candidates: list[str]) -> ReclaimReport:
     await gather_all(store.put(prefix + marker, b"{}") for prefix in doomed)
     try:
         leased = await _leased(store, time.time())
-        used = await _referenced(store, report)
-        if leased is None or used is None:
+        confirmed = await _referenced(store, report)
+        if leased is None or confirmed is None:
             report.kept_referenced += doomed
             return report
         for prefix in doomed:
-            if prefix in leased or prefix in used:
+            if prefix in leased or prefix in confirmed:
                 report.kept_referenced.append(prefix)
                 continue
             keys = await store.list_keys(prefix)
@@ -302,6 +317,45 @@ async def delete_step(store: Store, step: int) -> ReclaimReport:
     Raises:
         NotFoundError: there is nothing of ``step`` to delete.
     """
+    return await delete_steps(store, [step])
+
+
+async def delete_steps(
+    store: Store,
+    steps: Sequence[int],
+    *,
+    used: Collection[str] | None = None,
+    manifests: Mapping[int, Manifest] | None = None,
+) -> ReclaimReport:
+    """:func:`delete_step` for several steps with one :func:`reclaim`, so the manifests of
+    the steps kept are read once for all of them, not once per step deleted (retention).
+
+    Args:
+        store: the checkpoint root.
+        steps: the steps to delete.
+        used: what the caller knows the kept steps use (see :func:`reclaim`).
+        manifests: manifests of ``steps`` the caller has just read (to decide what to
+            delete); each becomes its attempt's committed record without being read again.
+
+    Raises:
+        NotFoundError: there is nothing of one of ``steps`` to delete (the steps before it
+            are deleted, their attempts not yet reclaimed; the next reclaim, such as the
+            next gc, finishes them).
+    """
+    attempts: list[str] = []
+    for step in steps:
+        attempts += await _retire(store, step, (manifests or {}).get(step))
+    return await reclaim(store, attempts, used=used)
+
+
+async def _retire(store: Store, step: int, known: Manifest | None = None) -> list[str]:
+    """The first half of deleting ``step``: keep its manifest as its attempt's committed
+    record and delete the manifest. Returns the attempt prefixes to reclaim: the step's own
+    and those its manifest referenced.
+
+    Raises:
+        NotFoundError: there is nothing of ``step`` to delete.
+    """
     check_step(step)
     keys = [k for k in await store.list_keys(step_prefix(step)) if is_own_key(k)]
     if not keys:
@@ -309,16 +363,18 @@ async def delete_step(store: Store, step: int) -> ReclaimReport:
     mkey = manifest_key(step)
     attempts = sorted({k.rsplit("/", 1)[0] + "/" for k in keys if k.count("/") >= 2})
     if mkey in keys:
-        try:
-            data = await store.get(mkey)
-            manifest = Manifest.parse(
-                data, step=step, max_bytes=store.settings.manifest_max_bytes, source=mkey
-            )
-        except (NotFoundError, CorruptCheckpointError):
-            pass  # nothing can reference an attempt of a manifest that is not valid
-        else:
+        manifest: Manifest | None = known
+        data = b"" if known is None else known.encode()
+        if known is None:
+            with contextlib.suppress(NotFoundError, CorruptCheckpointError):
+                # nothing can reference an attempt of a manifest that is not valid
+                data = await store.get(mkey)
+                manifest = Manifest.parse(
+                    data, step=step, max_bytes=store.settings.manifest_max_bytes, source=mkey
+                )
+        if manifest is not None:
             await store.put(attempt_prefix(step, manifest.attempt) + RECORD_NAME, data)
             # what only this step still referenced may be unreferenced from now on
             attempts += sorted(manifest.referenced_attempts())
         await store.delete([mkey])
-    return await reclaim(store, attempts)
+    return attempts

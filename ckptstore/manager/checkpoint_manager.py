@@ -53,6 +53,9 @@ from typing import Any, Literal, Self
 from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
+from ckptstore.layout.keys import attempt_prefix
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.references import delete_steps
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.manager.snapshot import LazyFence
 from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
@@ -210,6 +213,9 @@ class CheckpointManager:
         self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)
+        # step -> the attempt prefixes its manifest in self._store names or references, so
+        # retention need not read every manifest before marking what it deletes
+        self._uses: dict[int, frozenset[str]] = {}
         self._closed = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
@@ -308,10 +314,13 @@ class CheckpointManager:
 
         async def write(staged: StagedState) -> None:
             if tiers is None:
-                await save_path.save_staged(
+                info = await save_path.save_staged(
                     self._store, staged, step=step, metadata=document, full=full
                 )
                 self._info[step] = (manager_meta["time"], metrics)
+                self._uses[step] = frozenset(
+                    (attempt_prefix(step, info.attempt), *info.referenced_attempts)
+                )
                 await self._retain()
                 return
             await save_path.save_staged(
@@ -372,7 +381,11 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ retention
 
-    async def _step_info(self, steps: Iterable[int]) -> dict[int, tuple[float, Any]]:
+    async def _step_info(
+        self, steps: Iterable[int], read: dict[int, Manifest] | None = None
+    ) -> dict[int, tuple[float, Any]]:
+        """Save time and metrics of ``steps``, reading the manifests of the steps not known
+        yet (into ``read``, when given)."""
         for step in steps:
             if step not in self._info:
                 try:
@@ -380,6 +393,14 @@ class CheckpointManager:
                         manifest = await self._tiers.manifest(step)
                     else:
                         manifest = await read_manifest(self._store, step)
+                        if read is not None:
+                            read[step] = manifest
+                        self._uses[step] = frozenset(
+                            (
+                                attempt_prefix(step, manifest.attempt),
+                                *manifest.referenced_attempts(),
+                            )
+                        )
                 except NotFoundError:
                     continue
                 doc = manifest.metadata
@@ -421,14 +442,32 @@ class CheckpointManager:
         return kept
 
     async def _retain(self) -> None:
+        """Delete the steps retention does not keep, reading each manifest once: the steps
+        this manager has not seen yet, to decide; then every kept one, after marking, as the
+        gc rule requires (:func:`~ckptstore.layout.references.reclaim`; what the manager
+        remembers of its steps stands in for the read before marking)."""
         if self.max_to_keep is None:
             return
         steps = await committed_steps(self._store)
-        info = await self._step_info(steps)
-        for step in steps:
-            if step not in self._kept(steps, info):
-                await delete_step(self._store, step)
+        read: dict[int, Manifest] = {}
+        info = await self._step_info(steps, read)
+        kept = self._kept(steps, info)
+        doomed = [step for step in steps if step not in kept]
+        if not doomed:
+            return
+        # what the kept steps use, if the manager knows it for all of them (not for steps it
+        # read from another tier); otherwise reclaim reads it
+        used = (
+            set().union(*(self._uses[step] for step in kept))
+            if all(step in self._uses for step in kept)
+            else None
+        )
+        try:
+            await delete_steps(self._store, doomed, used=used, manifests=read)
+        finally:
+            for step in doomed:
                 self._info.pop(step, None)
+                self._uses.pop(step, None)
 
     # ------------------------------------------------------------------ reading
 
@@ -531,6 +570,7 @@ class CheckpointManager:
         else:
             background.run(delete_step(self._store, step))
         self._info.pop(step, None)
+        self._uses.pop(step, None)
 
     # ------------------------------------------------------------------ lifetime
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -19,11 +20,11 @@ import pytest
 
 from ckptstore.errors import BrokenReferenceError, CorruptCheckpointError
 from ckptstore.layout.commit import read_manifest
-from ckptstore.layout.keys import manifest_key
+from ckptstore.layout.keys import attempt_prefix, manifest_key
 from ckptstore.layout.lease import LEASE_NAME
 from ckptstore.layout.maintenance import copy_step, verify_step
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.references import MARKER_PREFIX, RECORD_NAME
+from ckptstore.layout.references import MARKER_PREFIX, RECORD_NAME, delete_step
 from ckptstore.manager.functions import adelete_step, agc, aload, asave
 from ckptstore.store.base import PutMode, Store
 from ckptstore.store.memory import MemoryStore
@@ -33,16 +34,20 @@ __all__ = ["FineTuning", "IncrementalTests", "KeyCountingStore"]
 
 
 class KeyCountingStore(CountingStore):
-    """A counting store that also keeps the bytes put per key."""
+    """A counting store that also keeps the bytes put per key and the whole-object reads
+    (``get``) per key."""
 
     def __init__(self, inner: Store) -> None:
         super().__init__(inner)
         self.put_keys: dict[str, int] = {}
+        self.get_keys: Counter[str] = Counter()
 
     async def _hook(self, op: str, key: str, nbytes: int) -> None:
         await super()._hook(op, key, nbytes)
         if op in ("put", "put_part"):
             self.put_keys[key] = self.put_keys.get(key, 0) + nbytes
+        elif op == "get":
+            self.get_keys[key] += 1
 
     def data_bytes(self) -> int:
         """Bytes put to data objects (not manifests, leases, records or markers)."""
@@ -275,14 +280,31 @@ class IncrementalTests:
         assert second.referenced_objects == 0
         assert second.nbytes == info.nbytes
 
-    async def test_delete_racing_a_save_that_references_it(self, store: Store) -> None:
+    @pytest.mark.parametrize("deleter", ["delete_step", "gc"])
+    async def test_delete_racing_a_save_that_references_it(
+        self, store: Store, deleter: str
+    ) -> None:
         """However a save and the deletion of its base interleave, the save commits with all
-        its bytes present (or writes them itself)."""
+        its bytes present (or writes them itself). The deleter is ``delete_step`` or gc
+        reclaiming a step whose manifest is gone (as a retention killed before its reclaim,
+        or running in another process, leaves it)."""
+
+        async def delete(target: Store) -> list[str]:
+            """Delete step 1; the attempts kept because something references them."""
+            if deleter == "delete_step":
+                return (await delete_step(target, 1)).kept_referenced
+            manifest = await read_manifest(store, 1)
+            record = attempt_prefix(1, manifest.attempt) + RECORD_NAME
+            await store.put(record, await store.get(manifest_key(1)))
+            await store.delete([manifest_key(1)])
+            return (await agc(target, grace=0)).kept_referenced
+
         for pause_at in ("refs", "marker"):
             run = FineTuning(seed=len(pause_at))
             keys_before = await _keys(store)
             assert keys_before == []
             await asave(store, run.state, step=1)
+            base = attempt_prefix(1, (await read_manifest(store, 1)).attempt)
             run.train_step()
             gate = _Gate(store, pause_at)
             save: asyncio.Future[Any] | None
@@ -290,16 +312,16 @@ class IncrementalTests:
                 # the saver has named step 1 in its lease; the deletion runs to its end
                 save = asyncio.ensure_future(asave(gate, run.state, step=2))
                 await gate.reached.wait()
-                await adelete_step(store, 1)
+                assert await delete(store) == [base]  # the lease keeps it
                 gate.go.set()
             else:
                 # the deleter has marked step 1's attempt; the save runs to its end
-                delete = asyncio.ensure_future(adelete_step(gate, 1))
+                deleting = asyncio.ensure_future(delete(gate))
                 await gate.reached.wait()
                 info = await asave(store, run.state, step=2)
                 assert info.referenced_objects == 0  # it saw the marker: wrote everything
                 gate.go.set()
-                await delete
+                assert await deleting == []
                 save = None
             if save is not None:
                 await save
