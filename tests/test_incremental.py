@@ -311,10 +311,14 @@ def test_torch_fine_tuning_writes_only_changed_bytes(target: Target) -> None:
 @pytest.mark.torch
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "target", ["local", pytest.param("seaweedfs", marks=pytest.mark.s3)], indirect=True
+    "target",
+    [
+        "local",
+        pytest.param("moto", marks=pytest.mark.s3),
+        pytest.param("seaweedfs", marks=pytest.mark.s3),
+    ],
+    indirect=True,
 )
 def test_torch_fine_tuning_200_mib_base(target: Target) -> None:
-    """Not on moto: it keeps every object in the test process's memory and hashes each byte
-    in Python, so 200 MiB of base weights and ten steps of restores would cost minutes and
-    hundreds of MiB for what SeaweedFS, a real S3 server, already shows."""
+    """The acceptance's fine-tuning loop, on every store it names."""
     _torch_fine_tuning(target, base_mib=200)
