@@ -206,6 +206,10 @@ async def _read_verified(
         for obj in manifest.leaf_object:
             if obj >= 0:
                 members[obj] += 1
+        # a multi-rank save packs chunks beside whole leaves: an object holding chunks is
+        # never read whole for its whole leaves alone
+        for obj in manifest.chunks.object if manifest.chunks is not None else ():
+            members[obj] += 1
 
     def corrupt(obj: int, leaf: int | None, what: str) -> CorruptCheckpointError:
         key = manifest.object_key(obj)

@@ -83,7 +83,14 @@ from ckptstore.pipeline.save import Attempt
 from ckptstore.stage import Stager
 from ckptstore.store.base import Store
 
-__all__ = ["Collectives", "LocalGroup", "TorchCollectives", "load", "save"]
+__all__ = [
+    "Collectives",
+    "LocalGroup",
+    "TorchCollectives",
+    "default_collectives",
+    "load",
+    "save",
+]
 
 #: One point-to-point transfer of :meth:`Collectives.exchange`: ``(peer, tag, buffer)``.
 Message = tuple[int, int, "np.ndarray[Any, Any]"]
@@ -150,7 +157,8 @@ class TorchCollectives:
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "ckptstore.distributed needs torch.distributed initialised "
-                "(dist.init_process_group) or a Collectives passed as comm="
+                "(dist.init_process_group), jax.distributed initialised "
+                "(jax.distributed.initialize), or a Collectives passed as comm="
             )
         self._dist = dist
         self._group = group
@@ -503,7 +511,8 @@ def save(
         metadata: JSON stored in the manifest (the coordinator's is used).
         group: a ``torch.distributed`` process group (default: the whole world).
         coordinator: the rank (within the group) that commits.
-        comm: collectives to use instead of ``torch.distributed``.
+        comm: collectives to use; by default ``torch.distributed``'s if it is initialised,
+            else those of an initialised ``jax.distributed`` job (:func:`default_collectives`).
         **store_options: options for a URL ``root`` (endpoint, credentials, settings), as on
             every face (:mod:`ckptstore.pipeline.root`).
 
@@ -517,7 +526,7 @@ def save(
         CkptStoreError: another rank failed; the message names it and its error. A rank's
             own error is raised as itself. Nothing is committed in either case.
     """
-    comm = comm if comm is not None else TorchCollectives(group)
+    comm = comm if comm is not None else default_collectives(group)
     check_coordinator(comm, coordinator)
     with (
         opened(root, store_options) as store,
@@ -542,6 +551,22 @@ def save(
         except Exception as exc:
             error = exc
         return commit_parts(comm, store, flat, error, step, metadata, coordinator, shards=shards)
+
+
+def default_collectives(group: Any = None) -> Collectives:
+    """The collectives of the running job: ``torch.distributed``'s (over ``group``) if it is
+    initialised, else a ``jax.distributed`` job's
+    (:class:`~ckptstore.manager.jax_collectives.JaxCollectives`).
+
+    Raises:
+        RuntimeError: neither is initialised (the message says what to do).
+    """
+    if not _torch_group_running():
+        from ckptstore.manager.jax_collectives import JaxCollectives, jax_group_running
+
+        if group is None and jax_group_running():
+            return JaxCollectives()
+    return TorchCollectives(group)
 
 
 def check_coordinator(comm: Collectives, coordinator: int) -> None:
@@ -873,7 +898,7 @@ def load(
     group: Any = None,
     coordinator: int = 0,
     comm: Collectives | None = None,
-    broadcast: bool = True,
+    broadcast: bool | None = None,
     **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
@@ -897,7 +922,10 @@ def load(
             when ``step`` is ``None``.
         broadcast: read shared leaves once and send them between ranks; ``False`` makes
             every rank read all it selects from the store itself, and a load with a step
-            given a plain read that needs no process group.
+            given a plain read that needs no process group. ``None`` (the default) is
+            ``True`` except with collectives whose ``broadcast_by_default`` is false
+            (:class:`~ckptstore.manager.jax_collectives.JaxCollectives`, whose bytes would
+            all pass through the coordination service).
         **store_options: options for a URL ``root``, as on every face
             (:mod:`ckptstore.pipeline.root`).
 
@@ -910,8 +938,10 @@ def load(
     """
     asked = request(keys, target)  # bad arguments fail here, before any collective
     with opened(root, store_options) as store:
-        if comm is None and (step is None or (broadcast and _torch_group_running())):
-            comm = TorchCollectives(group)
+        if comm is None and (step is None or (broadcast is not False and _group_running())):
+            comm = default_collectives(group)
+        if broadcast is None:
+            broadcast = bool(getattr(comm, "broadcast_by_default", True))
         if step is None:
             assert comm is not None
             found: Any = None
@@ -940,6 +970,13 @@ def load(
 
             return load_shared(store, step, asked, comm)
         return restore(store, step, asked)
+
+
+def _group_running() -> bool:
+    """Whether ``torch.distributed`` or ``jax.distributed`` is initialised."""
+    from ckptstore.manager.jax_collectives import jax_group_running
+
+    return _torch_group_running() or jax_group_running()
 
 
 def _torch_group_running() -> bool:

@@ -302,7 +302,7 @@ class CheckpointManager(_SingleProcessManager):
         step: int | None = None,
         target: Any = None,
         keys: Any = None,
-        broadcast: bool = True,
+        broadcast: bool | None = None,
     ) -> Any:
         """Read what this rank needs of a committed step, verifying every byte; every rank
         calls it.
@@ -312,7 +312,8 @@ class CheckpointManager(_SingleProcessManager):
         collectives run on the same group): with ``step=None`` the coordinator picks the
         newest committed step and every rank reads that one, and a leaf several ranks ask
         for is read from the store once and sent to the others, unless ``broadcast`` is
-        false. Args and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`.
+        false (``None``: as the collectives prefer, see ``load``). Args and raises
+        otherwise as :meth:`ckptstore.CheckpointManager.restore`.
         """
         self._check_open()
         self.wait_until_finished()

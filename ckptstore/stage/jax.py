@@ -4,8 +4,10 @@ Device-to-host transfers are started on every leaf (``copy_to_host_async``) befo
 one is waited for, so they overlap each other instead of running one after another. A sharded
 array is gathered shard by shard straight into its slot of the arena: each addressable shard
 with ``replica_id == 0`` is copied to the index range it covers, so replicated shards are
-copied once and no intermediate full-size array is built. Only fully addressable arrays (one
-host) are staged here; a multi-host array names the limitation.
+copied once and no intermediate full-size array is built. An array that spans several
+processes is staged here only if it is fully replicated (every process copies its own
+replica; :func:`ckptstore.distributed.save` writes one of them); one sharded over processes
+is saved as chunks by :mod:`ckptstore.manager.sharding`, and a save of it here names that.
 
 A lazy snapshot (:mod:`ckptstore.stage.lazy`) needs no version counter for JAX: arrays are
 immutable. But an array donated to a jitted function (``donate_argnums``) is deleted, and its
@@ -65,9 +67,11 @@ class JaxKind(ArrayKind):
         array: jax.Array = leaf
         if jnp.issubdtype(array.dtype, jax.dtypes.prng_key):
             raise TypeError("typed PRNG key arrays: save jax.random.key_data(key) instead")
-        if not array.is_fully_addressable:
+        if not (array.is_fully_addressable or array.sharding.is_fully_replicated):
             raise TypeError(
-                "the array spans several hosts; ckptstore stages arrays addressable from one host"
+                "the array is sharded over several processes, so this process holds only part "
+                "of it; save it with ckptstore.distributed.save on every process, which saves "
+                "each process's shards as chunks of one leaf"
             )
         dtype = np.dtype(array.dtype)
         check_dtype(dtype)
@@ -82,10 +86,17 @@ class JaxKind(ArrayKind):
 
     def copies(self, leaf: Any, dst: NDArray[Any], chunk_bytes: int) -> list[CopyTask]:
         array: jax.Array = leaf
+        # One addressable replica per index range. It is replica 0 when the array is on
+        # this host alone; an array replicated over several processes has replica 0 on one
+        # of them only, and every process copies its own replica.
+        first: dict[tuple[tuple[int, int], ...], Any] = {}
+        for shard in sorted(array.addressable_shards, key=lambda s: s.replica_id):
+            span = tuple(
+                part.indices(n)[:2] for part, n in zip(shard.index, dst.shape, strict=True)
+            )
+            first.setdefault(span, shard)
         tasks: list[CopyTask] = []
-        for shard in array.addressable_shards:
-            if shard.replica_id != 0:
-                continue
+        for shard in first.values():
             nbytes = int(np.prod(shard.data.shape, dtype=np.int64)) * dst.itemsize
             tasks.append((nbytes, functools.partial(_copy_shard, dst, shard.index, shard.data)))
         return tasks
@@ -110,7 +121,12 @@ class JaxKind(ArrayKind):
         if np.dtype(like.dtype) != array.dtype:
             array = array.astype(like.dtype)
         sharding = getattr(like, "sharding", None)
-        return jax.device_put(array, sharding) if sharding is not None else jax.device_put(array)
+        if sharding is None:
+            return jax.device_put(array)
+        if not sharding.is_fully_addressable:
+            # a sharding over several processes: each fills its own devices from the array
+            return jax.make_array_from_callback(array.shape, sharding, lambda index: array[index])
+        return jax.device_put(array, sharding)
 
 
 @functools.cache
