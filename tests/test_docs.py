@@ -47,6 +47,7 @@ class Block:
     its endpoint, the buckets it names created first) and must not be needed by the page's
     other blocks. ``<!-- doc-test: s3, ranks N -->``: a complete script a launcher such as
     torchrun starts on N ranks; it runs on N processes with torchrun's environment.
+    ``<!-- doc-test: ranks N -->``: the same without a server, after the page's local blocks.
     """
 
     code: str
@@ -84,17 +85,24 @@ def run_script(script: str, cwd: Path, name: str = "page.py") -> subprocess.Comp
 
 
 def local_blocks(page: Path) -> list[str]:
-    return [b.code for b in python_blocks(page) if not (b.skip or b.s3)]
+    return [b.code for b in python_blocks(page) if not (b.skip or b.s3 or b.ranks)]
+
+
+def local_scripts(page: Path) -> list[Block]:
+    """The page's scripts for several processes that need no server."""
+    return [b for b in python_blocks(page) if b.ranks and not (b.skip or b.s3)]
 
 
 @pytest.mark.parametrize(
     "page",
-    [p for p in PAGES if local_blocks(p)],
+    [p for p in PAGES if local_blocks(p) or local_scripts(p)],
     ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_code_blocks_run(page: Path, tmp_path: Path) -> None:
     result = run_script("\n\n".join(local_blocks(page)), tmp_path)
     assert result.returncode == 0, f"{page.name}:\n{result.stdout}\n{result.stderr}"
+    for block in local_scripts(page):
+        run_ranks(block.code, block.ranks, tmp_path)
 
 
 def run_ranks(script: str, ranks: int, cwd: Path) -> list[str]:
@@ -149,7 +157,8 @@ def run_ranks(script: str, ranks: int, cwd: Path) -> list[str]:
 )
 def test_server_code_blocks_run(page: Path, tmp_path: Path, seaweedfs: SeaweedFS) -> None:
     """The page's examples that need an S3 server, against the test SeaweedFS, after the
-    page's other blocks (in page order); scripts for several ranks run last."""
+    page's other blocks (in page order); scripts for several ranks that need the server run
+    last."""
     blocks = [b for b in python_blocks(page) if not b.skip]
     to_server = {b.code: b.code.replace(DOCS_ENDPOINT, seaweedfs.s3_endpoint) for b in blocks}
     for code in to_server.values():
@@ -159,7 +168,7 @@ def test_server_code_blocks_run(page: Path, tmp_path: Path, seaweedfs: SeaweedFS
     session = [to_server[b.code] for b in blocks if not b.ranks]
     result = run_script("\n\n".join(session), tmp_path)
     assert result.returncode == 0, f"{page.name}:\n{result.stdout}\n{result.stderr}"
-    for block in (b for b in blocks if b.ranks):
+    for block in (b for b in blocks if b.ranks and b.s3):
         run_ranks(to_server[block.code], block.ranks, tmp_path)
 
 
