@@ -164,11 +164,12 @@ def scenario_load(root: str, step: str) -> dict[str, Any]:
 
 
 def scenario_broadcast(root: str, step: str) -> dict[str, Any]:
-    """A load of the replicated leaf on every process, asking for the read-once broadcast
-    through the coordination service (exchange)."""
+    """A load of the replicated leaf of the latest step (which process 0 finds and
+    broadcasts) on every process, asking for the read-once broadcast through the
+    coordination service (exchange)."""
     arrays = full()
     counting = CountingStore(opened(root))
-    got = cd.load(counting, int(step), keys=["r"], broadcast=True)
+    got = cd.load(counting, keys=["r"], broadcast=True)
     background.run(counting.close())
     return {
         "exact": np.asarray(got["r"]).tobytes() == arrays["r"].tobytes(),
