@@ -106,41 +106,34 @@ class JaxCollectives:
         import jax
 
         self._client = client
-        self._rank: int = jax.process_index()
-        self._world: int = jax.process_count()
+        #: this process's rank and the number of processes (of the whole job)
+        self.rank: int = jax.process_index()
+        self.world: int = jax.process_count()
         self._name = name
         self._timeout = timeout
         self._piece = piece_bytes
         self._sequence = _SEQUENCES.setdefault(name, itertools.count(1))
 
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def world(self) -> int:
-        return self._world
-
     # ------------------------------------------------------------------ the collectives
 
     def all_gather(self, obj: Any) -> list[Any]:
         call = self._begin("all_gather")
-        self._post(call, str(self._rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
-        out = [self._load(call, rank) for rank in range(self._world)]
+        self._post(call, str(self.rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        out = [self._load(call, rank) for rank in range(self.world)]
         self._done(call)
         return out
 
     def gather(self, obj: Any, root: int) -> list[Any] | None:
         call = self._begin("gather")
-        self._post(call, str(self._rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
-        self._post(call, f"here-{self._rank}", b"")
-        if self._rank == root:
-            out = [self._load(call, rank) for rank in range(self._world)]
+        self._post(call, str(self.rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        self._post(call, f"here-{self.rank}", b"")
+        if self.rank == root:
+            out = [self._load(call, rank) for rank in range(self.world)]
         else:
             # Wait for every member's (empty) sign of arrival: a member that never comes
             # then fails every member here, as a dead process fails a gloo gather everywhere,
             # not only on the root while the others wait for what the root says next.
-            for rank in range(self._world):
+            for rank in range(self.world):
                 self._get(call, f"here-{rank}", rank)
             out = None
         self._done(call)
@@ -148,7 +141,7 @@ class JaxCollectives:
 
     def broadcast(self, obj: Any, root: int) -> Any:
         call = self._begin("broadcast")
-        if self._rank == root:
+        if self.rank == root:
             self._post(call, str(root), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
         out = self._load(call, root)
         self._done(call)
@@ -162,11 +155,11 @@ class JaxCollectives:
             data = np.ascontiguousarray(buffer).reshape(-1).view(np.uint8).data
             for at in range(0, max(1, len(data)), self._piece):
                 piece = bytes(data[at : at + self._piece])
-                self._post(call, f"{self._rank}-{peer}-{tag}-{at}", piece)
+                self._post(call, f"{self.rank}-{peer}-{tag}-{at}", piece)
         for peer, tag, buffer in receives:
             out = buffer.reshape(-1).view(np.uint8)
             for at in range(0, max(1, out.size), self._piece):
-                piece = self._get(call, f"{peer}-{self._rank}-{tag}-{at}", peer)
+                piece = self._get(call, f"{peer}-{self.rank}-{tag}-{at}", peer)
                 out[at : at + len(piece)] = np.frombuffer(piece, np.uint8)
         self._done(call)
 
@@ -206,5 +199,5 @@ class JaxCollectives:
         # The member whose increment completes the count is the last one to have read what
         # it needed: every value of the call is read, so the call's keys can go.
         directory = call[0]
-        if self._client.key_value_increment(f"{directory}/done", 1) == self._world:
+        if self._client.key_value_increment(f"{directory}/done", 1) == self.world:
             self._client.key_value_delete(directory)
