@@ -13,7 +13,7 @@ multi-rank save and load on it, so a JAX job needs no torch:
   objects a face makes per call) and works under ``ckptstore/<name>/<number>/``: a call's
   keys are unique, and a late reader of one call can never see the next call's values.
 * A member posts its pickled object under its rank; the members that need it wait for it
-  with a blocking get bounded by ``timeout`` (in a ``gather`` the others wait for an empty
+  with blocking gets bounded by ``timeout`` per call (in a ``gather`` the others wait for an empty
   sign of every member's arrival, so all of them notice a member that never comes). A
   member that never posts (it died, or it stopped calling) makes the others raise
   :class:`TimeoutError` naming the rank and the call, never hang: the coordination
@@ -39,6 +39,7 @@ import itertools
 import pickle
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,16 @@ def jax_group_running() -> bool:
     if "jax" not in sys.modules:
         return False
     return _client() is not None
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One collective call: its key directory, its name in errors, and when it times out
+    (``time.monotonic()``)."""
+
+    directory: str
+    what: str
+    deadline: float
 
 
 class JaxCollectives:
@@ -165,39 +176,41 @@ class JaxCollectives:
 
     # ------------------------------------------------------------------ keys
 
-    def _begin(self, what: str) -> tuple[str, str]:
+    def _begin(self, what: str) -> _Call:
         number = next(self._sequence)
-        return f"ckptstore/{self._name}/{number}", f"{what} #{number}"
+        return _Call(
+            f"ckptstore/{self._name}/{number}",
+            f"{what} #{number}",
+            time.monotonic() + self._timeout,
+        )
 
-    def _post(self, call: tuple[str, str], key: str, data: bytes) -> None:
-        self._client.key_value_set_bytes(f"{call[0]}/v/{key}", data)
+    def _post(self, call: _Call, key: str, data: bytes) -> None:
+        self._client.key_value_set_bytes(f"{call.directory}/v/{key}", data)
 
-    def _load(self, call: tuple[str, str], rank: int) -> Any:
+    def _load(self, call: _Call, rank: int) -> Any:
         # the job's own processes, as torch.distributed's object collectives unpickle theirs;
         # checkpoint data never goes this way
         return pickle.loads(self._get(call, str(rank), rank))
 
-    def _get(self, call: tuple[str, str], key: str, rank: int) -> bytes:
-        directory, what = call
-        started = time.monotonic()
+    def _get(self, call: _Call, key: str, rank: int) -> bytes:
+        # one deadline for the whole call, however many values it waits for
+        left_ms = max(1, int((call.deadline - time.monotonic()) * 1000))
         try:
             data: bytes = self._client.blocking_key_value_get_bytes(
-                f"{directory}/v/{key}", int(self._timeout * 1000)
+                f"{call.directory}/v/{key}", left_ms
             )
         except Exception as exc:
             if "DEADLINE_EXCEEDED" not in str(exc):
                 raise
             raise TimeoutError(
-                f"process {rank} of the jax.distributed job did not reach {what} of "
-                f"ckptstore's collectives {self._name!r} within {self._timeout:g} s "
-                f"(waited {time.monotonic() - started:.0f} s); it most likely died or "
-                "stopped calling the collectives the other processes call"
+                f"process {rank} of the jax.distributed job did not reach {call.what} of "
+                f"ckptstore's collectives {self._name!r} within {self._timeout:g} s; it most "
+                "likely died or stopped calling the collectives the other processes call"
             ) from exc
         return data
 
-    def _done(self, call: tuple[str, str]) -> None:
+    def _done(self, call: _Call) -> None:
         # The member whose increment completes the count is the last one to have read what
         # it needed: every value of the call is read, so the call's keys can go.
-        directory = call[0]
-        if self._client.key_value_increment(f"{directory}/done", 1) == self.world:
-            self._client.key_value_delete(directory)
+        if self._client.key_value_increment(f"{call.directory}/done", 1) == self.world:
+            self._client.key_value_delete(call.directory)
