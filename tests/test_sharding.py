@@ -499,3 +499,26 @@ def test_verify_checks_every_block_against_its_own_crc32c(tmp_path: Path) -> Non
     assert damage[1] == f"w (chunk at {doc['chunks']['start'][1]}, block 2)"
     with pytest.raises(CorruptCheckpointError, match="block 2: crc32c mismatch"):
         ckptstore.load(root)
+
+
+def test_a_whole_leaf_packed_beside_chunks_reads_only_its_bytes(tmp_path: Path) -> None:
+    # A rank packs the small leaves it owns with the chunks it writes: loading such a leaf
+    # alone must read its bytes, not the whole pack (the pack holds chunks too).
+    root = str(tmp_path / "ckpt")
+    bias = np.arange(256, dtype=np.float32)  # 1 KiB, every rank holds it
+    boxes = split(FULL.shape, 2, 0)
+
+    def one(rank: int, comm: Any) -> Any:
+        box = boxes[rank]
+        part = {"w": Shard(cut(FULL, box), offsets=box[0], global_shape=FULL.shape), "b": bias}
+        return save(root, part, step=1, comm=comm, chunk_block_size=BLOCK)
+
+    in_threads(2, one)
+    manifest = ckptstore.read_manifest(root, 1)
+    assert manifest.chunks is not None
+    packed_with = manifest.leaf_object[manifest.paths.index("b")]
+    assert packed_with in manifest.chunks.object  # the case at hand: one object, both kinds
+    counting = CountingStore(open_store(root))
+    got = ckptstore.load(counting, 1, keys=["b"])
+    assert np.array_equal(got["b"], bias)
+    assert counting.bytes["read"] == bias.nbytes
