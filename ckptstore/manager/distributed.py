@@ -874,6 +874,7 @@ def load(
     coordinator: int = 0,
     comm: Collectives | None = None,
     broadcast: bool = True,
+    shared_memory: bool = True,
     **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
@@ -898,6 +899,10 @@ def load(
         broadcast: read shared leaves once and send them between ranks; ``False`` makes
             every rank read all it selects from the store itself, and a load with a step
             given a plain read that needs no process group.
+        shared_memory: with ``broadcast``, ranks on one host hand each other the shared
+            leaves through memory segments (``/dev/shm``, or ``CKPTSTORE_SHM_DIR``) rather
+            than over the group (:mod:`ckptstore.manager.segments`); ``False`` sends them
+            over the group as between hosts.
         **store_options: options for a URL ``root``, as on every face
             (:mod:`ckptstore.pipeline.root`).
 
@@ -938,7 +943,7 @@ def load(
             # imported here: the broadcast module builds on this one's collectives
             from ckptstore.manager.broadcast import load_shared
 
-            return load_shared(store, step, asked, comm)
+            return load_shared(store, step, asked, comm, shared_memory=shared_memory)
         return restore(store, step, asked)
 
 
