@@ -323,6 +323,13 @@ def test_a_rank_that_leaves_the_group_fails_the_others_without_a_hang(store: Sto
 # ------------------------------------------------------------------ shared memory
 
 
+def saved(store: Store) -> tuple[dict[str, Any], int]:
+    """:func:`replicated` saved as step 1, and its array bytes."""
+    state = replicated()
+    ckptstore.save(store, state, step=1)
+    return state, array_bytes(state)
+
+
 def exchanged_load(
     store: Store, fill: bool = True, **kwargs: Any
 ) -> Callable[[int, cd.Collectives], tuple[Any, int, int, bool]]:
@@ -349,9 +356,7 @@ def exchanged_load(
 def test_ranks_of_one_host_map_the_shared_leaves_and_remove_the_segments(
     store: Store, segment_dir: Path
 ) -> None:
-    state = replicated()
-    ckptstore.save(store, state, step=1)
-    total = array_bytes(state)
+    state, total = saved(store)
     results = run_ranks(4, exchanged_load(store, world=4))
     for got, _, received, own in results:
         assert_same(got, state)
@@ -367,9 +372,7 @@ def test_ranks_on_other_hosts_get_the_shared_leaves_over_the_group(
 ) -> None:
     """Ranks 0 and 2 on one host, 1 and 3 on another: each rank gets over the group the
     leaves ranks of the other host read for it, through shared memory the rest."""
-    state = replicated()
-    ckptstore.save(store, state, step=1)
-    total = array_bytes(state)
+    state, total = saved(store)
     where = threading.local()
     real = segments.host_identity
     monkeypatch.setattr(segments, "host_identity", lambda: f"{real()} half {where.half}")
@@ -391,13 +394,12 @@ def test_ranks_on_other_hosts_get_the_shared_leaves_over_the_group(
 
 
 def test_shared_memory_off_sends_everything_over_the_group(store: Store, segment_dir: Path) -> None:
-    state = replicated()
-    ckptstore.save(store, state, step=1)
+    state, total = saved(store)
     results = run_ranks(3, exchanged_load(store, world=3, shared_memory=False))
     for got, read, received, own in results:
         assert_same(got, state)
         assert own
-        assert read + received >= array_bytes(state)  # what it did not read, it received
+        assert read + received >= total  # what it did not read, it received
         assert received > 0
 
 
@@ -406,8 +408,7 @@ def test_a_memory_filesystem_without_room_sends_over_the_group(
 ) -> None:
     """A segment whose memory cannot be reserved (a full /dev/shm) is not made; its bytes go
     over the group, and nothing is left behind."""
-    state = replicated()
-    ckptstore.save(store, state, step=1)
+    state, total = saved(store)
 
     def full(fd: int, offset: int, length: int) -> None:
         raise OSError(28, "No space left on device")
@@ -416,7 +417,7 @@ def test_a_memory_filesystem_without_room_sends_over_the_group(
     results = run_ranks(3, exchanged_load(store, world=3))
     for got, read, received, _ in results:
         assert_same(got, state)
-        assert read + received >= array_bytes(state)
+        assert read + received >= total
         assert received > 0
     assert list(segment_dir.iterdir()) == []
 
@@ -426,8 +427,7 @@ def test_a_receiver_that_cannot_map_a_segment_gets_its_bytes_over_the_group(
 ) -> None:
     """Rank 1 cannot map what it is announced (another /dev/shm after all): it gets those
     bytes over the group; the other ranks still map theirs."""
-    state = replicated()
-    ckptstore.save(store, state, step=1)
+    state, _ = saved(store)
     real = segments.attach
     unable = threading.local()
     monkeypatch.setattr(segments, "attach", lambda name: None if unable.yes else real(name))

@@ -314,9 +314,9 @@ def _read_and_transfer(
             sends += [
                 (peer, tag, buffers[tag])
                 for peer in transfer.receivers
-                if not handover.mapped(tag, peer)
+                if not handover.mapped(tag, rank, peer)
             ]
-        elif rank in transfer.receivers and not handover.mapped(tag, rank):
+        elif rank in transfer.receivers and not handover.mapped(tag, transfer.reader, rank):
             buffers[tag] = empty_array((transfer.nbytes,), np.dtype(np.uint8))
             receives.append((transfer.reader, tag, buffers[tag]))
     try:
@@ -347,6 +347,7 @@ class _Handover:
         self._tried: set[int] = set()
         self._unmapped: list[set[int]] = [set() for _ in hosts]
         self.any_announced = False
+        self._swept = False
 
     def __enter__(self) -> _Handover:
         return self
@@ -367,7 +368,8 @@ class _Handover:
             return None
         if not any(self._hosts[peer] == self._host for peer in transfer.receivers):
             return None
-        if not self._own:
+        if not self._swept:
+            self._swept = True
             segments.remove_orphans()  # what killed readers left on this host
         segment = segments.Segment.create(transfer.nbytes, self._token, tag)
         if segment is not None:
@@ -409,12 +411,12 @@ class _Handover:
     def heard_unmapped(self, unmapped: list[list[int]]) -> None:
         self._unmapped = [set(tags) for tags in unmapped]
 
-    def mapped(self, tag: int, peer: int) -> bool:
-        """Whether receiver ``peer`` has ``tag``'s bytes from a segment (the same on every
-        rank, from what all were told)."""
-        reader = next((r for r, names in enumerate(self._heard) if tag in names), None)
+    def mapped(self, tag: int, reader: int, peer: int) -> bool:
+        """Whether receiver ``peer`` has from a segment the bytes ``reader`` read for
+        transfer ``tag`` (the same answer on every rank, from what all were told)."""
         return (
-            reader is not None
+            self.any_announced
+            and tag in self._heard[reader]
             and self._hosts[peer] is not None
             and self._hosts[peer] == self._hosts[reader]
             and tag not in self._unmapped[peer]
