@@ -247,6 +247,9 @@ def test_torch_dtypes_and_layouts_staged_bit_exact() -> None:
     }
     assert staged.attrs["bf16"]["requires_grad"] is False
     assert staged.attrs["grad_leaf"]["requires_grad"] is True
+    # the stager takes tensors apart once per class, dtype, device, grad flag and layout:
+    # a plain tensor that requires grad is not taken for the parameter beside it
+    assert "parameter" not in staged.attrs["grad_leaf"]
 
     back = rebuild_state(staged.tree, staged.attrs)
     for key, tensor in state.items():
