@@ -236,6 +236,8 @@ async def write_checkpoint(
     dtypes = flat.dtype_names()
     if incremental is None:
         incremental = store.settings.incremental and plan is None
+    if plan is not None and plan.leaf_length != flat.nbytes:
+        raise ValueError("the plan was made for leaves of other sizes")
     hashes: list[str | None] | None = None
     reuse: Reuse | None = None
     hashing: asyncio.Future[list[str | None]] | None = None
@@ -255,14 +257,12 @@ async def write_checkpoint(
         except BaseException:
             await _settled(hashing)
             raise
-    try:
-        if plan is None:
+    if plan is None:
+        try:
             plan = _plan(store, flat, reuse)
-        elif plan.leaf_length != flat.nbytes:
-            raise ValueError("the plan was made for leaves of other sizes")
-    except BaseException:
-        await _settled(hashing)
-        raise
+        except BaseException:
+            await _settled(hashing)
+            raise
 
     # imported here: the references module builds on this one
     from ckptstore.layout.references import hold_references
