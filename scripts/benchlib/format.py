@@ -17,9 +17,9 @@ from two targets:
   ``POSIX_FADV_DONTNEED``) before each run; DCP loads into a preallocated state (its only
   mode), the ceiling reads the blob into a preallocated buffer; ckptstore, ``torch.load`` and
   Orbax allocate new arrays. A second read ceiling reads the very files ckptstore wrote,
-  ``Settings.max_concurrency`` (16) files at a time from a thread pool, into preallocated
-  buffers, with no checksum: what ckptstore's restore is held against (issue 19: at least
-  0.9x its throughput).
+  ``Settings.max_concurrency`` (16) files at a time from a thread pool, each into a new
+  buffer (as a plain ``read`` makes it, and as ckptstore makes its arrays), with no checksum:
+  what ckptstore's restore is held against (issue 19: at least 0.9x its throughput).
 * memory: ckptstore on ``memory://`` against ``torch.save`` into a ``BytesIO`` and a memcpy of
   the bytes into a reused buffer (the ceiling). Orbax is measured on the local directory only.
 
@@ -123,11 +123,17 @@ def _read_file(path: Path, out: np.ndarray) -> None:
             done += n
 
 
-def _threaded_read(paths: list[Path], buffers: list[np.ndarray], threads: int) -> None:
-    """Read each file into its buffer, ``threads`` files at a time: a plain reader of the
-    files ckptstore wrote (no checksums, no arrays made), the ceiling for its restore."""
+def _threaded_read(paths: list[Path], sizes: list[int], threads: int) -> None:
+    """Read each file into a new buffer, ``threads`` files at a time: a plain reader of the
+    files ckptstore wrote (no checksums, no arrays rebuilt), the ceiling for its restore.
+    Its buffers are new each time, as a plain ``read`` makes them and as ckptstore's restore
+    makes its arrays."""
+
+    def read(path: Path, size: int) -> None:
+        _read_file(path, np.empty(size, np.uint8))
+
     with ThreadPoolExecutor(threads) as pool:
-        for done in pool.map(_read_file, paths, buffers):
+        for done in pool.map(read, paths, sizes):
             del done
 
 
@@ -253,7 +259,7 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray, orbax: bool) -
     target = _empty_like(tstate)
 
     ckpt_files = sorted(_files(dirs[CKPT]))
-    ckpt_buffers = [np.empty(p.stat().st_size, np.uint8) for p in ckpt_files]
+    ckpt_sizes = [p.stat().st_size for p in ckpt_files]
     read_threads = ckptstore.Settings().max_concurrency
 
     def uncache(name: str) -> None:
@@ -276,7 +282,7 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray, orbax: bool) -
             DCP: dcp_load,
             **jax_loads,
             CEILING: lambda: _read_file(dirs[CEILING] / "blob", blob),  # same bytes back
-            THREADED_READ: lambda: _threaded_read(ckpt_files, ckpt_buffers, read_threads),
+            THREADED_READ: lambda: _threaded_read(ckpt_files, ckpt_sizes, read_threads),
         },
         ctx.repeat,
         uncache,
