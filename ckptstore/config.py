@@ -74,10 +74,11 @@ class Settings:
             their large leaves also start on an OS page, ``ckptstore.store.buffers.PAGE``: that
             is what ``O_DIRECT`` needs of a buffer, a property of the machine, not a setting.)
         manifest_max_bytes: a manifest larger than this is refused before it is read.
-        chunk_block_size: bytes per checksummed block of a sharded leaf's chunks (a power of
-            two from 4 KiB to 1 GiB): a load of part of a chunk reads and checks the whole
-            blocks around it, so a smaller block reads less beyond what it needs and costs
-            more manifest (about 11 bytes per block; see :mod:`ckptstore.layout.chunks`).
+        chunk_block_size: the largest checksummed block of a sharded leaf's chunks (a power of
+            two from 4 KiB to 1 GiB; a save uses a quarter of its chunks' shortest row when
+            that is smaller): a load of part of a chunk reads and checks the whole blocks
+            around it, so a smaller block reads less beyond what it needs and costs more
+            manifest (about 11 bytes per block; see :mod:`ckptstore.layout.chunks`).
         gc_grace_seconds: garbage collection leaves an uncommitted save attempt alone until it
             has been idle this many seconds (a running save's lease counts as activity).
         save_lease_seconds: a running save renews a lease on its attempt every quarter of

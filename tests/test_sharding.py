@@ -20,7 +20,7 @@ import ckptstore
 from ckptstore import background
 from ckptstore.distributed import LocalGroup, Shard, load, save
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.layout.chunks import check_grid
+from ckptstore.layout.chunks import MAX_SAVE_BLOCKS, MIN_BLOCK_SIZE, block_size_for, check_grid
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.store.checksum import crc32c
@@ -151,6 +151,58 @@ def test_row_resharding_reads_at_most_1_1x_what_it_needs(tmp_path: Path) -> None
             assert needed <= counting.bytes["read"] <= 1.1 * needed, (world, box)
             # over-read is at most one partial block at each end of each chunk overlap
             assert counting.bytes["read"] - needed < 2 * 2 * BLOCK
+
+
+@pytest.mark.parametrize("loaded_as", ["grid 2x2", "columns/4", "grid 4x2"])
+def test_a_column_split_of_a_table_saved_by_rows_reads_only_its_bytes(
+    tmp_path: Path, loaded_as: str
+) -> None:
+    # the default Settings: blocks of a quarter row, not 1 MiB, and no merging across the
+    # runs a box skips, so a box that takes part of every row reads just that part
+    root = str(tmp_path / "ckpt")
+    table = np.random.default_rng(1).standard_normal((512, 8192), dtype=np.float32)  # 16 MiB
+
+    def one(rank: int, comm: Any) -> Any:
+        box = split(table.shape, 4, 0)[rank]
+        return save(
+            root,
+            {"t": Shard(cut(table, box), offsets=box[0], global_shape=table.shape)},
+            step=1,
+            comm=comm,
+        )
+
+    in_threads(4, one)
+    manifest = ckptstore.read_manifest(root)
+    assert manifest.chunks is not None
+    assert manifest.chunks.block_size == 8192  # a quarter of a 32 KiB row
+    kind, _, how = loaded_as.partition(" ")
+    boxes = (
+        split(table.shape, 4, 1)
+        if kind == "columns/4"
+        else grid(table.shape, int(how[0]), int(how[2]))
+    )
+    for box in boxes:
+        counting = CountingStore(open_store(root))
+        like = {"t": Shard(np.empty(box[1], np.float32), offsets=box[0], global_shape=table.shape)}
+        got = load(counting, 1, target=like)["t"]
+        background.run(counting.close())
+        np.testing.assert_array_equal(got.tensor, cut(table, box))
+        assert counting.bytes["read"] == math.prod(box[1]) * 4, box
+
+
+def test_block_size_is_a_quarter_of_the_shortest_row_within_its_bounds() -> None:
+    mib = 1 << 20
+    assert block_size_for([((2048, 16384), 4)] * 4, mib) == 16 << 10
+    assert block_size_for([((2048, 16384), 4), ((64, 1000), 2)], mib) == MIN_BLOCK_SIZE  # 500 B
+    assert block_size_for([((2048, 16384), 4)], 4096) == 4096  # never above the setting
+    assert block_size_for([((1 << 20,), 4)], mib) == mib  # 1-D chunks: one run, any block
+    assert block_size_for([((100, 8), 4)], mib) == MIN_BLOCK_SIZE
+    assert block_size_for([], mib) == mib
+    # rows of 64 KiB want 16 KiB blocks, but 64 GiB of chunks would hold 4 Mi of them
+    many = [((1 << 18, 1 << 14), 4)] * 4  # 4 x 16 GiB
+    block = block_size_for(many, mib)
+    assert block == 64 << 10
+    assert 4 * (16 << 30) // block <= MAX_SAVE_BLOCKS
 
 
 def _chunk_object(root: str, chunk: int) -> tuple[Path, int]:

@@ -14,10 +14,15 @@ fixed-size *block* of its bytes (the last block may be shorter) instead of one c
 reader fetches the whole blocks around the runs it wants, checks each, and copies the runs
 out. The block size trades manifest size against over-read: a contiguous run reads at most
 one partial block too many at each end, and each block costs about 11 bytes of manifest
-(a 10-digit crc32c and a comma). ``Settings.chunk_block_size`` defaults to 1 MiB: 11 bytes of
-manifest per MiB stored (11 MB for a 1 TB state, well under the 256 MiB manifest cap), and a
-rank whose new shard is a row range of 20 MiB or more reads at most 2 MiB, 10 %, more than it
-needs. Hashing per block costs the same one pass over the bytes as hashing per chunk.
+(a 10-digit crc32c and a comma). A save picks it with :func:`block_size_for`: a quarter of
+its chunks' shortest row, so a column split or a grid of a table saved by rows reads just
+its runs (with 1 MiB blocks and rows of 64 KiB such a load read every block, twice its
+bytes), at most ``Settings.chunk_block_size`` (1 MiB by default: 11 bytes of manifest per MiB
+stored, 11 MB for a 1 TB state, well under the 256 MiB manifest cap), and never more than
+:data:`MAX_SAVE_BLOCKS` blocks per save. A rank whose new shard is a row range of 20 MiB or
+more reads at most 2 MiB, 10 %, more than it needs. A reader merges only blocks that touch
+into one request: the store's usual coalescing gap would read the runs a box skips.
+Hashing per block costs the same one pass over the bytes as hashing per chunk.
 
 Format (manifest version 3, see docs/format.md): a leaf stored as chunks has no object of its
 own (``object`` -1, ``offset`` 0, ``crc32c`` 0) and its full ``length``; the body's
@@ -56,6 +61,7 @@ __all__ = [
     "Box",
     "Chunks",
     "block_crcs",
+    "block_size_for",
     "check_grid",
     "parse_chunks",
     "read_boxes",
@@ -66,6 +72,12 @@ MIN_BLOCK_SIZE = 4 << 10
 MAX_BLOCK_SIZE = 1 << 30
 #: Most chunks one manifest may hold (the manifest's size cap bounds it too).
 MAX_CHUNKS = 1 << 22
+#: A save's blocks are at most this fraction of its chunks' shortest row (see
+#: :func:`block_size_for`).
+ROW_BLOCKS = 4
+#: A save shrinks its blocks only while its chunks keep at most this many of them (about
+#: 11 MB of manifest).
+MAX_SAVE_BLOCKS = 1 << 20
 
 #: A box of a global array: its start in every dimension and its shape.
 Box = tuple[tuple[int, ...], tuple[int, ...]]
@@ -139,6 +151,37 @@ def block_crcs(data: np.ndarray[Any, Any], block_size: int) -> list[int]:
     """The crc32c of each ``block_size`` block of a C-contiguous array's bytes."""
     view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
     return [crc32c(view[at : at + block_size]) for at in range(0, len(view), block_size)]
+
+
+def block_size_for(chunks: Sequence[tuple[Sequence[int], int]], limit: int) -> int:
+    """The block size a save's chunks are checksummed with.
+
+    A load that splits the rows of a chunk (a column split of a table saved by rows, a grid
+    of a table saved by rows) wants, in the chunk's bytes, one run per row; with blocks
+    longer than a row every block is touched and the whole chunk is read. So the block is
+    at most a :data:`ROW_BLOCKS`-th of the shortest row (the innermost dimension, in bytes)
+    of any chunk of two or more dimensions, rounded down to a power of two: a split of rows
+    into two or four aligned parts reads exactly its bytes, and any run reads at most one
+    partial block too many at each end. It is never larger than ``limit``
+    (``Settings.chunk_block_size``), never smaller than :data:`MIN_BLOCK_SIZE`, and never so
+    small that the save's chunks hold more than :data:`MAX_SAVE_BLOCKS` blocks: the
+    manifest's size, which every rank reads on load, wins over the finer reads.
+
+    Args:
+        chunks: ``(shape, itemsize)`` of every chunk of the save, the same list on every rank.
+        limit: the largest block, a power of two in ``[MIN_BLOCK_SIZE, MAX_BLOCK_SIZE]``.
+
+    Returns:
+        A power of two in ``[MIN_BLOCK_SIZE, limit]``.
+    """
+    block = limit
+    for shape, itemsize in chunks:
+        if len(shape) >= 2 and shape[-1] > 0:
+            fraction = shape[-1] * itemsize // ROW_BLOCKS
+            block = min(block, 1 << max(fraction, 1).bit_length() - 1)
+    total = sum(math.prod(shape) * itemsize for shape, itemsize in chunks)
+    fewest = 1 << max(-(-total // MAX_SAVE_BLOCKS) - 1, 0).bit_length()  # ceil to a power of 2
+    return min(limit, max(block, fewest, MIN_BLOCK_SIZE))
 
 
 # --------------------------------------------------------------------------- validation
@@ -395,7 +438,9 @@ async def read_boxes(
             )
         key = key_of(chunks.object[chunk])
         try:
-            crcs = await store.read_ranges_into_crc32c(key, requests)
+            # only adjacent blocks share a request: merging across the runs a box skips (the
+            # store's coalescing gap is 1 MiB) would read the skipped bytes too
+            crcs = await store.read_ranges_into_crc32c(key, requests, gap=0)
         except NotFoundError:
             raise CorruptCheckpointError(
                 f"{store.url}: {where}: object {key!r} is missing"

@@ -71,6 +71,7 @@ import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
+from ckptstore.layout.chunks import block_size_for
 from ckptstore.layout.commit import CommitInfo, latest_step
 from ckptstore.layout.keys import check_step, step_prefix
 from ckptstore.layout.manifest import Manifest
@@ -696,6 +697,18 @@ def _raise_first(parts: list[Any], own: BaseException | None, store: Store, step
         )
 
 
+def _block_size(leaves: list[_Leaf], limit: int) -> int:
+    """The chunks' block size, from every rank's boxes (the same on every rank)."""
+    return block_size_for(
+        [
+            (box[1], leaf.nbytes // max(math.prod(leaf.shape), 1))
+            for leaf in leaves
+            for _, _, box in leaf.chunks or ()
+        ],
+        limit,
+    )
+
+
 async def _write_own(
     store: Store,
     flat: FlatState,
@@ -721,7 +734,7 @@ async def _write_own(
         attrs=[leaves[n].attrs for n in mine] + [None] * len(boxes),
     )
     plan = save_path.plan(store, own.nbytes, own.paths)
-    block = store.settings.chunk_block_size
+    block = _block_size(leaves, store.settings.chunk_block_size)
     written, blocks = await asyncio.gather(
         save_path.write(store, own.arrays, plan, prefix),
         sharding.block_checksums(chunk_arrays, block),
@@ -784,7 +797,8 @@ async def _commit(
             _Failure(
                 -1,
                 "CkptStoreError",
-                f"the ranks use different Settings.chunk_block_size {sorted(block_sizes)}",
+                f"the ranks use different chunk block sizes {sorted(block_sizes)} "
+                "(different Settings.chunk_block_size?)",
             ),
         )
     written_boxes = Counter(row[0] for row in chunk_rows)

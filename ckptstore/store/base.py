@@ -507,14 +507,15 @@ class Store(ABC):
         await self._read_groups(key, requests, None)
 
     async def read_ranges_into_crc32c(
-        self, key: str, requests: Sequence[tuple[int, Buffer]]
+        self, key: str, requests: Sequence[tuple[int, Buffer]], *, gap: int | None = None
     ) -> builtins.list[int]:
         """:meth:`read_ranges_into`, returning the crc32c of each buffer's bytes, in the order
         of ``requests``. A lone range is hashed as it arrives (:meth:`read_into_crc32c`); the
         members of a merged range are hashed as soon as their group has landed, while other
-        groups are still in flight."""
+        groups are still in flight. ``gap`` replaces ``Settings.coalesce_gap`` for this call
+        (``0``: only ranges that touch share a request, so no byte between them is read)."""
         crcs = [0] * len(requests)
-        await self._read_groups(key, requests, crcs)
+        await self._read_groups(key, requests, crcs, gap)
         return crcs
 
     async def _read_groups(
@@ -522,6 +523,7 @@ class Store(ABC):
         key: str,
         requests: Sequence[tuple[int, Buffer]],
         crcs: builtins.list[int] | None,
+        gap: int | None = None,
     ) -> None:
         """Merge the requests' ranges into groups, fetch the groups in parallel and scatter
         each into its members' buffers; with ``crcs``, fill in each member's crc32c."""
@@ -531,7 +533,9 @@ class Store(ABC):
         for start, end in ranges:
             _check_range(key, start, end)
         groups = coalesce_ranges(
-            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
+            ranges,
+            gap=self.settings.coalesce_gap if gap is None else gap,
+            limit=self.settings.coalesce_limit,
         )
 
         async def fetch(g_start: int, g_end: int, members: builtins.list[int]) -> None:

@@ -3,8 +3,10 @@
 One float32 table of 512 MiB (8,192 rows of 16,384 columns; ``--quick``: 32 MiB) is saved by
 4 ranks, each passing its quarter of the rows as a ``ckptstore.distributed.Shard``, to a
 local SeaweedFS (``weed mini`` on loopback ports, plain HTTP, signed requests) with the
-default chunk block size (1 MiB, one crc32c each). The ranks are threads of this process in
-a ``LocalGroup``: the figure here is bytes, which threads and processes request alike.
+default settings: the save checksums its chunks in blocks of a quarter row (16 KiB of a
+64 KiB row; ``--quick``: 8 KiB), at most ``Settings.chunk_block_size`` (1 MiB). The ranks
+are threads of this process in a ``LocalGroup``: the figure here is bytes, which threads
+and processes request alike.
 
 Then each world size loads it, every rank asking for its own box as a ``Shard`` target:
 
