@@ -258,22 +258,22 @@ def _read_and_transfer(
     ``selection.arrays``."""
     rank = comm.rank
     buffers: dict[int, np.ndarray[Any, Any]] = {}
-    for tag, transfer in enumerate(plan.transfers):
-        if transfer.reader == rank:
-            segment = handover.create(tag, transfer)
-            buffers[tag] = (
-                segment.buffer
-                if segment is not None and segment.buffer is not None
-                else empty_array((transfer.nbytes,), np.dtype(np.uint8))
-            )
-    views = {
-        leaf: view
-        for tag, buffer in buffers.items()
-        for leaf, view in _views(selection, plan.transfers[tag], buffer)
-    }
     error: Exception | None = None
     status: Any = None
     try:
+        for tag, transfer in enumerate(plan.transfers):
+            if transfer.reader == rank:
+                segment = handover.create(tag, transfer)
+                buffers[tag] = (
+                    segment.buffer
+                    if segment is not None and segment.buffer is not None
+                    else empty_array((transfer.nbytes,), np.dtype(np.uint8))
+                )
+        views = {
+            leaf: view
+            for tag, buffer in buffers.items()
+            for leaf, view in _views(selection, plan.transfers[tag], buffer)
+        }
         own = [*plan.reads[rank], *boxed]
         background.run(read_selected(store, selection, leaves=own, into=views))
         # the reader's own arrays over a segment: private, as every receiver's are (the
@@ -329,7 +329,7 @@ def _read_and_transfer(
 
 class _Handover:
     """The shared-memory segments of one load on one rank: those it fills for ranks of its
-    host, those it maps from them, and who mapped what (see :mod:`.segments`).
+    host, those it maps from them, and who mapped what (:mod:`ckptstore.manager.segments`).
 
     As a context manager it removes, on any exit, this rank's segments and, if the load
     failed, any other announced to it (a reader that died no longer can) and any orphan of
