@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 import ckptstore.manager.distributed as cd
 from ckptstore import background
+from ckptstore.manager import segments
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
 from tests.multirank import rank_main
@@ -65,9 +66,33 @@ def equal(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def load(root: str, step: str, broadcast: str) -> tuple[dict[str, Any], CountingStore]:
-    """This rank's load: the model and its own shard, as its target says."""
+class CountingCollectives(cd.TorchCollectives):
+    """The world's collectives, counting the bytes this rank receives through exchange()."""
+
+    received = 0
+
+    def exchange(self, sends: list[cd.Message], receives: list[cd.Message]) -> None:
+        super().exchange(sends, receives)
+        self.received += sum(buffer.nbytes for _, _, buffer in receives)
+
+
+def split_hosts() -> None:
+    """Make this rank believe it runs on one of two hosts, by rank parity, so the load
+    shares memory with the ranks of its parity and goes over gloo to the others."""
+    real = segments.host_identity
+    half = dist.get_rank() % 2
+    segments.host_identity = lambda: f"{real()} half {half}"  # type: ignore[assignment]
+
+
+def load(
+    root: str, step: str, broadcast: str, memory: str = "shm"
+) -> tuple[dict[str, Any], CountingStore, CountingCollectives]:
+    """This rank's load: the model and its own shard, as its target says. ``memory``:
+    ``shm`` shares memory between the ranks of the host, ``split`` as if on two hosts
+    (:func:`split_hosts`), ``net`` sends everything over gloo (``shared_memory=False``)."""
     rank = dist.get_rank()
+    if memory == "split":
+        split_hosts()
     like = {
         "model": {
             "embed": torch.empty(512 * 1024),
@@ -78,18 +103,36 @@ def load(root: str, step: str, broadcast: str) -> tuple[dict[str, Any], Counting
         "step": 0,
     }
     counting = CountingStore(open_store(root, **OPTIONS))
+    comm = CountingCollectives()
     try:
-        got = cd.load(counting, int(step), target=like, broadcast=broadcast == "on")
+        got = cd.load(
+            counting,
+            int(step),
+            target=like,
+            comm=comm,
+            broadcast=broadcast == "on",
+            shared_memory=memory != "net",
+        )
     finally:
         background.run(counting.close())
-    return got, counting
+    return got, counting, comm
 
 
-def scenario_load(root: str, step: str, broadcast: str) -> dict[str, Any]:
+def scenario_load(root: str, step: str, broadcast: str, memory: str = "shm") -> dict[str, Any]:
     rank = dist.get_rank()
-    got, counting = load(root, step, broadcast)
+    got, counting, comm = load(root, step, broadcast, memory)
     expected = {"model": model(), "shards": {f"r{rank}": shard(rank)}, "step": 5}
-    return {"exact": equal(got, expected), "bytes_read": counting.bytes["read"]}
+    exact = equal(got, expected)
+    # a loaded tensor is this rank's own: writable, and a write stays here
+    got["model"]["embed"].fill_(float(rank))
+    dist.barrier()
+    own = bool((got["model"]["embed"] == float(rank)).all())
+    return {
+        "exact": exact,
+        "own": own,
+        "bytes_read": counting.bytes["read"],
+        "received_over_group": comm.received,
+    }
 
 
 def scenario_corrupt(root: str, step: str) -> dict[str, Any]:
@@ -109,13 +152,29 @@ class DiesInExchange(cd.TorchCollectives):
         os._exit(17)
 
 
-def scenario_die(root: str, step: str) -> dict[str, Any]:
-    """Rank 1 dies as the shared leaves are sent: report the error this rank got."""
+class DiesAfterReading(cd.TorchCollectives):
+    """A rank that dies having read its share for the others into shared memory, as it is
+    about to tell them so (the second all_gather of a load)."""
+
+    gathers = 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        self.gathers += 1
+        if self.gathers == 2:
+            os._exit(17)
+        return super().all_gather(obj)
+
+
+def scenario_die(root: str, step: str, when: str = "sending") -> dict[str, Any]:
+    """Rank 1 dies: as the shared leaves are sent over gloo (``sending``; the ranks do not
+    share memory), or having read its share into shared memory (``announcing``). Report
+    the error this rank got."""
     rank = dist.get_rank()
-    comm = DiesInExchange() if rank == 1 else cd.TorchCollectives()
+    dies = DiesInExchange if when == "sending" else DiesAfterReading
+    comm = dies() if rank == 1 else cd.TorchCollectives()
     store = open_store(root, **OPTIONS)
     try:
-        cd.load(store, int(step), comm=comm)
+        cd.load(store, int(step), comm=comm, shared_memory=when != "sending")
     except Exception as exc:
         return {"error": type(exc).__name__, "message": str(exc)}
     finally:

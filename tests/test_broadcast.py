@@ -7,7 +7,14 @@ tests/test_broadcast_ranks.py runs the same loads on real gloo processes.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -19,6 +26,7 @@ import ckptstore
 import ckptstore.manager.distributed as cd
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError, StoreError
+from ckptstore.manager import segments
 from ckptstore.manager.broadcast import plan_reads
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
@@ -49,6 +57,38 @@ def array_bytes(state: Any) -> int:
     if isinstance(state, list):
         return sum(array_bytes(v) for v in state)
     return int(state.nbytes) if isinstance(state, np.ndarray | np.generic) else 0
+
+
+@pytest.fixture(autouse=True)
+def segment_dir(monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A directory of the memory filesystem of the test's own for the ranks' segments
+    (``CKPTSTORE_SHM_DIR``), so what a test leaves there is its own."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this platform")
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="ckptstore-test-") as path:
+        monkeypatch.setenv("CKPTSTORE_SHM_DIR", path)
+        yield Path(path)
+
+
+class CountingExchange:
+    """A rank's collectives that count the bytes it receives through exchange()."""
+
+    def __init__(self, inner: cd.Collectives) -> None:
+        self.inner, self.rank, self.world = inner, inner.rank, inner.world
+        self.received = 0
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        return self.inner.all_gather(obj)
+
+    def gather(self, obj: Any, root: int) -> list[Any] | None:
+        return self.inner.gather(obj, root)
+
+    def broadcast(self, obj: Any, root: int) -> Any:
+        return self.inner.broadcast(obj, root)
+
+    def exchange(self, sends: list[cd.Message], receives: list[cd.Message]) -> None:
+        self.inner.exchange(sends, receives)
+        self.received += sum(buffer.nbytes for _, _, buffer in receives)
 
 
 @pytest.fixture
@@ -149,7 +189,9 @@ def test_plan_keeps_a_packs_shared_leaves_with_one_reader() -> None:
     assert pack.nbytes == 202
 
 
-def test_a_corrupt_shared_object_fails_every_rank(store: Store, tmp_path: Path) -> None:
+def test_a_corrupt_shared_object_fails_every_rank(
+    store: Store, tmp_path: Path, segment_dir: Path
+) -> None:
     state = replicated()
     ckptstore.save(store, state, step=1)
     manifest = ckptstore.read_manifest(store, 1)
@@ -170,10 +212,11 @@ def test_a_corrupt_shared_object_fails_every_rank(store: Store, tmp_path: Path) 
         if other is not own[0]:
             assert f"rank {reader}: CorruptCheckpointError" in str(other)
             assert "'embed'" in str(other)
+    assert list(segment_dir.iterdir()) == []  # what the ranks read for others: removed
 
 
 def test_a_store_error_on_the_rank_reading_a_shared_leaf_fails_every_rank(
-    store: Store,
+    store: Store, segment_dir: Path
 ) -> None:
     ckptstore.save(store, replicated(), step=1)
     manifest = ckptstore.read_manifest(store, 1)
@@ -189,6 +232,7 @@ def test_a_store_error_on_the_rank_reading_a_shared_leaf_fails_every_rank(
             assert isinstance(other, CkptStoreError), other
             assert f"rank {reader}: StoreError" in str(other)
             assert "injected fault" in str(other)
+    assert list(segment_dir.iterdir()) == []
 
 
 def test_collectives_without_exchange_are_refused_before_any_collective(store: Store) -> None:
@@ -274,3 +318,168 @@ def test_a_rank_that_leaves_the_group_fails_the_others_without_a_hang(store: Sto
         # in the transfer, or in the collective before it that the departure broke first
         assert "loading step 1 failed" in str(survivor), survivor
         assert "another rank died" in str(survivor), survivor
+
+
+# ------------------------------------------------------------------ shared memory
+
+
+def saved(store: Store) -> tuple[dict[str, Any], int]:
+    """:func:`replicated` saved as step 1, and its array bytes."""
+    state = replicated()
+    ckptstore.save(store, state, step=1)
+    return state, array_bytes(state)
+
+
+def exchanged_load(
+    store: Store, fill: bool = True, **kwargs: Any
+) -> Callable[[int, cd.Collectives], tuple[Any, int, int, bool]]:
+    """``fn(rank, comm)`` for run_ranks: the rank's load, the bytes it read from the store
+    and received over the group, and (``fill``) whether its arrays are its own: each rank
+    overwrites its ``embed`` with its rank and, once all have, finds its own value there."""
+    written = threading.Barrier(kwargs.pop("world"))
+
+    def load(rank: int, comm: cd.Collectives) -> tuple[Any, int, int, bool]:
+        counting, counted = CountingStore(store), CountingExchange(comm)
+        got = cd.load(counting, 1, comm=counted, **kwargs)  # type: ignore[arg-type]
+        exact = got["embed"].copy()
+        own = True
+        if fill:
+            got["embed"][...] = rank
+            written.wait()
+            own = bool((got["embed"] == rank).all())
+            got["embed"][...] = exact
+        return got, counting.bytes["read"], counted.received, own
+
+    return load
+
+
+def test_ranks_of_one_host_map_the_shared_leaves_and_remove_the_segments(
+    store: Store, segment_dir: Path
+) -> None:
+    state, total = saved(store)
+    results = run_ranks(4, exchanged_load(store, world=4))
+    for got, _, received, own in results:
+        assert_same(got, state)
+        assert received == 0  # nothing over the group
+        assert own  # writable, and a rank's writes stay its own
+    assert total <= sum(read for _, read, _, _ in results) < total + 64 * KiB
+    # the segments are gone, the arrays over them still valid (checked above)
+    assert list(segment_dir.iterdir()) == []
+
+
+def test_ranks_on_other_hosts_get_the_shared_leaves_over_the_group(
+    store: Store, segment_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks 0 and 2 on one host, 1 and 3 on another: each rank gets over the group the
+    leaves ranks of the other host read for it, through shared memory the rest."""
+    state, total = saved(store)
+    where = threading.local()
+    real = segments.host_identity
+    monkeypatch.setattr(segments, "host_identity", lambda: f"{real()} half {where.half}")
+    inner = exchanged_load(store, world=4)
+
+    def load(rank: int, comm: cd.Collectives) -> tuple[Any, int, int, bool]:
+        where.half = rank % 2
+        return inner(rank, comm)
+
+    results = run_ranks(4, load)
+    for got, _, received, own in results:
+        assert_same(got, state)
+        assert own
+        assert 0 < received < total
+    # a rank read for each other one some of what it got: some came by memory, some not
+    assert sum(read for _, read, _, _ in results) + sum(r for _, _, r, _ in results) < 4 * total
+    assert total <= sum(read for _, read, _, _ in results) < total + 64 * KiB
+    assert list(segment_dir.iterdir()) == []
+
+
+def test_shared_memory_off_sends_everything_over_the_group(store: Store, segment_dir: Path) -> None:
+    state, total = saved(store)
+    results = run_ranks(3, exchanged_load(store, world=3, shared_memory=False))
+    for got, read, received, own in results:
+        assert_same(got, state)
+        assert own
+        assert read + received >= total  # what it did not read, it received
+        assert received > 0
+
+
+def test_a_memory_filesystem_without_room_sends_over_the_group(
+    store: Store, segment_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment whose memory cannot be reserved (a full /dev/shm) is not made; its bytes go
+    over the group, and nothing is left behind."""
+    state, total = saved(store)
+
+    def full(fd: int, offset: int, length: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    results = run_ranks(3, exchanged_load(store, world=3))
+    for got, read, received, _ in results:
+        assert_same(got, state)
+        assert read + received >= total
+        assert received > 0
+    assert list(segment_dir.iterdir()) == []
+
+
+def test_a_receiver_that_cannot_map_a_segment_gets_its_bytes_over_the_group(
+    store: Store, segment_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 cannot map what it is announced (another /dev/shm after all): it gets those
+    bytes over the group; the other ranks still map theirs."""
+    state, _ = saved(store)
+    real = segments.attach
+    unable = threading.local()
+    monkeypatch.setattr(segments, "attach", lambda name: None if unable.yes else real(name))
+    inner = exchanged_load(store, world=3)
+
+    def load(rank: int, comm: cd.Collectives) -> tuple[Any, int, int, bool]:
+        unable.yes = rank == 1
+        return inner(rank, comm)
+
+    results = run_ranks(3, load)
+    for got, _, _, own in results:
+        assert_same(got, state)
+        assert own
+    received = [r for _, _, r, _ in results]
+    assert received[1] > 0
+    assert received[0] == received[2] == 0
+    assert list(segment_dir.iterdir()) == []
+
+
+def test_orphaned_segments_are_removed_and_live_ones_kept(segment_dir: Path) -> None:
+    """A segment whose creator was SIGKILLed is removed; one whose creator lives, an empty
+    one just created (its creator may not have locked it yet) and other files are kept."""
+    script = (
+        "import sys; from ckptstore.manager import segments\n"
+        "s = segments.Segment.create(1 << 20, 'killed', 0)\n"
+        "print(s.name.path, flush=True); sys.stdin.read()\n"
+    )
+    with subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    ) as child:
+        try:
+            assert child.stdout is not None
+            killed = Path(child.stdout.readline().strip())
+            assert killed.parent == segment_dir
+            live = segments.Segment.create(4096, "live", 0)
+            assert live is not None
+            assert segments.remove_orphans() == []  # the child is alive: its segment is kept
+        finally:
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+    empty = segment_dir / f"{segments.PREFIX}empty-0"
+    empty.touch()
+    other = segment_dir / "not-ours"
+    other.write_bytes(b"x")
+
+    assert segments.remove_orphans() == [killed.name]
+    assert sorted(p.name for p in segment_dir.iterdir()) == sorted(
+        [Path(live.name.path).name, empty.name, other.name]
+    )
+    live.remove()
+    assert not Path(live.name.path).exists()

@@ -8,6 +8,8 @@ Each test starts N copies of tests/broadcast_ranks.py; see tests/multirank.py.
 
 from __future__ import annotations
 
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -41,12 +43,27 @@ WORLDS = [
 SLACK = 64 * 1024
 
 
+@pytest.fixture
+def segment_dir() -> Iterator[Path]:
+    """A directory of the memory filesystem of its own for the test's segments
+    (``CKPTSTORE_SHM_DIR``), so what a test leaves there is its own."""
+    if not Path("/dev/shm").is_dir():
+        pytest.skip("no /dev/shm on this platform")
+    with tempfile.TemporaryDirectory(dir="/dev/shm", prefix="ckptstore-test-") as path:
+        yield Path(path)
+
+
+def _env(target: Target, segments: Path) -> dict[str, str]:
+    return {**target.env(), "CKPTSTORE_SHM_DIR": str(segments)}
+
+
 @pytest.mark.parametrize(("target", "world"), WORLDS, indirect=["target"])
 def test_ranks_loading_a_replicated_model_read_it_from_the_store_once(
-    target: Target, world: int, tmp_path: Path
+    target: Target, world: int, tmp_path: Path, segment_dir: Path
 ) -> None:
+    """On one host the shared leaves go through shared memory, nothing over gloo."""
     ckptstore.save(target.base, worker.state(world), step=1, **target.options)
-    logs, env = tmp_path / "logs", target.env()
+    logs, env = tmp_path / "logs", _env(target, segment_dir)
     model = worker.nbytes(worker.model())
     own = worker.SHARD * 4  # each rank's float32 shard
 
@@ -54,10 +71,13 @@ def test_ranks_loading_a_replicated_model_read_it_from_the_store_once(
         run_ranks(WORKER, world, "load", target.base, "1", "on", logs=logs, env=env)
     )
     assert [result["exact"] for result in shared] == [True] * world
+    assert [result["own"] for result in shared] == [True] * world
     reads = [result["bytes_read"] for result in shared]
     # the model once over all ranks, and each rank's own shard
     assert model + world * own <= sum(reads) <= model + world * own + SLACK
     assert max(reads) < model  # the reads are spread: no rank read the whole model
+    assert [result["received_over_group"] for result in shared] == [0] * world
+    assert list(segment_dir.iterdir()) == []
 
     alone = assert_all_ok(
         run_ranks(WORKER, world, "load", target.base, "1", "off", logs=logs, env=env)
@@ -65,6 +85,43 @@ def test_ranks_loading_a_replicated_model_read_it_from_the_store_once(
     assert [result["exact"] for result in alone] == [True] * world
     for result in alone:
         assert result["bytes_read"] >= model + own  # every rank read the model itself
+
+
+@pytest.mark.parametrize(
+    ("target", "world"),
+    [
+        pytest.param("local", 4, id="local-4"),
+        pytest.param("seaweedfs", 4, marks=_SEAWEED, id="seaweedfs-4"),
+        pytest.param("local", 8, marks=_SLOW, id="local-8"),
+    ],
+    indirect=["target"],
+)
+def test_ranks_on_two_hosts_share_memory_within_a_host_and_use_gloo_between(
+    target: Target, world: int, tmp_path: Path, segment_dir: Path
+) -> None:
+    """Ranks made to believe they run on two hosts (by rank parity): the model still read
+    once and loaded bit-exact, part of it received over gloo; and with shared memory off,
+    everything the ranks share goes over gloo."""
+    ckptstore.save(target.base, worker.state(world), step=1, **target.options)
+    logs, env = tmp_path / "logs", _env(target, segment_dir)
+    model = worker.nbytes(worker.model())
+    own = worker.SHARD * 4
+    over_gloo = {}
+    for memory in ("split", "net"):
+        results = assert_all_ok(
+            run_ranks(WORKER, world, "load", target.base, "1", "on", memory, logs=logs, env=env)
+        )
+        assert [result["exact"] for result in results] == [True] * world, memory
+        assert [result["own"] for result in results] == [True] * world, memory
+        reads = [result["bytes_read"] for result in results]
+        assert model + world * own <= sum(reads) <= model + world * own + SLACK, memory
+        over_gloo[memory] = [result["received_over_group"] for result in results]
+        assert list(segment_dir.iterdir()) == [], memory
+    for result, received in zip(results, over_gloo["net"], strict=True):  # the "net" run
+        # without shared memory a rank gets over gloo all of the model it did not read
+        assert model <= result["bytes_read"] - own + received <= model + SLACK
+    # on two hosts, part of that goes over gloo, the rest through shared memory
+    assert 0 < sum(over_gloo["split"]) < sum(over_gloo["net"])
 
 
 def _damage(target: Target, step: int, path: str) -> None:
@@ -90,15 +147,15 @@ def _damage(target: Target, step: int, path: str) -> None:
     indirect=["target"],
 )
 def test_a_corrupt_object_read_for_others_fails_every_rank(
-    target: Target, world: int, tmp_path: Path
+    target: Target, world: int, tmp_path: Path, segment_dir: Path
 ) -> None:
     ckptstore.save(target.base, worker.state(world), step=1, **target.options)
     _damage(target, 1, "model/embed")
+    env = _env(target, segment_dir)
     outcomes = assert_all_ok(
-        run_ranks(
-            WORKER, world, "corrupt", target.base, "1", logs=tmp_path / "logs", env=target.env()
-        )
+        run_ranks(WORKER, world, "corrupt", target.base, "1", logs=tmp_path / "logs", env=env)
     )
+    assert list(segment_dir.iterdir()) == []  # what the others read for the ranks: removed
     assert [result["error"] for result in outcomes] == ["CorruptCheckpointError"] * world
     readers = [r for r, result in enumerate(outcomes) if "another rank" not in result["message"]]
     assert len(readers) == 1  # one rank read the embedding for all
@@ -108,19 +165,30 @@ def test_a_corrupt_object_read_for_others_fails_every_rank(
             assert f"rank {readers[0]}: CorruptCheckpointError" in result["message"]
 
 
-def test_a_rank_dying_as_shared_leaves_are_sent_fails_the_others_without_a_hang(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("when", "failed"),
+    [
+        # no shared memory: the survivors wait on it in the transfer over gloo
+        pytest.param("sending", "sending the shared leaves failed", id="sending"),
+        # its share read into shared memory: they wait on it to announce the segments
+        pytest.param("announcing", "sharing the reads' outcome failed", id="announcing"),
+    ],
+)
+def test_a_rank_dying_mid_load_fails_the_others_without_a_hang_or_a_leftover_segment(
+    when: str, failed: str, tmp_path: Path, segment_dir: Path
 ) -> None:
-    """Rank 1 of 3 reads its share of the model, then dies before sending it: the survivors
-    wait on it in the transfer, see the connection close, and raise (run_ranks bounds their
-    run, so a hang fails the test)."""
+    """Rank 1 of 3 reads its share of the model, then dies before handing it over: the
+    survivors see its connection close and raise (run_ranks bounds their run, so a hang
+    fails the test), and remove the segments it left."""
     root = str(tmp_path / "ckpts")
     ckptstore.save(root, worker.state(3), step=1)
-    outcomes = run_ranks(WORKER, 3, "die", root, "1", logs=tmp_path / "logs")
+    env = {"CKPTSTORE_SHM_DIR": str(segment_dir)}
+    outcomes = run_ranks(WORKER, 3, "die", root, "1", when, logs=tmp_path / "logs", env=env)
     assert outcomes[1].returncode == 17, outcomes[1].log[-4000:]
     for rank in (0, 2):
         assert outcomes[rank].returncode == 0, outcomes[rank].log[-4000:]
         result = outcomes[rank].results[-1]
         assert result["error"] == "CkptStoreError", result
-        assert "sending the shared leaves failed" in result["message"], result
+        assert failed in result["message"], result
         assert "another rank died" in result["message"], result
+    assert list(segment_dir.iterdir()) == []

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ckptstore.layout.tree import UnsupportedLeafError
 from ckptstore.stage import BufferPool, Stager, rebuild_state
+from ckptstore.stage.stager import collection_paused
 from ckptstore.store.buffers import PAGE
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,6 +251,9 @@ def test_torch_dtypes_and_layouts_staged_bit_exact() -> None:
     }
     assert staged.attrs["bf16"]["requires_grad"] is False
     assert staged.attrs["grad_leaf"]["requires_grad"] is True
+    # the stager takes tensors apart once per class, dtype, device, grad flag and layout:
+    # a plain tensor that requires grad is not taken for the parameter beside it
+    assert "parameter" not in staged.attrs["grad_leaf"]
 
     back = rebuild_state(staged.tree, staged.attrs)
     for key, tensor in state.items():
@@ -591,3 +598,55 @@ def test_the_flat_view_is_built_while_staging_and_reused() -> None:
     assert flat is staged.flat()
     assert flat.paths == ["w"]
     assert bits(flat.arrays[0]) == bits(state["w"])
+
+
+class _Watched(Mapping[str, Any]):
+    """A mapping that records whether the garbage collector ran while the walker read it."""
+
+    def __init__(self, items: dict[str, Any], seen: list[bool]) -> None:
+        self._items, self._seen = items, seen
+
+    def __getitem__(self, key: str) -> Any:
+        return self._items[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self._seen.append(gc.isenabled())
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_staging_pauses_the_garbage_collector_and_restores_it(lazy: bool) -> None:
+    seen: list[bool] = []
+    state = {"a": _Watched({"x": np.arange(4.0)}, seen)}
+    stager = Stager()
+    assert gc.isenabled()
+    stager.stage(state, lazy=lazy).wait_ready()
+    assert seen  # the walker read it (more than once, for its keys and its values)
+    assert not any(seen)
+    assert gc.isenabled()
+    seen.clear()
+    with pytest.raises(UnsupportedLeafError):  # a failed stage turns it back on too
+        stager.stage({"a": _Watched({"x": object()}, seen)}, lazy=lazy)
+    assert seen
+    assert not any(seen)
+    assert gc.isenabled()
+    gc.disable()  # an application that runs without it keeps it off
+    try:
+        stager.stage(state, lazy=lazy).wait_ready()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_concurrent_stages_share_one_pause() -> None:
+    outer, inner = collection_paused(), collection_paused()
+    outer.__enter__()
+    inner.__enter__()
+    assert not gc.isenabled()
+    outer.__exit__(None, None, None)  # the first to finish leaves it paused for the other
+    assert not gc.isenabled()
+    inner.__exit__(None, None, None)
+    assert gc.isenabled()

@@ -913,6 +913,7 @@ def load(
     coordinator: int = 0,
     comm: Collectives | None = None,
     broadcast: bool | None = None,
+    shared_memory: bool = True,
     **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
@@ -940,6 +941,10 @@ def load(
             ``True`` except with collectives whose ``broadcast_by_default`` is false
             (:class:`~ckptstore.manager.jax_collectives.JaxCollectives`, whose bytes would
             all pass through the coordination service).
+        shared_memory: with ``broadcast``, ranks on one host hand each other the shared
+            leaves through memory segments (``/dev/shm``, or ``CKPTSTORE_SHM_DIR``) rather
+            than over the group (:mod:`ckptstore.manager.segments`); ``False`` sends them
+            over the group as between hosts.
         **store_options: options for a URL ``root``, as on every face
             (:mod:`ckptstore.pipeline.root`).
 
@@ -982,7 +987,7 @@ def load(
             # imported here: the broadcast module builds on this one's collectives
             from ckptstore.manager.broadcast import load_shared
 
-            return load_shared(store, step, asked, comm)
+            return load_shared(store, step, asked, comm, shared_memory=shared_memory)
         return restore(store, step, asked)
 
 

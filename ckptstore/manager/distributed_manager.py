@@ -303,6 +303,7 @@ class CheckpointManager(_SingleProcessManager):
         target: Any = None,
         keys: Any = None,
         broadcast: bool | None = None,
+        shared_memory: bool = True,
     ) -> Any:
         """Read what this rank needs of a committed step, verifying every byte; every rank
         calls it.
@@ -311,9 +312,10 @@ class CheckpointManager(_SingleProcessManager):
         the manager's collectives, once the saves in flight have finished (their
         collectives run on the same group): with ``step=None`` the coordinator picks the
         newest committed step and every rank reads that one, and a leaf several ranks ask
-        for is read from the store once and sent to the others, unless ``broadcast`` is
-        false (``None``: as the collectives prefer, see ``load``). Args and raises
-        otherwise as :meth:`ckptstore.CheckpointManager.restore`.
+        for is read from the store once and sent to the others (through shared memory
+        to ranks of the reader's host unless ``shared_memory`` is false), unless
+        ``broadcast`` is false (``None``: as the collectives prefer, see ``load``). Args
+        and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`.
         """
         self._check_open()
         self.wait_until_finished()
@@ -325,6 +327,7 @@ class CheckpointManager(_SingleProcessManager):
             comm=self._comm,
             coordinator=self.coordinator,
             broadcast=broadcast,
+            shared_memory=shared_memory,
         )
 
     def delete(self, step: int) -> None:

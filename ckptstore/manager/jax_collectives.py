@@ -23,8 +23,9 @@ multi-rank save and load on it, so a JAX job needs no torch:
   increment completes the count deletes the call's directory. Every value has been read by
   then, and the store holds the keys of the calls in progress only, however long the job.
 
-:meth:`JaxCollectives.exchange` (array bytes for the read-once broadcast of a load) goes
-through the same store, as raw bytes in pieces of ``piece_bytes``. It works (the tests load
+:meth:`JaxCollectives.exchange` (array bytes for the read-once broadcast of a load, where
+they do not go through shared memory between processes of one host) goes through the same
+store, as raw bytes in pieces of ``piece_bytes``. It works (the tests load
 bit-exact with it), but every byte travels to process 0's coordination service and back over
 its gRPC channel and waits in process 0's memory until read: process 0 carries all of the
 traffic, where reads from the store spread over every process's own link, and a large

@@ -22,11 +22,13 @@ never imports torch or JAX.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -375,11 +377,10 @@ class Stager:
             TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...),
                 or (``UnsupportedLeafError``) a leaf that is neither an array nor a plain value.
         """
-        if lazy:
-            if not copy:
-                raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
-            return self._lazy(state)
-        return self._copied(state, copy=copy)
+        if lazy and not copy:
+            raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
+        with collection_paused():
+            return self._lazy(state) if lazy else self._copied(state, copy=copy)
 
     def _lazy(self, state: Any) -> StagedState:
         """``stage(state, lazy=True)``: the arena laid out, the copies left to
@@ -605,6 +606,39 @@ class Stager:
                 executor.shutdown()
         self._executor = self._lazy_executor = None
         self.pool.clear()
+
+
+_paused_lock = threading.Lock()
+_paused_by = 0  # stages running with the collector paused
+_resume = False  # whether the last of them turns it back on
+
+
+@contextlib.contextmanager
+def collection_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a save stages its state.
+
+    Staging makes a few objects per leaf (specs, slots, copy tasks), and every 700
+    allocations the collector runs; every tenth of those passes walks the older objects too,
+    and the training process's heap (the state's tensors and containers, the model) is all
+    old. On 20,000 leaves of 4 KiB these passes were half of the blocking call: 36 against
+    13-20 us a leaf with the collector off (one process, the same state, runs alternating).
+    What staging makes lives as long as the save anyway, and a cycle among it is found by
+    the first pass after the pause. Nested and concurrent stages share one pause; a
+    collector the application turned off stays off.
+    """
+    global _paused_by, _resume
+    with _paused_lock:
+        if _paused_by == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _paused_by += 1
+    try:
+        yield
+    finally:
+        with _paused_lock:
+            _paused_by -= 1
+            if _paused_by == 0 and _resume:
+                gc.enable()
 
 
 class _Copying:
