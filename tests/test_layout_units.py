@@ -303,6 +303,89 @@ async def test_background_hashing_stays_on_the_bounded_hash_pool(
     assert running["most"] == 2
 
 
+async def test_leaf_hashes_take_the_hash_pool_in_turns_with_the_writes(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
+) -> None:
+    """With one hashing thread, the leaf hashes of a save with no base to compare with run
+    beside the writes: the writes' first checksum is not queued behind all of them."""
+    import threading
+
+    from ckptstore.layout import commit, incremental
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store import checksum
+    from ckptstore.store.memory import MemoryStore
+
+    order: list[str] = []
+    lock = threading.Lock()
+    real_hashes, real_crc = incremental.leaf_hashes, checksum.crc32c
+
+    def hashes(arrays: list[np.ndarray]) -> list[str | None]:
+        with lock:
+            order.append("hash")
+        return real_hashes(arrays)
+
+    def crc(data: object, value: int = 0) -> int:
+        if threading.current_thread().name.startswith("ckptstore-hash"):
+            with lock:
+                order.append("crc")
+        return real_crc(data, value)
+
+    monkeypatch.setattr(commit, "leaf_hashes", hashes)
+    monkeypatch.setattr(checksum, "crc32c", crc)
+    monkeypatch.setattr(commit, "HASH_TURN_BYTES", 4 << 20)
+    monkeypatch.setenv("CKPTSTORE_HASH_THREADS", "1")
+    state = {f"w{i:02}": np.full(1 << 20, i, np.float32) for i in range(16)}  # 4 MiB leaves
+    store = MemoryStore()
+    info = await write_checkpoint(store, flatten(state), step=0)
+    assert order.count("hash") == 16  # one turn per 4 MiB leaf
+    last_hash = len(order) - 1 - order[::-1].index("hash")
+    assert order.index("crc") < last_hash  # the writes' checksums began before the hashes ended
+    got = await ckptstore.aload(store, 0, target="numpy")
+    assert_same_state(got, state)
+    manifest = await ckptstore.aread_manifest(store, 0)
+    assert manifest.attempt == info.attempt
+    assert manifest.leaf_hash == real_hashes([state[p] for p in manifest.paths])
+
+
+async def test_a_cancelled_save_waits_for_its_hashing_thread(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
+) -> None:
+    """The hashing thread reads the caller's arrays and cannot be stopped: a save cancelled
+    while it waits for the hashes returns only once the thread is done with them."""
+    import asyncio
+    import threading
+
+    from ckptstore.layout import commit
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store.memory import MemoryStore
+
+    started, release, finished = threading.Event(), threading.Event(), threading.Event()
+
+    def held(arrays: list[np.ndarray]) -> list[str | None]:
+        started.set()
+        release.wait(30)
+        finished.set()
+        return [None] * len(arrays)
+
+    store = MemoryStore()
+    state = {"w": np.ones(1024, np.float32)}
+    await write_checkpoint(store, flatten(state), step=0)  # a base: the save awaits its hashes
+    monkeypatch.setattr(commit, "leaf_hashes", held)
+    save = asyncio.ensure_future(write_checkpoint(store, flatten(state), step=1))
+    deadline = asyncio.get_running_loop().time() + 30
+    while not started.is_set():
+        assert asyncio.get_running_loop().time() < deadline, "the hashing never started"
+        await asyncio.sleep(0.01)
+    save.cancel()
+    await asyncio.sleep(0.05)
+    assert not save.done()  # still waiting for the thread that reads the arrays
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await save
+    assert finished.is_set()
+    assert await ckptstore.alist_steps(store) == [0]  # step 1 never committed
+
+
 def test_hash_threads_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     import os
 

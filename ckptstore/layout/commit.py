@@ -247,12 +247,15 @@ async def write_checkpoint(
         # The hashes run on a hashing thread while the base manifest is read, and, when
         # there is no base to compare with (the first save, a full one), while the data is
         # written: they are needed only for the manifest then. Awaited first, they added
-        # their whole time (~0.1 s a GiB) to every save.
-        hashing = asyncio.ensure_future(in_hash_thread(leaf_hashes, flat.arrays))
+        # their whole time (~0.1 s a GiB) to every save. They take the hashing pool in
+        # turns (_hashes_in_turns), so the writes' checksums are not queued behind them.
+        hashing = asyncio.ensure_future(_hashes_in_turns(flat.arrays))
         try:
             base = None if full else await _base_manifest(store, step)
             if base is not None:
-                hashes = await hashing
+                # shielded: a cancelled save must not stop waiting for the hashing thread,
+                # which goes on reading the arrays (_settled waits for it)
+                hashes = await asyncio.shield(hashing)
                 reuse = plan_reuse(base, flat.paths, dtypes, flat.shapes, hashes)
         except BaseException:
             await _settled(hashing)
@@ -284,7 +287,7 @@ async def write_checkpoint(
                 plan = _plan(store, flat, None)
         written = await write_objects(store, flat.arrays, plan, prefix, packed)
         if hashing is not None and hashes is None:
-            hashes = await hashing
+            hashes = await asyncio.shield(hashing)
     except BaseException as exc:
         await _settled(hashing)
         if isinstance(exc, Exception):
@@ -314,6 +317,26 @@ async def write_checkpoint(
     if reuse is not None and reuse.objects:
         _add_references(manifest, reuse)
     return await commit_attempt(store, attempt, manifest)
+
+
+#: Bytes of leaves one turn of :func:`_hashes_in_turns` hashes before it lets the writes'
+#: checksums have the hashing pool (one thread on a machine of up to 3 CPUs).
+HASH_TURN_BYTES = 64 << 20
+
+
+async def _hashes_in_turns(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
+    """:func:`leaf_hashes` of ``arrays`` on the hashing pool, about :data:`HASH_TURN_BYTES` at a
+    time: the pool is first come, first served, and submitted as one job the hashes of a
+    whole state held every pack build and checksum of the write behind them, so the writes
+    began only when the hashing ended (seen with one hashing thread, a machine of 2 CPUs)."""
+    out: list[str | None] = []
+    start = size = 0
+    for end, array in enumerate(arrays, start=1):
+        size += array.nbytes
+        if size >= HASH_TURN_BYTES or end == len(arrays):
+            out += await in_hash_thread(leaf_hashes, arrays[start:end])
+            start, size = end, 0
+    return out
 
 
 async def _settled(work: asyncio.Future[Any] | None) -> None:
