@@ -298,3 +298,14 @@ def test_without_torch_distributed_initialised_the_fix_is_named(shared: Store) -
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         ckptstore.distributed.CheckpointManager(shared)
+
+
+def test_without_torch_distributed_the_manager_names_both_ways_to_give_it_collectives(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"init_process_group.*JaxCollectives\("):
+        ckptstore.distributed.CheckpointManager(str(tmp_path))

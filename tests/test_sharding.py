@@ -205,6 +205,19 @@ def test_block_size_is_a_quarter_of_the_shortest_row_within_its_bounds() -> None
     assert 4 * (16 << 30) // block <= MAX_SAVE_BLOCKS
 
 
+def test_an_empty_sharded_leaf_does_not_shrink_the_blocks_of_the_others() -> None:
+    from ckptstore.manager.distributed import _block_size, _Leaf
+
+    def leaf(shape: list[int], rows: int) -> _Leaf:
+        box = ((0, 0), (rows, shape[1]))
+        nbytes = math.prod(shape) * 4
+        return _Leaf("t", "float32", shape, nbytes, None, {0: 0}, chunks=[(0, 0, box)])
+
+    table = leaf([8192, 16384], 2048)
+    assert _block_size([table], 1 << 20) == 16 << 10
+    assert _block_size([table, leaf([0, 16384], 0)], 1 << 20) == 16 << 10
+
+
 def _chunk_object(root: str, chunk: int) -> tuple[Path, int]:
     manifest = ckptstore.read_manifest(root)
     assert manifest.chunks is not None

@@ -724,11 +724,14 @@ def _raise_first(parts: list[Any], own: BaseException | None, store: Store, step
 
 def _block_size(leaves: list[_Leaf], limit: int) -> int:
     """The chunks' block size, from every rank's boxes (the same on every rank)."""
+    # an empty chunk has no rows to split: it must not shrink every chunk's blocks
     return block_size_for(
         [
-            (box[1], leaf.nbytes // max(math.prod(leaf.shape), 1))
+            (box[1], leaf.nbytes // math.prod(leaf.shape))
             for leaf in leaves
+            if math.prod(leaf.shape) > 0
             for _, _, box in leaf.chunks or ()
+            if math.prod(box[1]) > 0
         ],
         limit,
     )

@@ -85,7 +85,12 @@ class JaxCollectives:
 
     Every process of the job constructs one with the same ``name`` and makes the same
     calls in the same order. Two objects with different names (the training's and a
-    multi-rank ``CheckpointManager``'s, say) never see each other's values.
+    multi-rank ``CheckpointManager``'s, say) never see each other's values. Calls of one
+    name are numbered process-wide in the order they start, so one name must never be used
+    by two threads at once: a multi-rank ``CheckpointManager`` runs its collectives on a
+    thread of its own, so give it a name of its own
+    (``comm=JaxCollectives("manager")``), not the ``"default"`` that
+    ``ckptstore.distributed.save`` and ``load`` use.
 
     Args:
         name: the namespace of this object's keys in the coordination service.
