@@ -8,6 +8,7 @@ decided by the test, not by the scheduler.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -307,6 +308,49 @@ def test_the_fence_by_hand_and_as_a_block(root: Path, monkeypatch: pytest.Monkey
         mgr.wait_until_finished()
         _assert_bit_exact(mgr.restore(1), expected)
         assert mgr.fence() is False  # the copy is done: a no-op
+
+
+@pytest.mark.torch
+def test_the_fence_copies_what_the_background_thread_has_not_started(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fence has nothing else to do: it takes the batches no thread has started and waits
+    only for the one the background thread holds."""
+    import torch
+
+    # 8 leaves of 1 MiB, one batch each (chunk_bytes 1 MiB); the smallest is copied first
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(8)}
+    expected = _clone(state)
+    copied_by: dict[str, str] = {}
+    hold = Hold(monkeypatch, "w0")
+    original = LazyCopy._copying
+
+    def recording(copy: LazyCopy, paths: list[str]) -> None:
+        original(copy, paths)  # the hold: the background thread waits in w0's batch
+        for path in paths:
+            copied_by[path] = threading.current_thread().name
+
+    monkeypatch.setattr(LazyCopy, "_copying", recording)
+    with CheckpointManager(root, snapshot="lazy", stager=Stager(chunk_bytes=1 << 20)) as mgr:
+        mgr.save(1, state)
+        hold.wait_reached()
+        fence = threading.Thread(target=mgr.fence, name="the-fence")
+        fence.start()
+        deadline = time.monotonic() + DEADLINE
+        while len(copied_by) < 7:  # every leaf but the held one
+            assert time.monotonic() < deadline, f"the fence copied only {sorted(copied_by)}"
+            time.sleep(0.01)
+        assert {copied_by[f"w{i}"] for i in range(1, 8)} == {"the-fence"}
+        fence.join(0.2)
+        assert fence.is_alive(), "the fence returned before the held batch was copied"
+        hold.release()
+        fence.join(DEADLINE)
+        assert not fence.is_alive()
+        assert copied_by["w0"] != "the-fence"
+        for tensor in state.values():
+            tensor.add_(1)  # after the fence: not in the checkpoint
+        mgr.wait_until_finished()
+        _assert_bit_exact(mgr.restore(1), expected)
 
 
 @pytest.mark.torch

@@ -36,6 +36,14 @@ first, since from then on nothing the caller issues can overtake them.
 
 Leaves are copied smallest first: small tensors (biases, norms, counters) are then copied
 within moments of the call, and a batch of them goes in one call (``run_many``).
+
+The fence helps. A thread that waits at the fence has nothing else to do, so it takes the
+host batches no one has started, beside the background thread, and waits only for the
+batches already under way. When the copy takes longer than the forward and backward it
+overlaps, what is left is then copied by two threads instead of one (measured on a 2-core
+machine, a 456 MiB transformer state: see docs/benchmarks.md, async section). The writer's
+wait (:meth:`LazyCopy.result`) does not help: it runs while the loop computes, and a second
+copying thread would take the loop's core.
 """
 
 from __future__ import annotations
@@ -117,6 +125,17 @@ class LazyCopy:
         self._device_checked = not any(leaf.on_device for leaf in leaves)
         self._error: BaseException | None = None
         self._storages: set[int] | None = None
+        # Device leaves are issued by the background thread alone (on its side stream); host
+        # batches go to whichever thread takes them first (the background one, or a fence).
+        self._device_batches = _batches(
+            [leaf for leaf in self._leaves if leaf.on_device], chunk_bytes
+        )
+        self._host_batches = _batches(
+            [leaf for leaf in self._leaves if not leaf.on_device], chunk_bytes
+        )
+        self._next = 0  # the next host batch to take
+        self._in_flight = 0  # host batches taken and not yet finished
+        self._runner_done = False  # the background thread has nothing more to take
 
     def start(self, executor: ThreadPoolExecutor) -> None:
         """Begin copying on ``executor``'s thread."""
@@ -130,19 +149,48 @@ class LazyCopy:
 
     def _run(self) -> None:
         try:
-            batch: list[LeafCopy] = []
-            nbytes = 0
-            for leaf in self._leaves:
-                batch.append(leaf)
-                nbytes += leaf.nbytes
-                if nbytes >= self._chunk_bytes:
-                    self._copy(batch)
-                    batch, nbytes = [], 0
-            if batch:
+            for batch in self._device_batches:
                 self._copy(batch)
-            _check([leaf for leaf in self._leaves if not leaf.on_device])  # the final check
             for device in self._devices:
                 device.issued()
+            self._help()
+        except BaseException as exc:
+            self._fail(exc)
+        finally:
+            with self._lock:
+                self._runner_done = True
+                last = self._in_flight == 0
+            if last:
+                self._complete()
+
+    def _help(self) -> None:
+        """Copy host batches no thread has taken, until none is left (or one failed)."""
+        while True:
+            with self._lock:
+                if self._error is not None or self._next >= len(self._host_batches):
+                    if self._error is not None:
+                        self._next = len(self._host_batches)  # nothing more is started
+                    return
+                batch = self._host_batches[self._next]
+                self._next += 1
+                self._in_flight += 1
+            try:
+                self._copy(batch)
+            except BaseException as exc:
+                self._fail(exc)
+            finally:
+                with self._lock:
+                    self._in_flight -= 1
+                    last = self._runner_done and self._in_flight == 0
+                if last:
+                    self._complete()
+
+    def _complete(self) -> None:
+        """Every host batch is copied (or the copy failed): the final check, then done.
+        Run once, by the thread that finished last."""
+        try:
+            if self._error is None:
+                _check([leaf for leaf in self._leaves if not leaf.on_device])
         except BaseException as exc:
             self._fail(exc)
         finally:
@@ -192,6 +240,7 @@ class LazyCopy:
         """
         if self.done():
             return False
+        self._help()  # the caller would only wait: it copies what no thread has started
         self._issued.wait()
         if self._error is None:
             for device in self._devices:
@@ -213,7 +262,7 @@ class LazyCopy:
             self._check_devices()
         # Checked and landed: let the sources and the arena's views go, so a fence that
         # still holds this copy keeps neither the training state nor an old arena alive.
-        self._leaves = []
+        self._leaves, self._host_batches, self._device_batches = [], [], []
         if self._error is not None:
             raise self._error
 
@@ -229,6 +278,22 @@ class LazyCopy:
                 }
             mine = self._storages
         return any(ptr in mine for ptr in storages())
+
+
+def _batches(leaves: list[LeafCopy], chunk_bytes: int) -> list[list[LeafCopy]]:
+    """``leaves`` in order, in batches of about ``chunk_bytes`` (a leaf is never split)."""
+    out: list[list[LeafCopy]] = []
+    batch: list[LeafCopy] = []
+    nbytes = 0
+    for leaf in leaves:
+        batch.append(leaf)
+        nbytes += leaf.nbytes
+        if nbytes >= chunk_bytes:
+            out.append(batch)
+            batch, nbytes = [], 0
+    if batch:
+        out.append(batch)
+    return out
 
 
 def _check(leaves: list[LeafCopy], cause: BaseException | None = None) -> None:
