@@ -54,6 +54,11 @@ default stager and ``FileSystemWriter``, waiting on the previous save's future b
 next, as its tutorial does), ``orbax`` (``AsyncCheckpointer(PyTreeCheckpointHandler)`` over
 the tensors as numpy views, if orbax-checkpoint is installed).
 
+Before every save, on every system and in the loop without saves at the same steps, one
+element of every tensor of the state changes, as training changes all of it between two
+saves: ckptstore's saves are incremental by default and would otherwise write nothing after
+the first (the section published at 39a0044 measured that, wrongly).
+
 Workloads (:mod:`benchlib.workloads`, the same every suite uses, as torch tensors): ``1GiB``:
 16 float32 tensors of 64 MiB; ``transformer``: the transformer-like state with Adam's two
 moments and step counters, 456 MiB in 496 tensors.
@@ -280,9 +285,17 @@ def child(
     pending: int | None = None
     cpu0 = time.process_time()
     t0 = time.perf_counter()
+    tensors = [t.view(-1) for t in torch_tensors(state)]
     for step in range(1, (saves + 1) * every + 1):
         s0 = time.perf_counter()
         train_step()
+        if step % every == 0 and step <= saves * every:
+            # Training changes every tensor between two saves; so does this, one element
+            # each, on every system (none included, so its cost cancels). Without it the
+            # state never changed and ckptstore's incremental saves (the default) wrote
+            # nothing after the first one.
+            for t in tensors:
+                t[:1].add_(1)
         if saver is not None and step % every == 0 and step <= saves * every:
             b0 = time.perf_counter()
             saver.save(step)
