@@ -42,7 +42,7 @@ from ckptstore.manager.jax_collectives import JaxCollectives
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
-from tests.gated_store import Gate
+from tests.gated_store import HELD_FOR, Gate
 
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
 BLOCK = 4096  # chunk_block_size: small, so a box spans many blocks
@@ -195,7 +195,52 @@ def scenario_sigkill(root: str, step: str) -> dict[str, Any]:
     return {"killed": outcome}
 
 
+def own_part(rank: int, seed: int) -> dict[str, Any]:
+    """Process ``rank``'s part of the manager scenario's state at ``seed``: a JAX array on
+    one of its own devices, a numpy array (which can change in place) and the step."""
+    return {
+        f"jax{rank}": jax.device_put(
+            np.full(4096, rank + 10 * seed, np.float32), jax.local_devices()[0]
+        ),
+        f"host{rank}": np.arange(1024, dtype=np.float32) * (rank + 1) + seed,
+        "step": seed,
+    }
+
+
+def scenario_manager(root: str, step: str) -> dict[str, Any]:
+    """The multi-rank ``CheckpointManager`` on ``JaxCollectives`` of its own: ``step`` saved
+    with this process's writes held until its save has returned and its numpy leaf has
+    changed in place; then two more saves under ``max_to_keep=2``."""
+    comm = JaxCollectives("manager")
+    rank, first = comm.rank, int(step)
+    gate = Gate(opened(root))
+    out: dict[str, Any] = {}
+    with cd.CheckpointManager(gate, max_to_keep=2, comm=comm) as mgr:
+        gate.hold()
+        part = own_part(rank, first)
+        assert mgr.save(first, part) is True
+        assert mgr.last_handle is not None
+        out["in flight at return"] = not mgr.last_handle.done() and mgr.all_steps() == []
+        assert gate.held.wait(HELD_FOR), "the background never reached a write"
+        part[f"host{rank}"] += 100  # after the call returned: must not reach the checkpoint
+        gate.release()
+        mgr.wait_until_finished()
+        got = background.run(ckptstore.aload(gate, first, target="numpy"))
+        out["exact"] = all(
+            np.asarray(got[key]).tobytes() == np.asarray(value).tobytes()
+            for other in range(comm.world)
+            for key, value in own_part(other, first).items()
+            if key != "step"
+        )
+        for later in (first + 1, first + 2):
+            mgr.save(later, own_part(rank, later))
+        mgr.wait_until_finished()
+        out["steps"] = mgr.all_steps()
+    return out
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "manager": scenario_manager,
     "save": scenario_save,
     "load": scenario_load,
     "broadcast": scenario_broadcast,

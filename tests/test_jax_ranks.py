@@ -166,6 +166,50 @@ def test_process_sigkilled_mid_save_leaves_no_step_and_a_clear_error(
     assert _manifest(target, 1).step == 1  # the previous step still loads
 
 
+@pytest.mark.parametrize(
+    ("target", "world"),
+    [
+        pytest.param("local", 2, id="local-2"),
+        pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
+        pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
+    ],
+    indirect=["target"],
+)
+def test_the_multi_rank_manager_saves_in_the_background_on_jax_collectives(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    from tests.jax_ranks import own_part
+
+    results = assert_all_ok(
+        run_ranks(
+            WORKER,
+            world,
+            "manager",
+            target.base,
+            "1",
+            logs=tmp_path / "logs",
+            env=_env(target, world),
+        )
+    )
+    for result in results:
+        assert result["in flight at return"] is True
+        assert result["exact"] is True  # every process's part, as it was at its save call
+        assert result["steps"] == [2, 3]  # max_to_keep=2
+    assert target.steps() == [2, 3]
+
+    async def read(step: int) -> dict[str, object]:
+        async with open_store(target.base, **target.options) as store:
+            return await ckptstore.aload(store, step, target="numpy")
+
+    for step in (2, 3):
+        got = background.run(read(step))
+        assert got["step"] == step
+        for rank in range(world):
+            expected = own_part(rank, step)
+            for key in (f"jax{rank}", f"host{rank}"):
+                assert np.asarray(got[key]).tobytes() == np.asarray(expected[key]).tobytes()
+
+
 def test_jax_collectives_need_jax_distributed() -> None:
     from ckptstore.manager.jax_collectives import JaxCollectives
 
