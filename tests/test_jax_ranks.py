@@ -30,6 +30,18 @@ WORKER = Path(__file__).with_name("jax_ranks.py")
 _ON_S3 = [pytest.mark.s3, pytest.mark.slow]
 
 
+#: 2 processes on local disk by default; 4, and SeaweedFS, in the slow matrix
+_SMALL_WORLDS = pytest.mark.parametrize(
+    ("target", "world"),
+    [
+        pytest.param("local", 2, id="local-2"),
+        pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
+        pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
+    ],
+    indirect=["target"],
+)
+
+
 def _env(target: Target, world: int) -> dict[str, str]:
     """Each of ``world`` processes gets ``8 / world`` CPU devices: 8 in the job."""
     return {
@@ -133,15 +145,7 @@ def test_read_once_broadcast_through_the_coordination_service(tmp_path: Path) ->
     assert sorted(result["read"] for result in loaded) == [0, 0, 0, 8192]
 
 
-@pytest.mark.parametrize(
-    ("target", "world"),
-    [
-        pytest.param("local", 2, id="local-2"),
-        pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
-        pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
-    ],
-    indirect=["target"],
-)
+@_SMALL_WORLDS
 def test_process_sigkilled_mid_save_leaves_no_step_and_a_clear_error(
     target: Target, world: int, tmp_path: Path
 ) -> None:
@@ -166,15 +170,7 @@ def test_process_sigkilled_mid_save_leaves_no_step_and_a_clear_error(
     assert _manifest(target, 1).step == 1  # the previous step still loads
 
 
-@pytest.mark.parametrize(
-    ("target", "world"),
-    [
-        pytest.param("local", 2, id="local-2"),
-        pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
-        pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
-    ],
-    indirect=["target"],
-)
+@_SMALL_WORLDS
 def test_the_multi_rank_manager_saves_in_the_background_on_jax_collectives(
     target: Target, world: int, tmp_path: Path
 ) -> None:
