@@ -373,16 +373,15 @@ class CheckpointManager(_SingleProcessManager):
 def _group_of_its_own(group: Any, timeout: float | None) -> tuple[Collectives, Any]:
     """A gloo group over ``group``'s ranks (the world's by default), and its collectives."""
     try:
-        import torch.distributed as dist
-    except ImportError:
-        dist = None  # type: ignore[assignment]
-    if dist is None or not (dist.is_available() and dist.is_initialized()):
+        TorchCollectives(group)  # refuses an uninitialised torch.distributed
+    except (ImportError, RuntimeError) as exc:
         raise RuntimeError(
             "ckptstore.distributed.CheckpointManager runs its collectives on a group of its "
             "own: it needs torch.distributed initialised (dist.init_process_group), or, in a "
             "jax.distributed job, collectives of a name of its own passed as "
             'comm=ckptstore.distributed.JaxCollectives("manager")'
-        )
+        ) from exc
+    import torch.distributed as dist
 
     ranks = None if group is None else dist.get_process_group_ranks(group)
     options: dict[str, Any] = {}
