@@ -169,9 +169,7 @@ class LazyCopy:
         while True:
             with self._lock:
                 if self._error is not None or self._next >= len(self._host_batches):
-                    if self._error is not None:
-                        self._next = len(self._host_batches)  # nothing more is started
-                    return
+                    return  # after a failure nothing more is started
                 batch = self._host_batches[self._next]
                 self._next += 1
                 self._in_flight += 1
