@@ -289,14 +289,15 @@ def child(
     for step in range(1, (saves + 1) * every + 1):
         s0 = time.perf_counter()
         train_step()
-        if step % every == 0 and step <= saves * every:
+        saving = step % every == 0 and step <= saves * every
+        if saving:
             # Training changes every tensor between two saves; so does this, one element
             # each, on every system (none included, so its cost cancels). Without it the
             # state never changed and ckptstore's incremental saves (the default) wrote
             # nothing after the first one.
             for t in tensors:
                 t[:1].add_(1)
-        if saver is not None and step % every == 0 and step <= saves * every:
+        if saver is not None and saving:
             b0 = time.perf_counter()
             saver.save(step)
             blocked.append(time.perf_counter() - b0)
