@@ -102,7 +102,8 @@ def _check(state: Any, got: Any, what: str) -> None:
     if isinstance(got, np.ndarray):
         pos = 0
         for tensor in torch_tensors(state):
-            want = tensor.numpy().view(np.uint8).reshape(-1)
+            # flattened before the view: numpy cannot view a 0-d array (a step counter) as bytes
+            want = tensor.numpy().reshape(-1).view(np.uint8)
             if not np.array_equal(got[pos : pos + want.size], want):
                 raise AssertionError(f"{what} read back different bytes at offset {pos}")
             pos += want.size
