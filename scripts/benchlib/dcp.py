@@ -45,6 +45,7 @@ import numpy as np
 from benchlib import Context, Result, Suite, interleave, torch_tensors, workloads
 from benchlib.s3 import ACCESS_KEY, CEILING, PART, SECRET_KEY, raw_client, raw_get, raw_put
 from benchlib.workloads import as_torch
+from ckptstore.store.checksum import as_uint8
 
 BUCKET = "dcp-bench"
 NATIVE = "ckptstore asave / aload"
@@ -102,8 +103,7 @@ def _check(state: Any, got: Any, what: str) -> None:
     if isinstance(got, np.ndarray):
         pos = 0
         for tensor in torch_tensors(state):
-            # flattened before the view: numpy cannot view a 0-d array (a step counter) as bytes
-            want = tensor.numpy().reshape(-1).view(np.uint8)
+            want = as_uint8(tensor.numpy())  # flat first: 0-d step counters included
             if not np.array_equal(got[pos : pos + want.size], want):
                 raise AssertionError(f"{what} read back different bytes at offset {pos}")
             pos += want.size

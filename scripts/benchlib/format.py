@@ -66,6 +66,7 @@ import numpy as np
 import ckptstore
 from benchlib import Context, Result, Suite, Timing, evict, interleave, leaves_of
 from benchlib.workloads import WORKLOADS, as_torch, map_leaves
+from ckptstore.store.checksum import as_uint8
 
 CKPT = "ckptstore"
 CKPT_ASYNC = "ckptstore async (to commit)"
@@ -390,7 +391,7 @@ def run(ctx: Context) -> list[Result]:
         state = make(ctx.quick)
         arrays = _arrays(state)
         nbytes = sum(a.nbytes for a in arrays)
-        blob = np.concatenate([a.reshape(-1).view(np.uint8) for a in arrays])
+        blob = np.concatenate([as_uint8(a) for a in arrays])
         print(f"-- {workload}: {len(arrays)} arrays, {nbytes / (1 << 20):.0f} MiB", flush=True)
         for target, measured in (
             ("local dir", _local(ctx, state, blob, orbax=orbax_missing is None)),
