@@ -52,10 +52,15 @@ def machine() -> str:
     import numpy
 
     cpu = report.machine_facts().get("cpu", "cpu unknown")
+    gpu = ""
+    torch = sys.modules.get("torch")  # only where a suite has already imported it
+    if torch is not None and torch.cuda.is_available():
+        gpu = f", {torch.cuda.get_device_name()} (torch {torch.__version__})"
     return (
         f"{platform.node() or 'host'}: {os.cpu_count()} cores ({cpu}), "
-        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / (1 << 30):.0f} GiB, "
-        f"{platform.platform()}, Python {platform.python_version()}, numpy {numpy.__version__}"
+        f"{os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / (1 << 30):.0f} GiB"
+        f"{gpu}, {platform.platform()}, Python {platform.python_version()}, "
+        f"numpy {numpy.__version__}"
     )
 
 
@@ -226,6 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             ctx = Context(repeat=args.repeat, workdir=workdir, quick=args.quick)
             print(f"== {name}: {suite.title}", flush=True)
             rows = suite.run(ctx)
+            if "skipped" in ctx.options:  # nothing it needs here: its section stays as it was
+                print(f"   skipped: {ctx.options['skipped']}", flush=True)
+                shutil.rmtree(workdir, ignore_errors=True)
+                continue
             print(table(rows), flush=True)
             extra = str(ctx.options.get("summary", ""))
             if extra:

@@ -71,6 +71,11 @@ def ckptstore_version() -> str:
     own outputs have uncommitted changes."""
     commit = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT)
     if commit is None:
+        # A copy of a checkout without its .git (a lent GPU machine gets one): the commit the
+        # copy was made from, as its sender names it in CKPTSTORE_BENCH_COMMIT.
+        sent = os.environ.get("CKPTSTORE_BENCH_COMMIT")
+        if sent:
+            return f"git {sent[:12]} (a copy without .git)"
         return "unknown (not a git checkout)"
     # The report's own outputs are rewritten by the run that asks; they do not make it dirty.
     dirty = _run(

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA device, as one run on a lent GPU machine (docs/benchmarks.md,
+# "Async save on a GPU"): the CUDA tests (pinned staging, lazy snapshots on CUDA streams, JAX on
+# the GPU), then the async-gpu benchmark suite. Everything it writes goes under $OUT.
+#
+#   OUT=/tmp/gpu-out CKPTSTORE_BENCH_COMMIT=$(git rev-parse HEAD) bash scripts/gpu_check.sh
+#
+# Wheels the machine lacks (built for its Python) may lie in .whl/; they go to /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if compgen -G ".whl/*.whl" >/dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
+python3 -c 'import torch, jax; print("torch", torch.__version__, torch.cuda.get_device_name(),
+"jax", jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
+status=0
+# -p no:cacheprovider: the copy's tree may be read-only in places; the suite's config (strict
+# markers, warnings as errors) applies as on every machine.
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -p no:cacheprovider -q -rA tests/test_stage.py \
+    tests/test_lazy_snapshot.py -k "cuda or jax or torch or pinned" 2>&1 | tee "$OUT/tests.log"
+status=$((status | PIPESTATUS[0]))
+timeout "${BENCH_TIMEOUT:-420}" python3 scripts/bench.py async-gpu -r "${REPEAT:-3}" \
+    --workdir /tmp --out "$OUT" 2>&1 | tee "$OUT/bench.log"
+status=$((status | PIPESTATUS[0]))
+cp docs/benchmarks.md "$OUT/benchmarks.md" 2>/dev/null
+cp docs/img/bench-async-gpu.png "$OUT/" 2>/dev/null
+exit $status
