@@ -410,7 +410,10 @@ def _run_child(
     os.sync()
     env = {
         **os.environ,
-        "PYTHONPATH": f"{ROOT}{os.pathsep}{HERE.parent.parent}",
+        # the caller's path kept behind ours (a lent machine's extra wheels lie there)
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(ROOT), str(HERE.parent.parent), os.environ.get("PYTHONPATH")) if p
+        ),
         **MALLOC_SETTINGS,
         DEVICE_ENV: device,
         **(env or {}),
