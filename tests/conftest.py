@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import pytest
+
+from tests import matrix
+
 # Test servers, each a module of session-scoped fixtures.
 pytest_plugins = [
     "tests.servers.moto",
@@ -8,3 +12,33 @@ pytest_plugins = [
     # where the multi-process (gloo) tests save: the `target` fixture
     "tests.multirank",
 ]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        default=False,
+        help="the full matrix: also the tests marked slow, and every trial loop at its full "
+        "count (tests/matrix.py); .ci/run runs it",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Before collection imports any test module (xdist workers configure on their own).
+    matrix.FULL = bool(config.getoption("--full"))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if matrix.FULL:
+        return
+    slow = [item for item in items if item.get_closest_marker("slow") is not None]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if matrix.FULL:
+        return "ckptstore: the full matrix (--full)"
+    return "ckptstore: the default run; the slow matrix and full trial counts need --full"

@@ -28,10 +28,10 @@ WORKER = Path(worker.__file__)
 _SLOW = [pytest.mark.slow]
 _SEAWEED = [pytest.mark.s3, pytest.mark.slow]
 
-#: (target, world): 2 and 4 ranks on local disk by default; 8 ranks, and SeaweedFS, slow
+#: (target, world): 2 ranks on local disk by default; 4 and 8 ranks, and SeaweedFS, slow
 WORLDS = [
     pytest.param("local", 2, id="local-2"),
-    pytest.param("local", 4, id="local-4"),
+    pytest.param("local", 4, marks=_SLOW, id="local-4"),
     pytest.param("local", 8, marks=_SLOW, id="local-8"),
     pytest.param("seaweedfs", 2, marks=_SEAWEED, id="seaweedfs-2"),
     pytest.param("seaweedfs", 4, marks=_SEAWEED, id="seaweedfs-4"),

@@ -1,6 +1,6 @@
 """Real processes: a saver SIGKILLed at each phase of a save or of garbage collection, and
 racing savers of one step. On the local store (files, fsync, link), since a crash must be
-survived by what is on disk, and, marked slow, on a network filesystem (SeaweedFS over FUSE,
+survived by what is on disk, and on a network filesystem (SeaweedFS over FUSE,
 the ``nfs://`` backend), where the racers' put-if-absent is a ``link()`` the server decides."""
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ class Where:
         return NFSStore(self.path) if self.backend == "nfs" else LocalStore(self.path)
 
 
-@pytest.fixture(params=["local", pytest.param("nfs", marks=[pytest.mark.nfs, pytest.mark.slow])])
+@pytest.fixture(params=["local", pytest.param("nfs", marks=pytest.mark.nfs)])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
     """A fresh checkpoint root on each backend."""
     if request.param == "local":

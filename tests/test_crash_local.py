@@ -3,7 +3,7 @@ the final key, and its temp file is recognisable (by prefix and writer pid) for 
 
 The writer is a real child process (``sys.executable``); the test watches the store's
 directory, kills the child once its temp file is being written, then inspects what is left.
-Each test runs on local disk and, marked slow, on a network filesystem (SeaweedFS over FUSE,
+Each test runs on local disk and on a network filesystem (SeaweedFS over FUSE,
 the ``nfs://`` backend), where a crash must be survived by what the filesystem's server holds.
 """
 
@@ -75,7 +75,7 @@ MULTIPART_CHILD = textwrap.dedent(
 )
 
 
-@pytest.fixture(params=["local", pytest.param("nfs", marks=[pytest.mark.nfs, pytest.mark.slow])])
+@pytest.fixture(params=["local", pytest.param("nfs", marks=pytest.mark.nfs)])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
     """The backend's name and a fresh directory for its store: on local disk, or on the
     SeaweedFS FUSE mount."""

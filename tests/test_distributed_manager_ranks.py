@@ -24,11 +24,11 @@ LOADER = Path(__file__).with_name("native_ranks.py")
 FAILING_RANK = 1  # manager_ranks.FAILING_RANK
 
 _ON_S3 = [pytest.mark.s3, pytest.mark.slow]
-#: ``(target, world)``: local disk on 2 and 4 ranks by default, on 8 in the slow suite;
+#: ``(target, world)``: local disk on 2 ranks by default, on 4 and 8 in the slow suite;
 #: SeaweedFS on 2 (each object store run adds a server and minutes).
 TARGETS_AND_WORLDS = [
     pytest.param("local", 2, id="local-2"),
-    pytest.param("local", 4, id="local-4"),
+    pytest.param("local", 4, marks=pytest.mark.slow, id="local-4"),
     pytest.param("local", 8, marks=pytest.mark.slow, id="local-8"),
     pytest.param("seaweedfs", 2, marks=_ON_S3, id="seaweedfs-2"),
 ]

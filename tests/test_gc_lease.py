@@ -136,7 +136,6 @@ def _assert_save_survived(url: str, options: dict[str, str], out: str, report: A
     assert keys  # the data objects
 
 
-@pytest.mark.slow
 def test_gc_in_another_process_spares_a_running_local_save(tmp_path: Path) -> None:
     url = str(tmp_path / "run")
     out, report = _save_while_gc_runs(url, {})
@@ -144,7 +143,6 @@ def test_gc_in_another_process_spares_a_running_local_save(tmp_path: Path) -> No
 
 
 @pytest.mark.s3
-@pytest.mark.slow
 def test_gc_in_another_process_spares_a_running_s3_save(moto_s3: Any) -> None:
     url = f"s3://{moto_s3.bucket}/run"
     out, report = _save_while_gc_runs(url, moto_s3.options())

@@ -8,7 +8,8 @@ that every committed step restores bit-exact and verifies, and starts the next c
 same root, so the leftovers of every crash (markers, records, half-reclaimed attempts)
 meet the next run. On local disk, moto and SeaweedFS (the ``target`` fixture of
 tests/multirank.py; the child reaches the S3 servers through the URL's query and, for moto,
-the ``AWS_*`` variables it inherits). Marked slow: 30 trials start 30 interpreters per store.
+the ``AWS_*`` variables it inherits). 30 trials, each an interpreter, per store in the full
+matrix; 5 by default.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ from ckptstore import background
 from ckptstore.layout.maintenance import verify_step
 from ckptstore.store.registry import open_store
 from ckptstore.testing.incremental_tests import FineTuning
+from tests.matrix import trials
 from tests.multirank import Target
 
 ROOT = Path(__file__).resolve().parent.parent
+TRIALS = trials(full=30, quick=5)
+#: A child is killed after at most this many of its lines, one ``save`` and one ``gc`` a step.
+MAX_LINES = 8
 
 CHILD = textwrap.dedent(
     """
@@ -74,14 +79,24 @@ def _same(actual: Any, expected: Any) -> bool:
     return bool(actual == expected)
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize(
+    "target",
+    # every store in the default run too: the kills are few there, not the stores
+    [
+        "local",
+        pytest.param("moto", marks=pytest.mark.s3),
+        pytest.param("seaweedfs", marks=pytest.mark.s3),
+    ],
+    indirect=True,
+)
 def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
     query = urllib.parse.urlencode(target.options)
     url = f"{target.base}?{query}" if query else target.base
     rng = random.Random(21)
-    expected = _expected(400)
+    # every trial commits at most MAX_LINES / 2 new steps: the states of all of them
+    expected = _expected(TRIALS * MAX_LINES // 2 + 1)
     kills = 0
-    for _ in range(30):
+    for _ in range(TRIALS):
         latest = max(ckptstore.list_steps(url), default=0)
         child = subprocess.Popen(
             [sys.executable, "-c", CHILD, url, str(latest)],
@@ -90,7 +105,7 @@ def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
             cwd=ROOT,
         )
         assert child.stdout is not None
-        lines = rng.randint(1, 8)
+        lines = rng.randint(1, MAX_LINES)
         for _ in range(lines):
             line = child.stdout.readline()
             assert line, f"the child ended early (exit {child.wait()})"
@@ -106,4 +121,4 @@ def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
                     return (await verify_step(store, step)).ok
 
             assert background.run(check()), f"step {step} fails verification"
-    assert kills >= 30
+    assert kills == TRIALS

@@ -24,7 +24,7 @@ from ckptstore.store.registry import open_store
 from ckptstore.testing import assert_same_state
 from tests.racers import CREATE_RACER, SAVE_RACER, one_winner, race
 
-pytestmark = [pytest.mark.s3, pytest.mark.slow]
+pytestmark = pytest.mark.s3
 
 RACERS = 4
 SEAWEED_BUCKET = "ckptstore-race-tests"

@@ -1,5 +1,5 @@
 """NFSStore on a real network filesystem: SeaweedFS mounted over FUSE by ``weed mount``: the
-store suite, the checkpoint suite (slow), and what only a network filesystem does."""
+store suite, the checkpoint suite, and what only a network filesystem does."""
 
 from __future__ import annotations
 
@@ -38,7 +38,6 @@ class TestNFSStoreOnSeaweedFS(StoreTests):
             yield store
 
 
-@pytest.mark.slow
 class TestNFSCheckpoints(CheckpointTests):
     """Checkpoint round trips on the mount: commit through ``link()`` of a fsynced file."""
 

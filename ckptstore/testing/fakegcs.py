@@ -13,6 +13,7 @@ class probes every bucket over gRPC (a 60 s timeout each against the emulator).
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import urllib.error
 import urllib.request
@@ -89,6 +90,10 @@ def start_fake_gcs(root: Path, log: Path, *, backend: str = "filesystem") -> Fak
             ],
             stdout=log_file,
             stderr=subprocess.STDOUT,
+            # Go lets garbage grow to twice the live heap before collecting; a 2 GiB object
+            # (the store suite's multi-GiB test) then peaked at 8.2 GB, and at 6.2 GB with
+            # this limit (tests/test_store_gcs.py, measured 2026-11-27).
+            env={**os.environ, "GOMEMLIMIT": os.environ.get("GOMEMLIMIT", "1GiB")},
             # If the starting process dies (an OOM kill of a benchmark did), so does the
             # emulator, rather than living on as an orphan holding its data.
             preexec_fn=_die_with_parent,
