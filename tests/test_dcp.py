@@ -442,3 +442,24 @@ def test_packs_use_the_leaf_alignment_setting_and_pooled_buffers(tmp_path: Path)
     after = host_buffers.stats()
     assert after.reuses > before.reuses
     assert after.lent_bytes == before.lent_bytes == 0
+
+
+@pytest.mark.s3
+def test_a_checkpoint_written_through_a_url_with_a_secret_never_stores_it(moto_s3: Any) -> None:
+    marker = f"MARKER{uuid.uuid4().hex}"
+    url = (
+        f"s3://{moto_s3.bucket}/run?endpoint_url={moto_s3.endpoint}&region={moto_s3.region}"
+        f"&access_key_id=AKIDVISIBLE&secret_access_key={marker}"
+    )
+    state = {"w": torch.arange(100.0), "step": 3}
+    dcp.save(state, storage_writer=ckptstore.dcp.Writer(url))
+    client = moto_s3.client()
+    keys = [item["Key"] for item in client.list_objects_v2(Bucket=moto_s3.bucket)["Contents"]]
+    assert any(key.endswith("manifest.json") for key in keys), keys
+    for key in keys:  # nothing the bucket holds carries the secret, the manifest included
+        body = client.get_object(Bucket=moto_s3.bucket, Key=key)["Body"].read()
+        assert marker.encode() not in body, key
+    loaded = {"w": torch.zeros(100), "step": 0}
+    dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
+    assert torch.equal(loaded["w"], state["w"])
+    assert loaded["step"] == 3

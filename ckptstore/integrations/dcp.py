@@ -83,6 +83,7 @@ from ckptstore.pipeline.save import Attempt, Written
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all
+from ckptstore.store.transport import redact_url
 
 __all__ = ["Reader", "Writer"]
 
@@ -191,7 +192,8 @@ class Writer(_AtCheckpoint, StorageWriter):
 
     def storage_meta(self) -> StorageMeta | None:
         # docstring inherited
-        return StorageMeta(checkpoint_id=self.url, save_id=self.save_id)
+        # DCP keeps this in the checkpoint's metadata and may show it: never a credential
+        return StorageMeta(checkpoint_id=redact_url(self.url), save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         # docstring inherited

@@ -46,6 +46,7 @@ from ckptstore.integrations.tensor_objects import numpy_dtype, torch_dtype
 from ckptstore.layout import dtypes as layout_dtypes
 from ckptstore.layout.manifest import Manifest
 from ckptstore.stage.torch import dtype_table
+from ckptstore.store.transport import redact_url
 
 __all__ = [
     "FORMAT",
@@ -216,7 +217,10 @@ def _encode_metadata(metadata: Metadata) -> dict[str, Any]:
         "storage_meta": None
         if meta is None
         else {
-            "checkpoint_id": None if meta.checkpoint_id is None else str(meta.checkpoint_id),
+            # a URL may carry credentials in its query: the bucket must never hold them
+            "checkpoint_id": None
+            if meta.checkpoint_id is None
+            else redact_url(str(meta.checkpoint_id)),
             "save_id": meta.save_id,
             "modules": list(meta.modules),
         },
