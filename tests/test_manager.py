@@ -466,3 +466,39 @@ def test_commit_conflict_is_reported() -> None:
         with pytest.raises(CkptStoreError):
             mgr.wait_until_finished()
         assert np.array_equal(mgr.restore(1)["x"], np.ones(1))
+
+
+_NEVER_CLOSED = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from ckptstore.manager import CheckpointManager
+    from ckptstore.store.local import LocalStore
+    from ckptstore.store.wrappers import Fault, FaultStore
+
+    # every put waits: the last save is still writing when the script ends
+    store = FaultStore(LocalStore(sys.argv[1]), [Fault(frozenset({"put"}), latency=0.2)])
+    mgr = CheckpointManager(store, max_to_keep=3)
+    for step in range(5):
+        mgr.save(step, {"w": np.full(1000, step, np.float32)})
+    assert mgr.last_handle is not None
+    print("last save done at exit:", mgr.last_handle.done(), flush=True)
+    """
+)
+
+
+def test_a_manager_never_closed_still_commits_every_save_at_exit(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-c", _NEVER_CLOSED, str(root)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "last save done at exit: False" in out.stdout  # the exit hook had work to do
+    assert out.stderr == ""  # no "Task was destroyed but it is pending!", no traceback
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [2, 3, 4]
+        assert mgr.restore(4)["w"].tolist() == [4.0] * 1000

@@ -40,11 +40,15 @@ retention above applies to that persistent tier, ``local_max_to_keep`` to the lo
 
 from __future__ import annotations
 
+import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import datetime
 import json
 import math
 import os
+import sys
+import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
@@ -219,6 +223,7 @@ class CheckpointManager:
         self._closed = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
+        _open_managers.add(self)
         if self._tiers is not None:
             # Steps a crash or a failure left on the local tier only are copied now; the
             # first save's local retention keeps them until they are.
@@ -587,6 +592,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
+        _open_managers.discard(self)
         try:
             self._saver.wait_until_finished()
         finally:
@@ -622,3 +628,27 @@ class CheckpointManager:
         if self._tiers is not None:
             return f"CheckpointManager({self._store.url!r}, local={self._tiers.local.url!r})"
         return f"CheckpointManager({self._store.url!r})"
+
+
+#: Managers not yet closed. A script that never closes its manager still gets every save it
+#: made: when the main thread ends, each one is closed, which waits for its saves in flight.
+#: That must happen before the thread pools the saves run on refuse new work: they shut down
+#: in ``threading``'s own exit hooks, which run before ``atexit``'s and in reverse order of
+#: registration, so this module registers there, after importing the pools' module. (DCP's
+#: ``async_save`` likewise joins its thread pool at exit.)
+_open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    for manager in list(_open_managers):
+        try:
+            manager.close()
+        except Exception as exc:  # nothing can catch it now: say what was lost, and go on
+            print(
+                f"ckptstore: closing {manager!r} at exit: a background save failed: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
