@@ -180,3 +180,18 @@ def test_open_store_imports_no_client_library() -> None:
         env={**os.environ, "PYTHONPATH": str(root)},
     ).stdout
     assert out.strip() == "[]"
+
+
+def test_a_scheme_with_a_backend_is_taken_over_only_when_asked(scratch_registry: None) -> None:
+    s3 = registry._BACKENDS["s3"].target
+    with pytest.raises(ValueError, match=r"s3:// URLs already go to .*replace=True"):
+        register_backend("S3", "somewhere_else:FakeS3")
+    assert registry._BACKENDS["s3"].target == s3  # refused: nothing changed
+    register_backend("s3", s3)  # the same target again is no takeover
+    register_backend("mine", "pkg_a:Store")
+    with pytest.raises(ValueError, match="mine:// URLs already go to pkg_a:Store"):
+        register_backend("mine", "pkg_b:Store")
+    register_backend("mine", "pkg_b:Store", replace=True)
+    assert registry._BACKENDS["mine"].target == "pkg_b:Store"
+    register_backend("s3", "somewhere_else:FakeS3", replace=True)
+    assert registry._BACKENDS["s3"].target == "somewhere_else:FakeS3"

@@ -67,11 +67,32 @@ _FSSPEC = BackendSpec("ckptstore.store.fsspec:FsspecStore", "pip install 'ckptst
 _ENTRY_POINT_GROUP = "ckptstore.backends"
 
 
-def register_backend(scheme: str, target: str, install_hint: str = "") -> None:
-    """Route ``scheme://`` URLs to the Store class at ``target`` (``"module:Class"``)."""
+def register_backend(
+    scheme: str, target: str, install_hint: str = "", *, replace: bool = False
+) -> None:
+    """Route ``scheme://`` URLs to the Store class at ``target`` (``"module:Class"``).
+
+    Args:
+        scheme: the URL scheme, case-insensitive.
+        target: ``"module:Class"`` of a :class:`~ckptstore.Store` subclass, imported on use.
+        install_hint: what to install when ``module`` is missing.
+        replace: allow taking over a scheme that already has a backend, a built-in one
+            (``s3``, ``file``...) included. Registering the same target again is always fine.
+
+    Raises:
+        ValueError: for an invalid scheme, or a scheme served by another backend unless
+            ``replace`` is true: a plugin must not silently take ``s3://`` away.
+    """
     if not scheme or not scheme.isascii() or "://" in scheme:
         raise ValueError(f"invalid scheme {scheme!r}")
-    _BACKENDS[scheme.lower()] = BackendSpec(target, install_hint)
+    scheme = scheme.lower()
+    current = _BACKENDS.get(scheme)
+    if current is not None and current.target != target and not replace:
+        raise ValueError(
+            f"{scheme}:// URLs already go to {current.target}; pass replace=True to send them "
+            f"to {target} instead"
+        )
+    _BACKENDS[scheme] = BackendSpec(target, install_hint)
 
 
 def registered_schemes() -> list[str]:
