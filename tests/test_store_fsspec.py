@@ -52,10 +52,19 @@ class TestFsspecOverGcsfs(StoreTests):
     multipart_size = 6 << 20
 
     @pytest.fixture
-    async def store(self, fake_gcs: FakeGCS, gcs_bucket: str) -> AsyncIterator[FsspecStore]:
+    async def store(self, request: pytest.FixtureRequest) -> AsyncIterator[FsspecStore]:
+        if request.node.originalname == "test_multi_gib_sparse_round_trip":
+            # the emulator's memory backend holds fewer copies of a 2 GiB resumable upload
+            server: FakeGCS = request.getfixturevalue("fake_gcs_in_memory")
+            bucket = server.create_bucket(f"ckptstore-huge-{uuid.uuid4().hex[:8]}")
+        else:
+            server, bucket = (
+                request.getfixturevalue("fake_gcs"),
+                request.getfixturevalue("gcs_bucket"),
+            )
         store = open_store(
-            f"fsspec+gs://{gcs_bucket}/fs-{uuid.uuid4().hex[:8]}",
-            endpoint_url=fake_gcs.endpoint,
+            f"fsspec+gs://{bucket}/fs-{uuid.uuid4().hex[:8]}",
+            endpoint_url=server.endpoint,
             token="anon",
         )
         assert isinstance(store, FsspecStore)
