@@ -240,6 +240,16 @@ WITH_4_RANKS = [
 ]
 
 
+#: Every target of the :func:`target` fixture without the slow mark, for
+#: ``parametrize("target", EVERY_TARGET, indirect=True)``: a scenario cheap enough, or cut
+#: down enough by default (tests/matrix.py), to run on every store in the default run.
+EVERY_TARGET = [
+    "local",
+    pytest.param("moto", marks=pytest.mark.s3),
+    pytest.param("seaweedfs", marks=pytest.mark.s3),
+]
+
+
 @pytest.fixture(
     params=[
         "local",

@@ -21,7 +21,7 @@ from ckptstore.store.memory import MemoryStore
 from ckptstore.store.s3 import S3Store
 from ckptstore.testing.incremental_tests import FineTuning, IncrementalTests, KeyCountingStore
 from ckptstore.testing.servers import SeaweedFS
-from tests.multirank import Target
+from tests.multirank import EVERY_TARGET, Target
 from tests.servers.moto import MotoS3
 
 
@@ -310,15 +310,7 @@ def test_torch_fine_tuning_writes_only_changed_bytes(target: Target) -> None:
 
 @pytest.mark.torch
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "target",
-    [
-        "local",
-        pytest.param("moto", marks=pytest.mark.s3),
-        pytest.param("seaweedfs", marks=pytest.mark.s3),
-    ],
-    indirect=True,
-)
+@pytest.mark.parametrize("target", EVERY_TARGET, indirect=True)
 def test_torch_fine_tuning_200_mib_base(target: Target) -> None:
     """The acceptance's fine-tuning loop, on every store it names."""
     _torch_fine_tuning(target, base_mib=200)

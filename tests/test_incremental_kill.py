@@ -32,7 +32,7 @@ from ckptstore.layout.maintenance import verify_step
 from ckptstore.store.registry import open_store
 from ckptstore.testing.incremental_tests import FineTuning
 from tests.matrix import trials
-from tests.multirank import Target
+from tests.multirank import EVERY_TARGET, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 TRIALS = trials(full=30, quick=5)
@@ -79,16 +79,8 @@ def _same(actual: Any, expected: Any) -> bool:
     return bool(actual == expected)
 
 
-@pytest.mark.parametrize(
-    "target",
-    # every store in the default run too: the kills are few there, not the stores
-    [
-        "local",
-        pytest.param("moto", marks=pytest.mark.s3),
-        pytest.param("seaweedfs", marks=pytest.mark.s3),
-    ],
-    indirect=True,
-)
+# every store in the default run too: the kills are few there, not the stores
+@pytest.mark.parametrize("target", EVERY_TARGET, indirect=True)
 def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
     query = urllib.parse.urlencode(target.options)
     url = f"{target.base}?{query}" if query else target.base
