@@ -961,3 +961,27 @@ def test_cp_local_to_gcs_and_back_is_bit_exact(
     assert [p.read_bytes() for p in data_files(run_dir, 10)] == [
         p.read_bytes() for p in data_files(back, 10)
     ]
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+def test_cp_to_a_misspelled_bucket_says_it_does_not_exist_and_writes_nothing(
+    capsys: pytest.CaptureFixture[str],
+    request: pytest.FixtureRequest,
+    run_dir: Path,
+    server: str,
+) -> None:
+    if server == "moto":
+        moto = request.getfixturevalue("moto_s3")
+        endpoint, bucket, extra = moto.endpoint, moto.bucket, f"region={moto.region}"
+    else:  # anonymous SeaweedFS answers a PUT into a bucket that is not there with 403
+        seaweed = request.getfixturevalue("seaweedfs")
+        endpoint, bucket, extra = seaweed.s3_endpoint, "ckptstore-cli-real", "anonymous=true"
+        seaweed.create_bucket(bucket)
+    url = f"s3://{bucket}x/run?endpoint_url={endpoint}&{extra}"
+    err = run_refused(capsys, "cp", str(run_dir), url)
+    assert_one_line_error(err, f"bucket '{bucket}x': the bucket does not exist")
+    assert "access denied" not in err
+    status, _, err = run(capsys, "ls", url)  # what ls says of the same URL
+    assert status == cli.EXIT_ERROR
+    assert_one_line_error(err, f"bucket '{bucket}x': the bucket does not exist")

@@ -660,6 +660,10 @@ async def _cp(args: argparse.Namespace) -> Outcome:
             steps = await alist_steps(src)
             if not steps:
                 raise NotFoundError(f"{src.url}: no committed checkpoints to copy")
+        # One listing of the destination before any write: a misspelled bucket is "does not
+        # exist" here, as for ls and save, where the first write's answer (SeaweedFS: 403
+        # AccessDenied to a PUT into a bucket that is not there) blamed the credentials.
+        await alist_steps(dst)
         if _is_memory(dst):
             print(
                 f"ckptstore cp: warning: {dst.url}: {_MEMORY_NOTE}; the copy is verified but "
