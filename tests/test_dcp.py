@@ -7,7 +7,10 @@ tests/test_dcp_multirank.py.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pickle
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from typing import Any
@@ -463,3 +466,42 @@ def test_a_checkpoint_written_through_a_url_with_a_secret_never_stores_it(moto_s
     dcp.load(loaded, storage_reader=ckptstore.dcp.Reader(url))
     assert torch.equal(loaded["w"], state["w"])
     assert loaded["step"] == 3
+
+
+@pytest.mark.s3
+def test_a_step_in_a_url_with_a_query_is_that_step_of_the_root(moto_s3: Any) -> None:
+    query = f"endpoint_url={moto_s3.endpoint}&region={moto_s3.region}"
+    dcp.save(
+        {"w": torch.arange(5.0)},
+        storage_writer=ckptstore.dcp.Writer(f"s3://{moto_s3.bucket}/run/3?{query}"),
+    )
+    assert ckptstore.list_steps(f"s3://{moto_s3.bucket}/run?{query}") == [3]
+    client = moto_s3.client()
+    keys = [item["Key"] for item in client.list_objects_v2(Bucket=moto_s3.bucket)["Contents"]]
+    assert "run/3/manifest.json" in keys, keys
+
+
+_LOAD_A_MISSING_STEP = """
+import sys, warnings
+import torch, torch.distributed.checkpoint as dcp
+import ckptstore.dcp
+warnings.filterwarnings("ignore", "torch.distributed is disabled")
+try:
+    dcp.load({"w": torch.zeros(3)}, storage_reader=ckptstore.dcp.Reader(sys.argv[1]))
+except BaseException as exc:  # DCP's CheckpointException is a BaseException
+    print("refused:", "holds no committed checkpoint" in str(exc))
+"""
+
+
+@pytest.mark.s3
+def test_a_load_of_a_step_never_committed_closes_its_client(moto_s3: Any) -> None:
+    url = f"s3://{moto_s3.bucket}/run/7?endpoint_url={moto_s3.endpoint}&region={moto_s3.region}"
+    out = subprocess.run(
+        [sys.executable, "-X", "dev", "-c", _LOAD_A_MISSING_STEP, url],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.stdout.strip() == "refused: True", out.stdout + out.stderr
+    assert "Unclosed" not in out.stderr, out.stderr

@@ -446,6 +446,19 @@ class Reader(_AtCheckpoint, StorageReader):
         # to decide whether to fall back to per-rank metadata, which ckptstore never writes.
         if options.get("rank") is not None:
             raise NotFoundError(f"{self.url}: ckptstore writes no per-rank metadata")
+        try:
+            metadata = self._metadata()
+        except BaseException:
+            # DCP calls nothing more after a failed read_metadata: the client opened for it
+            # closes now, not as an "Unclosed client session" at exit
+            self._target.handle.release()
+            raise
+        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def _metadata(self) -> Metadata:
+        """The DCP metadata of the checkpoint's manifest, which is kept for the reads."""
         store, step = self._target.store, self._target.step
         try:
             manifest = background.run(find_manifest(store, step))
@@ -461,8 +474,6 @@ class Reader(_AtCheckpoint, StorageReader):
             )
         metadata = read_dcp_metadata(manifest, f"{store.url}/{manifest_key(step)}")
         self._manifest = manifest
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(

@@ -175,11 +175,15 @@ class CheckpointTarget:
 
 
 def _split(url: str, step: int | None) -> tuple[str, int]:
+    """The root and step of a checkpoint URL. The step is the last segment of the path, never
+    of a query (``s3://b/run/3?endpoint_url=http://host:9000`` is step 3 of ``s3://b/run``
+    with the same query)."""
     if step is not None:
         return url, check_step(step)
-    trimmed = url.rstrip("/")
+    path, mark, query = url.partition("?")
+    trimmed = path.rstrip("/")
     parent, _, last = trimmed.rpartition("/")
     number = parse_step(last)
     if number is None or not parent or parent.endswith(":/") or parent.endswith(":"):
         return url, 0
-    return parent, number
+    return parent + mark + query, number
