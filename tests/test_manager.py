@@ -502,3 +502,39 @@ def test_a_manager_never_closed_still_commits_every_save_at_exit(tmp_path: Path)
     with CheckpointManager(root) as mgr:
         assert mgr.all_steps() == [2, 3, 4]
         assert mgr.restore(4)["w"].tolist() == [4.0] * 1000
+
+
+_FORKS_WHILE_SAVING = textwrap.dedent(
+    """
+    import os, sys
+    import numpy as np
+    from ckptstore.manager import CheckpointManager
+    from ckptstore.store.local import LocalStore
+    from ckptstore.store.wrappers import Fault, FaultStore
+
+    store = FaultStore(LocalStore(sys.argv[1]), [Fault(frozenset({"put"}), latency=0.2)])
+    mgr = CheckpointManager(store)
+    mgr.save(1, {"w": np.ones(1000, np.float32)})
+    child = os.fork()
+    if child == 0:  # a data-loader worker, say: it ends without touching the manager
+        sys.exit(0)
+    _, status = os.waitpid(child, 0)
+    print("child exit", os.waitstatus_to_exitcode(status), flush=True)
+    """
+)
+
+
+def test_a_forked_child_leaves_its_parents_manager_alone_at_exit(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKS_WHILE_SAVING, str(root)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "child exit 0" in out.stdout, out.stdout + out.stderr
+    assert "ckptstore:" not in out.stderr  # the child tried no close of the parent's manager
+    with CheckpointManager(root) as mgr:
+        assert mgr.all_steps() == [1]  # the parent's exit committed it

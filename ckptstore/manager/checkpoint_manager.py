@@ -223,6 +223,7 @@ class CheckpointManager:
         self._closed = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
+        self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
         _open_managers.add(self)
         if self._tiers is not None:
             # Steps a crash or a failure left on the local tier only are copied now; the
@@ -641,6 +642,8 @@ _open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
 
 def _close_at_exit() -> None:
     for manager in list(_open_managers):
+        if manager._pid != os.getpid():  # its threads and saves live in the parent only
+            continue
         try:
             manager.close()
         except Exception as exc:  # nothing can catch it now: say what was lost, and go on
