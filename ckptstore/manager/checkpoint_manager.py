@@ -116,6 +116,9 @@ class CheckpointManager:
             (:class:`~ckptstore.manager.tiers.RestoreInfo`).
     """
 
+    #: Whether a manager left open is closed when the main thread ends (see _close_at_exit).
+    _closes_at_exit = True
+
     def __init__(
         self,
         url: str | os.PathLike[str] | Store,
@@ -224,7 +227,8 @@ class CheckpointManager:
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
         self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
-        _open_managers.add(self)
+        if self._closes_at_exit:
+            _open_managers.add(self)
         if self._tiers is not None:
             # Steps a crash or a failure left on the local tier only are copied now; the
             # first save's local retention keeps them until they are.

@@ -112,6 +112,10 @@ class CheckpointManager(_SingleProcessManager):
         ValueError: ``comm`` with ``group`` or ``timeout``; a coordinator outside the group.
     """
 
+    # Its close() runs collectives; at interpreter exit they could wait on ranks that are
+    # gone, until the collectives have deadlines of their own (issue 30).
+    _closes_at_exit = False
+
     def __init__(
         self,
         url: str | os.PathLike[str] | Store,
