@@ -468,6 +468,17 @@ def test_commit_conflict_is_reported() -> None:
         assert np.array_equal(mgr.restore(1)["x"], np.ones(1))
 
 
+def _run_script(code: str, root: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with ``root`` as its argument, as a user's script."""
+    return subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 _NEVER_CLOSED = textwrap.dedent(
     """
     import sys
@@ -489,13 +500,7 @@ _NEVER_CLOSED = textwrap.dedent(
 
 def test_a_manager_never_closed_still_commits_every_save_at_exit(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-c", _NEVER_CLOSED, str(root)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _run_script(_NEVER_CLOSED, root, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "last save done at exit: False" in out.stdout  # the exit hook had work to do
     assert out.stderr == ""  # no "Task was destroyed but it is pending!", no traceback
@@ -526,13 +531,7 @@ _FORKS_WHILE_SAVING = textwrap.dedent(
 
 def test_a_forked_child_leaves_its_parents_manager_alone_at_exit(tmp_path: Path) -> None:
     root = tmp_path / "run"
-    out = subprocess.run(
-        [sys.executable, "-c", _FORKS_WHILE_SAVING, str(root)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    out = _run_script(_FORKS_WHILE_SAVING, root, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "child exit 0" in out.stdout, out.stdout + out.stderr
     assert "ckptstore:" not in out.stderr  # the child tried no close of the parent's manager
