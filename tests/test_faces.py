@@ -148,7 +148,7 @@ def save_with(face: str, root: Path, state: dict[str, Any]) -> None:
 def load_with(face: str, root: Path, saved: dict[str, Any]) -> tuple[Any, str]:
     """The state ``face`` loads, and the framework its arrays come back as."""
     if face == "api":
-        return ckptstore.load(root, STEP), "numpy"
+        return ckptstore.load(root, STEP), "saved"
     if face == "manager":
         with CheckpointManager(root) as mgr:
             return mgr.restore(STEP), "saved"
@@ -313,6 +313,34 @@ def test_options_with_an_open_store_are_the_same_error_on_every_face(tmp_path: P
 # ------------------------------------------------------------------ options three ways
 
 
+def test_load_gives_back_what_was_saved_and_target_overrides_it_on_every_face(
+    tmp_path: Path,
+) -> None:
+    """``model.load_state_dict(ckptstore.load(url)["model"])`` failed: load turned torch
+    tensors into numpy arrays while the managers gave torch back. One rule now: the saved
+    kind by default, ``target=`` overriding it, the same on every face."""
+    model = torch.nn.Linear(4, 3)
+    state = {"model": model.state_dict(), "x": np.arange(3, dtype=np.int16)}
+    ckptstore.save(tmp_path, state, step=STEP)
+
+    fresh = torch.nn.Linear(4, 3)
+    fresh.load_state_dict(ckptstore.load(tmp_path)["model"])
+    assert torch.equal(fresh.weight, model.weight)
+    assert_same(ckptstore.load(tmp_path), state, "saved")
+    assert_same(ckptstore.background.run(ckptstore.aload(tmp_path)), state, "saved")
+    with CheckpointManager(tmp_path) as mgr:
+        by_face = {
+            "api": ckptstore.load(tmp_path, target="numpy"),
+            "manager": mgr.restore(STEP, target="numpy"),
+            "distributed": cd.load(tmp_path, STEP, comm=local_group(), target="numpy"),
+        }
+    for face, out in by_face.items():
+        assert_same(out, state, "numpy", face)
+    as_torch = ckptstore.load(tmp_path, target="torch")
+    assert isinstance(as_torch["x"], torch.Tensor)
+    assert as_torch["x"].dtype == torch.int16
+
+
 @pytest.mark.s3
 def test_store_options_by_keyword_in_the_url_or_in_an_open_store(moto_s3: Any) -> None:
     """The issue's own example: ckptstore.save("s3://...", state, step=1, endpoint_url=...)
@@ -323,7 +351,7 @@ def test_store_options_by_keyword_in_the_url_or_in_an_open_store(moto_s3: Any) -
     root = f"s3://{moto_s3.bucket}/run"
     state = make_state(False)
     ckptstore.save(root, state, step=1, **options)  # keywords
-    assert_same(ckptstore.load(f"{root}?{urlencode(options)}", 1), state, "numpy")  # the query
+    assert_same(ckptstore.load(f"{root}?{urlencode(options)}", 1), state, "saved")  # the query
     store = ckptstore.open_store(root, **options)
     try:
         assert ckptstore.list_steps(store) == [1]  # an open Store carries its own

@@ -238,6 +238,8 @@ def test_ckptstore_save_and_load_take_pytrees_too(tmp_path: Path) -> None:
     fresh = init_params(4)
     back = ckptstore.load(tmp_path, target={"params": fresh, "opt": tx.init(fresh)})
     same_tree(back, {"params": params, "opt": opt_state})
-    as_numpy = ckptstore.load(tmp_path)  # without a target: numpy arrays, plain containers
-    assert isinstance(as_numpy["params"]["dense"]["w"], np.ndarray)
-    assert type(as_numpy["opt"]) is tuple
+    as_saved = ckptstore.load(tmp_path)  # without a target: JAX arrays, plain containers
+    assert isinstance(as_saved["params"]["dense"]["w"], jax.Array)
+    assert type(as_saved["opt"]) is tuple
+    as_numpy = ckptstore.load(tmp_path, target="numpy")
+    assert type(as_numpy["params"]["dense"]["w"]) is np.ndarray

@@ -127,22 +127,35 @@ async def aload(
             shape must match the checkpoint exactly); they appear in the result as the very
             same objects. Leaves of ``into`` that the checkpoint lacks are an error.
         target: what to rebuild the arrays as, as for ``CheckpointManager.restore``
-            (``"torch"``, ``"jax"``, or a state whose structure and leaves the result takes);
-            by default every array is a numpy array.
+            (``"numpy"``, ``"torch"``, ``"jax"``, or a state whose structure and leaves the
+            result takes). By default each array comes back as the kind it was saved from:
+            a torch tensor as a torch tensor (on its device, where that device exists), a
+            JAX array as a JAX array, a numpy array as numpy, the same rule as
+            ``CheckpointManager.restore``.
         **store_options: options for a URL ``root`` (see :mod:`ckptstore.pipeline.root`).
 
     Returns:
-        The state, as nested dicts/lists/tuples of numpy arrays and plain values (or as
-        ``target`` asks).
+        The state, as nested dicts/lists/tuples of arrays and plain values.
 
     Raises:
         NotFoundError: no such step, or a key matching no leaf (every such key is named).
         CorruptCheckpointError: the manifest or any byte read fails verification.
         CheckpointFormatError: a checkpoint only another face reads (DCP's).
     """
-    asked = _restore.request(keys, "numpy" if target is None else target)
+    asked = _asked(keys, target, into)
+    return _restore.rebuild(await _aread(root, step, asked, into, store_options))
+
+
+def _asked(keys: str | Iterable[str] | None, target: Any, into: Any) -> _restore.Request:
+    # The arrays of ``into`` are numpy arrays and come back as themselves.
+    return _restore.request(keys, "numpy" if into is not None and target is None else target)
+
+
+async def _aread(
+    root: Root, step: int | None, asked: _restore.Request, into: Any, store_options: Any
+) -> _restore.Selection:
     async with aopened(root, store_options) as store:
-        return await _restore.arestore(store, step, asked, into=into)
+        return await _restore.read(store, step, asked, into=into)
 
 
 async def load_state(
@@ -210,8 +223,10 @@ def load(
     target: Any = None,
     **store_options: Any,
 ) -> Any:
-    """Blocking :func:`aload`."""
-    return background.run(aload(root, step, keys, into, target=target, **store_options))
+    """Blocking :func:`aload`: the reads run on the background loop, the arrays are built
+    (on their device) in the calling thread."""
+    asked = _asked(keys, target, into)
+    return _restore.rebuild(background.run(_aread(root, step, asked, into, store_options)))
 
 
 def read_manifest(root: Root, step: int | None = None, **store_options: Any) -> Manifest:
