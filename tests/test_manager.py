@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from ckptstore import CkptStoreError, NotFoundError, StoreError
+import ckptstore
+from ckptstore import CommitConflictError, NotFoundError, StoreError
 from ckptstore.manager import CheckpointManager
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import Fault, FaultStore
@@ -166,12 +167,14 @@ def test_background_write_error_is_raised_on_next_save_and_step_stays_invisible(
     with pytest.raises(StoreError, match="injected"):
         mgr.save(3, state)
     assert mgr.all_steps() == [1]  # step 2 never became visible; step 3 was not started
+    mgr.save(2, state)  # a retry of the failed step goes through the fault again
+    with pytest.raises(StoreError, match="injected"):
+        mgr.wait_until_finished()
     mgr.save(3, state)
     mgr.wait_until_finished()
     assert mgr.all_steps() == [1, 3]
-    mgr.save(2, state)  # a retry of the failed step now goes through the fault again
-    with pytest.raises(StoreError, match="injected"):
-        mgr.wait_until_finished()
+    with pytest.raises(CommitConflictError, match="newest step of this root is 3"):
+        mgr.save(2, state)  # now below the newest step: refused in the call itself
     mgr.close()
 
 
@@ -459,13 +462,20 @@ def test_failed_retention_is_reported_and_keeps_the_new_step() -> None:
 
 
 def test_commit_conflict_is_reported() -> None:
-    with CheckpointManager(memory_store("conflict")) as mgr:
+    store = memory_store("conflict")
+    with CheckpointManager(store) as mgr:
         mgr.save(1, {"x": np.ones(1)})
         mgr.wait_until_finished()
-        mgr.save(1, {"x": np.zeros(1)}, force=True)
-        with pytest.raises(CkptStoreError):
+        with pytest.raises(CommitConflictError, match="newest step of this root is 1"):
+            mgr.save(1, {"x": np.zeros(1)}, force=True)  # its own step: refused in the call
+        # another writer commits step 2 after this manager looked: the commit protocol
+        # refuses the second commit, and the background error says so
+        ckptstore.save(store, {"x": np.full(1, 2.0)}, step=2)
+        mgr.save(2, {"x": np.zeros(1)})
+        with pytest.raises(CommitConflictError, match="already committed"):
             mgr.wait_until_finished()
         assert np.array_equal(mgr.restore(1)["x"], np.ones(1))
+        assert np.array_equal(mgr.restore(2)["x"], np.full(1, 2.0))
 
 
 def _run_script(code: str, root: Path, *, timeout: float) -> subprocess.CompletedProcess[str]:

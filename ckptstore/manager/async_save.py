@@ -168,6 +168,12 @@ class BackgroundWork:
                 self._ended(entry)
         self.raise_errors()
 
+    def newest_in_flight(self) -> int | None:
+        """The highest step whose work has not ended, or ``None``."""
+        with self._lock:
+            steps = [step for step, future, _ in self._in_flight if not future.done()]
+        return max(steps, default=None)
+
     @property
     def in_flight(self) -> int:
         """Work not yet ended."""

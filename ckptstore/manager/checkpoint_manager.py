@@ -55,7 +55,8 @@ from types import TracebackType
 from typing import Any, Literal, Self
 
 from ckptstore import background
-from ckptstore.errors import NotFoundError
+from ckptstore.errors import CommitConflictError, NotFoundError
+from ckptstore.layout import rollback as _rollback
 from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
 from ckptstore.layout.keys import attempt_prefix
 from ckptstore.layout.manifest import Manifest
@@ -114,6 +115,7 @@ class CheckpointManager:
     Attributes:
         last_restore: with a local tier, which tier the last :meth:`restore` read and why
             (:class:`~ckptstore.manager.tiers.RestoreInfo`).
+        set_aside: the steps the last ``restore(..., rollback=True)`` set aside, ascending.
     """
 
     #: Whether a manager left open is closed when the main thread ends (see _close_at_exit).
@@ -192,6 +194,8 @@ class CheckpointManager:
         self._tiers: Tiers | None = None
         #: Which tier the last restore read (``None`` without a local tier).
         self.last_restore: RestoreInfo | None = None
+        #: Steps the last rolling-back restore set aside.
+        self.set_aside: list[int] = []
         if local is not None:
             try:
                 local_store, owns_local = open_root(local, local_options or {})
@@ -224,6 +228,10 @@ class CheckpointManager:
         # retention need not read every manifest before marking what it deletes
         self._uses: dict[int, frozenset[str]] = {}
         self._closed = False
+        # the newest committed step, listed at the first save and raised by every commit
+        # since; a save of a step not after it (or after one in flight) is refused at once
+        self._newest: int | None = None
+        self._newest_known = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
         self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
@@ -289,6 +297,9 @@ class CheckpointManager:
             Whether a save was started.
 
         Raises:
+            CommitConflictError: ``step`` is not after the newest step committed (or being
+                saved) in the root: a rerun that should resume, or go back with
+                ``restore(step, rollback=True)``. Refused here, before anything is copied.
             Exception: the error of an earlier background save or copy to the persistent
                 tier, not yet reported (nothing of this step is saved then).
             UnsupportedLeafError, TypeError: a leaf that cannot be stored.
@@ -304,6 +315,7 @@ class CheckpointManager:
         if not (force or self.should_save(step)):
             self._saver.raise_errors()
             return False
+        self._check_after_newest(step)
         manager_meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         if tiers is not None:
             assert self.persistent_every is not None
@@ -331,12 +343,14 @@ class CheckpointManager:
                 self._uses[step] = frozenset(
                     (attempt_prefix(step, info.attempt), *info.referenced_attempts)
                 )
+                self._committed(step)
                 await self._retain()
                 return
             await save_path.save_staged(
                 tiers.local, staged, step=step, metadata=document, full=full
             )
             self._info[step] = (manager_meta["time"], metrics)
+            self._committed(step)
             if persist:
                 tiers.replicator.submit(step)  # pending from here: local retention keeps it
             await tiers.retain_local()
@@ -345,6 +359,36 @@ class CheckpointManager:
         if not self.async_save:
             self.wait_until_finished()
         return True
+
+    def _check_after_newest(self, step: int) -> None:
+        """Refuse, in the ``save`` call, a step that is not after the newest committed (or
+        in-flight) one: its commit would fail in the background, a save late, or a rerun in
+        the same root would write old step numbers between the previous run's.
+
+        Raises:
+            CommitConflictError: naming the newest step and how to resume or roll back.
+        """
+        if not self._newest_known:
+            newest = self.latest_step()
+            self._newest, self._newest_known = newest, True
+        newest = max(
+            (s for s in (self._newest, self._saver.newest_in_flight()) if s is not None),
+            default=None,
+        )
+        if newest is None or step > newest:
+            return
+        where = self._store.url if self._tiers is None else self._tiers.local.url
+        raise CommitConflictError(
+            f"{where}: cannot save step {step}: the newest step of this root is {newest}, and "
+            "a step is saved once, in increasing order. To resume that run, restore it "
+            "(mgr.restore() returns the newest step) and save the steps after it; to go back "
+            f"to an older step and save the steps after it again, mgr.restore(step, "
+            "rollback=True), which sets the newer steps aside; or save to a new root"
+        )
+
+    def _committed(self, step: int) -> None:
+        if self._newest is None or step > self._newest:
+            self._newest = step
 
     @staticmethod
     def _document(manager_meta: dict[str, Any], metadata: Any) -> dict[str, Any]:
@@ -519,7 +563,14 @@ class CheckpointManager:
         self._check_open()
         return background.run(self._step_info([step])).get(step, (0.0, None))[1]
 
-    def restore(self, step: int | None = None, target: Any = None, keys: Any = None) -> Any:
+    def restore(
+        self,
+        step: int | None = None,
+        target: Any = None,
+        keys: Any = None,
+        *,
+        rollback: bool = False,
+    ) -> Any:
         """Read a committed step back, verifying every byte.
 
         With a local tier, the newest step committed on either tier is taken, and read from
@@ -539,6 +590,12 @@ class CheckpointManager:
                 stands for whatever the checkpoint holds at its path, as saved.
             keys: leaf paths or prefixes (``"model"``, ``"optim/state/0/exp_avg"``) to read;
                 only their bytes are fetched. Each must name something in the step.
+            rollback: make ``step`` the newest step, so that training can go on from it and
+                save the steps after it again: once it has been read and verified, every
+                newer committed step (on every tier) is set aside, newest first
+                (:mod:`ckptstore.layout.rollback`): invisible to every face, its data kept
+                until ``gc`` finds it abandoned, and recoverable until then with
+                :func:`ckptstore.recover_step`. :attr:`set_aside` lists them.
 
         Raises:
             NotFoundError: no committed step, no such step, or a key (or leaf of a target)
@@ -553,6 +610,8 @@ class CheckpointManager:
         """
         self._check_open()
         asked = request(keys, target)
+        if rollback:
+            self.wait_until_finished()  # the copies too: no step above may land after
         if step is None:
             self._saver.wait_until_finished()  # not the copies: the local tier has the step
             step = self.latest_step()
@@ -564,11 +623,26 @@ class CheckpointManager:
         elif self.last_handle is not None and self.last_handle.step == step:
             self._saver.wait_until_finished()
         if self._tiers is None:
-            return restore(self._store, step, asked)
-        selection, self.last_restore = background.run(
-            read_nearest(self._tiers.local, self._store, step, asked)
-        )
-        return rebuild(selection)
+            state = restore(self._store, step, asked)
+        else:
+            selection, self.last_restore = background.run(
+                read_nearest(self._tiers.local, self._store, step, asked)
+            )
+            state = rebuild(selection)
+        if rollback:
+            self._roll_back_to(step)
+        return state
+
+    def _roll_back_to(self, step: int) -> None:
+        stores = [self._store] if self._tiers is None else [self._tiers.local, self._store]
+        aside: set[int] = set()
+        for store in stores:
+            aside.update(background.run(_rollback.set_aside(store, step)))
+        for gone in aside:
+            self._info.pop(gone, None)
+            self._uses.pop(gone, None)
+        self.set_aside = sorted(aside)
+        self._newest, self._newest_known = step, True
 
     def delete(self, step: int) -> None:
         """Delete a committed step (its manifest first, so it is never half visible); with a
@@ -581,6 +655,7 @@ class CheckpointManager:
             background.run(delete_step(self._store, step))
         self._info.pop(step, None)
         self._uses.pop(step, None)
+        self._newest_known = False  # the newest step may be the one deleted
 
     # ------------------------------------------------------------------ lifetime
 

@@ -59,6 +59,7 @@ from typing import Any, Literal
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError
+from ckptstore.layout import rollback as _rollback
 from ckptstore.layout.commit import CommitInfo, delete_step
 from ckptstore.layout.keys import check_step
 from ckptstore.layout.tree import FlatState
@@ -202,6 +203,8 @@ class CheckpointManager(_SingleProcessManager):
             Whether a save was started.
 
         Raises:
+            CommitConflictError: ``step`` is not after the newest step committed (or being
+                saved), as for :meth:`ckptstore.CheckpointManager.save`; on every rank.
             Exception: the error of an earlier background save not yet reported, on every
                 rank (its own error on a rank that failed; on the others a
                 ``CkptStoreError`` naming that rank). Nothing of this step is saved then.
@@ -214,6 +217,7 @@ class CheckpointManager(_SingleProcessManager):
         if not (force or self.should_save(step)):
             self._saver.raise_errors()
             return False
+        self._check_after_newest(step)
         meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         document = self._document(meta, metadata)
 
@@ -263,10 +267,18 @@ class CheckpointManager(_SingleProcessManager):
         except Exception as exc:
             error = exc
         info = commit_parts(self._comm, self._store, flat, error, step, document, self.coordinator)
+        self._committed(step)  # on every rank: commit_parts returned, so the step is committed
         if self.rank == self.coordinator:  # what retention ranks it by
             self._info[step] = (meta["time"], meta["metrics"])
         self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
         return info
+
+    def _check_after_newest(self, step: int) -> None:
+        # Every rank must refuse the same saves: decide with no save of this rank in flight
+        # (the next save waits for that anyway), so every rank knows the same commits.
+        self._saver.wait_for_fewer_than(1)
+        self._saver.raise_errors()
+        super()._check_after_newest(step)
 
     def _share_failure(self, step: int, error: Exception) -> None:
         """Take part in the collectives of a save this rank could not stage, so the others
@@ -308,6 +320,8 @@ class CheckpointManager(_SingleProcessManager):
         keys: Any = None,
         broadcast: bool | None = None,
         shared_memory: bool = True,
+        *,
+        rollback: bool = False,
     ) -> Any:
         """Read what this rank needs of a committed step, verifying every byte; every rank
         calls it.
@@ -319,11 +333,13 @@ class CheckpointManager(_SingleProcessManager):
         for is read from the store once and sent to the others (through shared memory
         to ranks of the reader's host unless ``shared_memory`` is false), unless
         ``broadcast`` is false (``None``: as the collectives prefer, see ``load``). Args
-        and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`.
+        and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`; with
+        ``rollback``, the coordinator sets the newer steps aside once every rank has read
+        its part, and every rank raises if that failed.
         """
         self._check_open()
         self.wait_until_finished()
-        return load(
+        state = load(
             self._store,
             step,
             keys=keys,
@@ -333,6 +349,20 @@ class CheckpointManager(_SingleProcessManager):
             broadcast=broadcast,
             shared_memory=shared_memory,
         )
+        if rollback:
+            if step is None:  # the newest: nothing above it to set aside
+                return state
+            aside: list[int] = []
+
+            async def set_aside() -> None:
+                aside.extend(await _rollback.set_aside(self._store, step))
+
+            self._on_coordinator(set_aside, f"setting aside the steps after {step}")
+            self.set_aside = sorted(self._comm.broadcast(aside, self.coordinator))
+            for gone in self.set_aside:
+                self._info.pop(gone, None)
+            self._newest, self._newest_known = step, True
+        return state
 
     def delete(self, step: int) -> None:
         """Delete a committed step, on the coordinator (its manifest first, so it is never
@@ -345,6 +375,7 @@ class CheckpointManager(_SingleProcessManager):
 
         self._on_coordinator(remove, f"deleting step {step}")
         self._info.pop(step, None)
+        self._newest_known = False  # the newest step may be the one deleted
 
     # ------------------------------------------------------------------ lifetime
 

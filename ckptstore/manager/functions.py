@@ -21,6 +21,7 @@ from typing import Any
 
 from ckptstore import background
 from ckptstore.layout import commit as _commit
+from ckptstore.layout import rollback as _rollback
 from ckptstore.layout.commit import CommitInfo
 from ckptstore.layout.gc import GCReport, collect_garbage
 from ckptstore.layout.manifest import Manifest
@@ -39,6 +40,8 @@ __all__ = [
     "alist_steps",
     "aload",
     "aread_manifest",
+    "arecover_step",
+    "arollback",
     "asave",
     "delete_step",
     "gc",
@@ -46,6 +49,8 @@ __all__ = [
     "load",
     "load_state",
     "read_manifest",
+    "recover_step",
+    "rollback",
     "save",
 ]
 
@@ -189,6 +194,34 @@ async def adelete_step(root: Root, step: int, **store_options: Any) -> None:
         await _commit.delete_step(store, step)
 
 
+async def arollback(root: Root, step: int, **store_options: Any) -> list[int]:
+    """Make ``step`` the newest committed step: set aside every newer one, newest first,
+    and return them (descending). A set-aside step is invisible to every face; its data
+    stays until :func:`agc` finds it abandoned (the grace period counts from the
+    roll-back), and :func:`arecover_step` commits it again until then. See
+    :mod:`ckptstore.layout.rollback`.
+
+    Raises:
+        NotFoundError: ``step`` is not committed (nothing is set aside then).
+    """
+    async with aopened(root, store_options) as store:
+        await _restore.find_manifest(store, step)  # roll back only to a valid step
+        return await _rollback.set_aside(store, step)
+
+
+async def arecover_step(root: Root, step: int, **store_options: Any) -> Manifest:
+    """Commit a step that a roll-back set aside again, exactly as it was (recover several
+    oldest first: a step may reference the objects of the one before).
+
+    Raises:
+        NotFoundError: ``step`` was not set aside, or gc has removed it.
+        CommitConflictError: ``step`` was committed again since.
+        CorruptCheckpointError: part of it is gone (nothing is committed then).
+    """
+    async with aopened(root, store_options) as store:
+        return await _rollback.recover(store, step)
+
+
 async def agc(root: Root, *, grace: float | None = None, **store_options: Any) -> GCReport:
     """Remove abandoned save attempts idle for longer than ``grace`` seconds (default
     ``Settings.gc_grace_seconds``); see :mod:`ckptstore.layout.gc`."""
@@ -242,6 +275,16 @@ def list_steps(root: Root, **store_options: Any) -> list[int]:
 def delete_step(root: Root, step: int, **store_options: Any) -> None:
     """Blocking :func:`adelete_step`."""
     background.run(adelete_step(root, step, **store_options))
+
+
+def rollback(root: Root, step: int, **store_options: Any) -> list[int]:
+    """Blocking :func:`arollback`."""
+    return background.run(arollback(root, step, **store_options))
+
+
+def recover_step(root: Root, step: int, **store_options: Any) -> Manifest:
+    """Blocking :func:`arecover_step`."""
+    return background.run(arecover_step(root, step, **store_options))
 
 
 def gc(root: Root, *, grace: float | None = None, **store_options: Any) -> GCReport:
