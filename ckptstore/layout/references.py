@@ -289,8 +289,9 @@ async def reclaim(
             data = [k for k in keys if k != record and k not in markers and k != prefix + marker]
             await store.delete(data)
             await store.delete([*markers, prefix + marker])
-            report.removed.append(prefix)
-            report.removed_objects += len(data)
+            if data or record in keys:  # else another deleter got there first
+                report.removed.append(prefix)
+                report.removed_objects += len(data)
     finally:
         with contextlib.suppress(Exception):
             await store.delete(

@@ -363,14 +363,14 @@ class LocalStore(Store):
         return created
 
     def _open_temp(self, final: str) -> tuple[_TempFile, list[str]]:
-        """Create the temp file for ``final``; retried if a concurrent delete pruned the
-        directory between our mkdir and open."""
+        """Create the temp file for ``final``; retried if a concurrent delete pruned a
+        directory between our mkdirs, or between the last one and the open."""
         directory = os.path.dirname(final)
         created: list[str] = []
         for attempt in range(5):
-            created += self._make_parents(directory)
             temp = os.path.join(directory, self._temp_name())
             try:
+                created += self._make_parents(directory)
                 fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             except FileNotFoundError:
                 if attempt == 4:
@@ -406,7 +406,15 @@ class LocalStore(Store):
                 os.unlink(temp)
 
     def _sync_dir(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            # A concurrent delete removed what was just published and pruned the directory
+            # (two gc runs, or gc and retention, reclaiming one attempt: each puts a marker,
+            # each deletes the other's). The put took effect before that delete; there is
+            # nothing left to make durable, and failing the put would fail its caller for
+            # work another finished.
+            return
         try:
             os.fsync(fd)
         finally:

@@ -1,0 +1,120 @@
+"""Concurrent cleaners on one root (issue 30): gc loops in other processes beside a manager
+whose retention deletes steps, never fail on what another removed and never remove what a
+committed step needs.
+
+``ckptstore.gc(root, grace=0)`` in a loop beside ``CheckpointManager(max_to_keep=2)`` used to
+fail about once in 50-70 runs with ``NotFoundError: .../reclaim-<id>.json does not exist``:
+two cleaners reclaiming one attempt each put a marker in it and each deletes the other's; on
+a local disk the loser's put then found its directory pruned while making its name durable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore import background
+from ckptstore.store.local import LocalStore
+from tests.matrix import trials
+from tests.multirank import EVERY_TARGET, Target
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Seconds the cleaners and the saver run together: minutes in the full matrix.
+SECONDS = trials(120, 12)
+
+_GC_LOOP = """
+import json, os, sys, time
+import ckptstore
+
+root, stop = sys.argv[1], sys.argv[2]
+options = json.loads(os.environ["CKPTSTORE_TEST_STORE_OPTIONS"])
+runs = removed = 0
+while not os.path.exists(stop):
+    report = ckptstore.gc(root, grace=0, **options)
+    runs += 1
+    removed += len(report.removed) + len(report.reclaimed)
+print(json.dumps({"runs": runs, "removed": removed}), flush=True)
+"""
+
+
+def test_a_put_whose_directory_is_pruned_by_a_concurrent_delete_succeeds(tmp_path: Path) -> None:
+    """The exact interleaving: another deleter removes the name just published and prunes
+    its directory before the writer makes the name durable. The put took effect (before the
+    delete) and returns; the key is gone, as the delete said."""
+    store = LocalStore(tmp_path)
+    publish = store._publish
+
+    def publish_then_lose_the_race(temp: str, final: str, mode: Any, key: str) -> None:
+        publish(temp, final, mode, key)
+        store._remove([key])  # prunes 3/attempt-x/ and 3/, now empty
+
+    store._publish = publish_then_lose_the_race  # type: ignore[method-assign]
+    key = "3/attempt-000000000000-0000000000000000/reclaim-0123.json"
+    background.run(store.put(key, b"{}"))
+    assert not (tmp_path / "3").exists()
+    background.run(store.close())
+
+
+@pytest.mark.parametrize("target", EVERY_TARGET, indirect=True)
+def test_gc_loops_beside_retention_never_fail_and_keep_every_step(
+    target: Target, tmp_path: Path
+) -> None:
+    """Two gc processes with no grace period loop for :data:`SECONDS` while a manager with
+    ``max_to_keep=2`` saves (incremental saves: retention and gc both reclaim attempts that
+    newer steps referenced). No cleaner fails, and every step retention keeps loads
+    bit-exact throughout and at the end."""
+    url, options = target.base, target.options
+    stop = tmp_path / "stop"
+    env = {**os.environ, **target.env(), "PYTHONPATH": str(ROOT)}
+    cleaners = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GC_LOOP, url, str(stop)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    rng = np.random.default_rng(0)
+    frozen = rng.standard_normal(256 << 10).astype(np.float32)
+    saved: dict[int, bytes] = {}
+    try:
+        deadline = time.monotonic() + SECONDS
+        step = 0
+        with ckptstore.CheckpointManager(url, max_to_keep=2, **options) as mgr:
+            while time.monotonic() < deadline or step < 10:
+                if step % 5 == 0:
+                    frozen = frozen + 1  # a new base every 5 steps: older ones get reclaimed
+                moving = np.full(1000, step, np.int64)
+                mgr.save(step, {"frozen": frozen, "moving": moving}, full=step % 7 == 0)
+                saved[step] = frozen.tobytes() + moving.tobytes()
+                if step % 4 == 3:
+                    mgr.wait_until_finished()
+                    newest = mgr.all_steps()[-1]
+                    got = mgr.restore(newest)
+                    assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[newest]
+                step += 1
+            mgr.wait_until_finished()
+            kept = mgr.all_steps()
+    finally:
+        stop.touch()
+        outputs = [cleaner.communicate(timeout=120) for cleaner in cleaners]
+    for cleaner, (out, err) in zip(cleaners, outputs, strict=True):
+        assert cleaner.returncode == 0, err[-4000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["runs"] >= 2, summary
+    assert kept == sorted(saved)[-2:]
+    for step in kept:
+        got = ckptstore.load(url, step, **options)
+        assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[step]
