@@ -12,7 +12,9 @@ multi-rank save and load on it, so a JAX job needs no torch:
   calls the same collectives in the same order, so the numbers agree, also across the
   objects a face makes per call) and works under ``ckptstore/<name>/<number>/``: a call's
   keys are unique, and a late reader of one call can never see the next call's values.
-* A member posts its pickled object under its rank; the members that need it wait for it
+* A member posts its object under its rank, as JSON (:mod:`ckptstore.manager.messages`:
+  whoever can reach the coordination service can write there, so nothing read from it is
+  unpickled); the members that need it wait for it
   with blocking gets bounded by ``timeout`` per call (in a ``gather`` the others wait for an empty
   sign of every member's arrival, so all of them notice a member that never comes). A
   member that never posts (it died, or it stopped calling) makes the others raise
@@ -37,7 +39,6 @@ every process reads what it needs from the store itself. Its speed has not been 
 from __future__ import annotations
 
 import itertools
-import pickle
 import sys
 import time
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.manager import messages
 from ckptstore.manager.distributed import Message
 
 __all__ = ["JaxCollectives", "jax_group_running"]
@@ -135,14 +137,14 @@ class JaxCollectives:
 
     def all_gather(self, obj: Any) -> list[Any]:
         call = self._begin("all_gather")
-        self._post(call, str(self.rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        self._post(call, str(self.rank), messages.encode(obj))
         out = [self._load(call, rank) for rank in range(self.world)]
         self._done(call)
         return out
 
     def gather(self, obj: Any, root: int) -> list[Any] | None:
         call = self._begin("gather")
-        self._post(call, str(self.rank), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+        self._post(call, str(self.rank), messages.encode(obj))
         self._post(call, f"here-{self.rank}", b"")
         if self.rank == root:
             out = [self._load(call, rank) for rank in range(self.world)]
@@ -159,7 +161,7 @@ class JaxCollectives:
     def broadcast(self, obj: Any, root: int) -> Any:
         call = self._begin("broadcast")
         if self.rank == root:
-            self._post(call, str(root), pickle.dumps(obj, pickle.HIGHEST_PROTOCOL))
+            self._post(call, str(root), messages.encode(obj))
         out = self._load(call, root)
         self._done(call)
         return out
@@ -194,9 +196,8 @@ class JaxCollectives:
         self._client.key_value_set_bytes(f"{call.directory}/v/{key}", data)
 
     def _load(self, call: _Call, rank: int) -> Any:
-        # the job's own processes, as torch.distributed's object collectives unpickle theirs;
-        # checkpoint data never goes this way
-        return pickle.loads(self._get(call, str(rank), rank))
+        # JSON, never a pickle: anyone who reaches the coordination service can write here
+        return messages.decode(self._get(call, str(rank), rank))
 
     def _get(self, call: _Call, key: str, rank: int) -> bytes:
         # one deadline for the whole call, however many values it waits for
