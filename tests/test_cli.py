@@ -13,6 +13,7 @@ import importlib
 import json
 import os
 import pty
+import re
 import struct
 import subprocess
 import sys
@@ -725,9 +726,13 @@ def test_console_script_runs_the_command(tmp_path: Path) -> None:
     assert result.stderr == ""  # no progress bar: stderr is not a terminal
 
 
-def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+def _on_a_terminal(
+    args: list[str], columns: int, *, stdout_too: bool = False
+) -> tuple[subprocess.CompletedProcess[bytes], str]:
+    """Run ``python -m ckptstore *args`` with stderr (and with ``stdout_too`` stdout) on a
+    pseudo-terminal of ``columns`` columns; the process and what the terminal received."""
     master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, 100, 0, 0))  # 100 columns
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 30, columns, 0, 0))
     chunks: list[bytes] = []
 
     def drain() -> None:
@@ -744,17 +749,43 @@ def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
     reader.start()
     try:
         result = subprocess.run(
-            [sys.executable, "-m", "ckptstore", "tune", str(tmp_path), *TUNE_SMALL],
-            stdout=subprocess.PIPE,
+            [sys.executable, "-m", "ckptstore", *args],
+            stdout=slave if stdout_too else subprocess.PIPE,
             stderr=slave,
-            env=_entry_point_env(),
+            env={**_entry_point_env(), "COLUMNS": "", "LINES": ""},
             timeout=300,
         )
     finally:
         os.close(slave)
     reader.join(timeout=30)
     os.close(master)
-    drawn = b"".join(chunks).decode(errors="replace")
+    return result, b"".join(chunks).decode(errors="replace")
+
+
+@pytest.mark.parametrize("columns", [100, 0])
+def test_cp_progress_clears_before_each_line_and_counts_in_binary_units(
+    run_dir: Path, tmp_path: Path, columns: int
+) -> None:
+    """The bar cleared itself only at the end, so ``step 5: copied ...`` was printed onto
+    it; it said ``MB/s`` beside MiB figures; a terminal reporting 0 columns got no bar."""
+    result, drawn = _on_a_terminal(
+        ["cp", str(run_dir), str(tmp_path / "dst")], columns, stdout_too=True
+    )
+    assert result.returncode == 0, drawn
+    segments = re.split(r"[\r\n]+", drawn)
+    bars = [seg for seg in segments if seg.startswith("copy+verify:")]
+    assert bars, drawn  # drawn, 0 columns or not
+    assert all("%|" in bar for bar in bars)
+    assert any(re.search(r"\d+\.\d (KiB|MiB)/\d+\.\d MiB, ", bar) for bar in bars), bars
+    assert not re.search(r"\d(kB|MB|GB)\b", drawn), drawn  # one unit system
+    # each result line is a segment of its own: the bar was cleared before it
+    for step in (5, 10):
+        assert any(seg.startswith(f"step {step}: copied") for seg in segments), segments
+    assert ckptstore.list_steps(tmp_path / "dst") == [5, 10]
+
+
+def test_progress_bar_is_drawn_on_a_terminal(tmp_path: Path) -> None:
+    result, drawn = _on_a_terminal(["tune", str(tmp_path), *TUNE_SMALL], 100)
     assert result.returncode == 0, drawn
     assert "tune" in drawn
     assert "trial" in drawn  # tqdm's unit, so the bar itself was drawn

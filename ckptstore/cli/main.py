@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TypeVar
@@ -97,6 +98,8 @@ class Progress(Protocol):
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> Any: ...
 
+    def write(self, line: str) -> None: ...
+
 
 class _NoProgress:
     def update(self, n: int = 1) -> None:
@@ -105,31 +108,85 @@ class _NoProgress:
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         pass
 
+    def write(self, line: str) -> None:
+        print(line, flush=True)
+
+
+#: Columns of a bar when the terminal reports none (some CI consoles and serial lines say 0).
+FALLBACK_COLUMNS = 80
+
+
+def _terminal_columns() -> int:
+    """Columns of the terminal stderr is on, or 0 when it does not say."""
+    try:
+        return os.get_terminal_size(sys.stderr.fileno()).columns
+    except (OSError, ValueError):
+        return 0
+
+
+class _Bar:
+    """A tqdm bar on stderr that counts bytes in the units of everything else the CLI prints
+    (KiB, MiB, GiB: tqdm's own labels a 1024-based count "MB" and its rate 1000-based "MB/s"),
+    and that a line of output clears first, so a result is never printed onto the bar."""
+
+    def __init__(self, total: int | None, desc: str, unit: str) -> None:
+        from tqdm import tqdm
+
+        self._bytes = unit == "B"
+        self._total = total
+        self._done = 0
+        self._started = time.monotonic()
+        columns = _terminal_columns()
+        self._bar = tqdm(
+            total=total,
+            desc=desc,
+            unit=unit,
+            file=sys.stderr,
+            leave=False,
+            # a terminal that reports 0 columns would get a bar of 0 columns: nothing drawn
+            dynamic_ncols=columns > 0,
+            ncols=None if columns > 0 else FALLBACK_COLUMNS,
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}" if self._bytes else None,
+        )
+
+    def update(self, n: int = 1) -> None:
+        self._done += n
+        if self._bytes:
+            rate = self._done / max(time.monotonic() - self._started, 1e-9)
+            total = "?" if self._total is None else format_bytes(self._total)
+            # set without a redraw; tqdm redraws at its own pace on update
+            self._bar.set_postfix_str(
+                f"{format_bytes(self._done)}/{total}, {format_bytes(rate)}/s", refresh=False
+            )
+        self._bar.update(n)
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self._bar.set_postfix_str(s, refresh=refresh)
+
+    def write(self, line: str) -> None:
+        with self._bar.external_write_mode(file=sys.stderr):
+            print(line, flush=True)
+
+    def close(self) -> None:
+        self._bar.close()
+
 
 @contextlib.contextmanager
 def progress_bar(
     args: argparse.Namespace, total: int | None, desc: str, *, unit: str = "it"
 ) -> Iterator[Progress]:
     """A tqdm bar on stderr when stderr is a terminal, tqdm is installed and not
-    ``--no-progress``; otherwise a bar that draws nothing."""
+    ``--no-progress``; otherwise a bar that draws nothing. Lines printed while it is up go
+    through its ``write``, which clears the bar first."""
     if getattr(args, "no_progress", False) or not sys.stderr.isatty():
         yield _NoProgress()
         return
     try:
-        from tqdm import tqdm
+        import tqdm  # noqa: F401
     except ImportError:  # the cli extra is optional; without it there are no bars
         yield _NoProgress()
         return
-    bar = tqdm(
-        total=total,
-        desc=desc,
-        unit=unit,
-        unit_scale=unit == "B",
-        unit_divisor=1024,
-        file=sys.stderr,
-        leave=False,
-        dynamic_ncols=True,
-    )
+    bar = _Bar(total, desc, unit)
     try:
         yield bar
     finally:
@@ -641,9 +698,11 @@ async def _cp(args: argparse.Namespace) -> Outcome:
     from ckptstore.layout.maintenance import CopyReport, copy_step
     from ckptstore.manager.functions import alist_steps
 
+    out: list[Progress] = [_NoProgress()]  # the bar while it is up: it clears itself first
+
     def say(line: str) -> None:
         if not args.json:  # said as each step is done, so a later failure keeps it
-            print(line, flush=True)
+            out[0].write(line)
 
     def refused(step: int, why: str) -> None:
         failed[step] = why
@@ -677,6 +736,7 @@ async def _cp(args: argparse.Namespace) -> Outcome:
         failed: dict[int, str] = {}  # step -> why it was not copied
         stopped: int | None = None  # the step an error that would fail every step hit
         with progress_bar(args, total, "copy+verify", unit="B") as bar:
+            out[0] = bar
             for step, manifest in zip(steps, manifests, strict=True):
                 if isinstance(manifest, CkptStoreError):
                     refused(step, _one_line(manifest))
