@@ -4,6 +4,8 @@ Importing ckptstore imports no heavy dependency: torch, JAX and the cloud client
 by the modules that need them, on first use.
 """
 
+import logging
+
 from ckptstore.config import Settings, default_settings
 from ckptstore.errors import (
     AlreadyExistsError,
@@ -47,6 +49,10 @@ from ckptstore.manager.functions import (
 from ckptstore.store import ObjectMeta, Store, open_store, register_backend
 
 __version__ = "0.1.0"
+
+# ckptstore says what it did on its loggers (docs/reference.md, "Logging"); an application
+# that configures none sees nothing, not even logging's last-resort output.
+logging.getLogger("ckptstore").addHandler(logging.NullHandler())
 
 __all__ = [
     "AlreadyExistsError",

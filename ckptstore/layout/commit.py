@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -61,6 +62,7 @@ from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import acrc32c, as_uint8, crc32c, in_hash_thread
 from ckptstore.store.fanout import gather_all
+from ckptstore.store.transport import store_logger
 
 __all__ = [
     "Attempt",
@@ -81,6 +83,9 @@ __all__ = [
     "write_checkpoint",
     "write_objects",
 ]
+
+#: One INFO record per save (docs/reference.md, "Logging"), redacted like every record.
+_log = store_logger("ckptstore.save")
 
 #: Tries of the manifest put when the store reports a transient failure.
 MANIFEST_PUT_TRIES = 3
@@ -611,7 +616,7 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         await remove_objects(store, attempt.prefix)
         raise
     referenced = manifest.references()
-    return CommitInfo(
+    info = CommitInfo(
         attempt.step,
         attempt.id,
         len(manifest.object_keys) - len(referenced),
@@ -621,6 +626,20 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         manifest.referenced_bytes,
         tuple(sorted(manifest.referenced_attempts())),
     )
+    if _log.isEnabledFor(logging.INFO):
+        seconds = max(time.time() - attempt.started, 0.0)
+        _log.info(
+            "saved step %d to %s: %d objects, %.1f MiB written (%.1f MiB referenced) in "
+            "%.2f s, %.1f MiB/s",
+            info.step,
+            store.url,
+            info.objects,
+            info.nbytes / 2**20,
+            info.referenced_bytes / 2**20,
+            seconds,
+            info.nbytes / 2**20 / max(seconds, 1e-6),
+        )
+    return info
 
 
 async def commit_manifest(

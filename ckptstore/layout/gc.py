@@ -38,8 +38,12 @@ from ckptstore.layout.keys import ATTEMPT_RE, attempt_time, parse_step, step_pre
 from ckptstore.layout.lease import LEASE_NAME, lease_expiry
 from ckptstore.layout.references import RECORD_NAME, reclaim
 from ckptstore.store.base import Store
+from ckptstore.store.transport import store_logger
 
 __all__ = ["GCReport", "collect_garbage"]
+
+#: One INFO record per gc (docs/reference.md, "Logging"), redacted like every record.
+_log = store_logger("ckptstore.gc")
 
 
 @dataclass(slots=True)
@@ -130,6 +134,20 @@ async def collect_garbage(
     margin = store.settings.save_lease_seconds / 4
     older_than = min(cutoff, oldest_kept - margin)
     report.stale_writes = await store.remove_stale_writes("", older_than=older_than)
+    _log.info(
+        "gc of %s (grace %g s): removed %d abandoned attempts (%d objects) and %d stale "
+        "writes, reclaimed %d attempts of deleted steps; kept %d recent, %d referenced; "
+        "%d invalid steps left alone",
+        store.url,
+        grace,
+        len(report.removed),
+        report.removed_objects,
+        report.stale_writes,
+        len(report.reclaimed),
+        len(report.kept_recent),
+        len(report.kept_referenced),
+        len(report.invalid_steps),
+    )
     return report
 
 

@@ -61,6 +61,10 @@ from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import crc32c, crc32c_combine, in_hash_thread
 from ckptstore.store.transfer import copy_object
+from ckptstore.store.transport import store_logger
+
+#: One INFO record per copy (docs/reference.md, "Logging"), redacted like every record.
+_log = store_logger("ckptstore.copy")
 
 __all__ = [
     "CopyReport",
@@ -517,6 +521,7 @@ async def copy_step(
             committed.
         CommitConflictError: ``dst`` already holds a different checkpoint at ``step``.
     """
+    began = time.monotonic()
     manifest = await read_manifest(src, step)
     try:
         existing: Manifest | None = await read_manifest(dst, step)
@@ -551,6 +556,17 @@ async def copy_step(
             raise
         lease.check()
         await commit_manifest(dst, copied)
+    seconds = time.monotonic() - began
+    _log.info(
+        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, in %.2f s, %.1f MiB/s",
+        step,
+        src.url,
+        dst.url,
+        len(copied.object_keys),
+        copied.nbytes / 2**20,
+        seconds,
+        copied.nbytes / 2**20 / max(seconds, 1e-6),
+    )
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
 
 

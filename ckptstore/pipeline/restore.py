@@ -44,6 +44,8 @@ leaves' arrays are in the selection.
 from __future__ import annotations
 
 import bisect
+import logging
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,6 +70,10 @@ from ckptstore.stage.stager import (
 )
 from ckptstore.stage.tree import expand
 from ckptstore.store.base import Store
+from ckptstore.store.transport import store_logger
+
+#: One INFO record per restore (docs/reference.md, "Logging"), redacted like every record.
+_log = store_logger("ckptstore.restore")
 
 __all__ = [
     "LeafRestore",
@@ -267,6 +273,7 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
             ``into`` the step lacks.
         CorruptCheckpointError: the manifest or any byte read fails verification.
     """
+    began = time.monotonic()
     selection = await select_step(store, step, asked)
     manifest = selection.manifest
     fill: dict[int, np.ndarray[Any, Any]] = {}
@@ -280,6 +287,20 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
                 )
             fill[index[path]] = array
     await read_selected(store, selection, into=fill)
+    if _log.isEnabledFor(logging.INFO):
+        seconds = time.monotonic() - began
+        nbytes = sum(int(a.nbytes) for a in selection.arrays.values() if hasattr(a, "nbytes"))
+        _log.info(
+            "restored step %d from %s: %d of %d leaves, %.1f MiB read and verified in %.2f s, "
+            "%.1f MiB/s",
+            manifest.step,
+            store.url,
+            len(selection.leaves),
+            len(manifest.paths),
+            nbytes / 2**20,
+            seconds,
+            nbytes / 2**20 / max(seconds, 1e-6),
+        )
     return selection
 
 

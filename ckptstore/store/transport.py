@@ -41,6 +41,7 @@ import random
 import re
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -460,6 +461,7 @@ class Transport:
         server raises :class:`Unreachable` instead.
         """
         attempt = 0
+        began = time.monotonic()
         while True:
             attempt += 1
             try:
@@ -477,6 +479,9 @@ class Transport:
                 await self.pause(attempt)
                 continue
             self.contacted = True
+            if self._log.isEnabledFor(logging.DEBUG):
+                tries = f" after {attempt} tries" if attempt > 1 else ""
+                self._log.debug("%s: done in %.3f s%s", what, time.monotonic() - began, tries)
             return result
 
 
