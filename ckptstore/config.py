@@ -85,6 +85,14 @@ class Settings:
             this many seconds, and garbage collection never removes an attempt whose lease
             has not expired, whatever its grace period; a save whose lease lapsed refuses to
             commit (see ``ckptstore.layout.lease``).
+        request_deadline: seconds one request to an object store (S3, GCS, fsspec) may take
+            in all, its retries and the pauses between them included, before it fails with
+            :class:`~ckptstore.errors.DeadlineExceededError`. The backends' own timeouts
+            (``connect_timeout``, ``read_timeout`` on S3) bound each try's connect and each
+            wait for a byte; this bounds the whole, so a server that trickles one byte a
+            second cannot hold a save or a restore for hours. A request moves at most one
+            part (``part_size``) or range, so the default leaves 32 MiB more than 10 s at
+            under 1 MiB/s.
         incremental: saves record an xxh3-128 hash of every leaf and write only the leaves
             that changed since the newest committed step, referencing that step's objects
             for the rest (docs/format.md, "Incremental saves"). Costs one hashing pass over
@@ -111,6 +119,7 @@ class Settings:
     chunk_block_size: int = 1 << 20
     gc_grace_seconds: int = 6 * 3600
     save_lease_seconds: int = 120
+    request_deadline: float = 300.0
     incremental: bool = True
 
     def __post_init__(self) -> None:
@@ -135,6 +144,10 @@ class Settings:
                 "Settings.retry_delay and Settings.retry_max_delay must satisfy "
                 f"0 <= retry_delay <= retry_max_delay, got {self.retry_delay} and "
                 f"{self.retry_max_delay}"
+            )
+        if not self.request_deadline > 0:
+            raise ValueError(
+                f"Settings.request_deadline must be > 0 seconds, got {self.request_deadline}"
             )
         if self.pack_size <= 0 or self.leaf_alignment <= 0:
             raise ValueError("Settings.pack_size and Settings.leaf_alignment must be > 0")

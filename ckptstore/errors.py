@@ -19,6 +19,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     ├── MissingDependencyError (ImportError)        an optional client library is not installed
     ├── TornSnapshotError      (RuntimeError)       a lazy snapshot's source changed before its copy
     └── StoreError             (OSError)            the backend failed after its retries
+        └── DeadlineExceededError (TimeoutError)    a request got no complete answer in time
 
 Backends translate their client's exceptions into this tree in one table each; messages name
 the URL or key and say what to do next, and never carry credentials or signed query strings:
@@ -36,6 +37,7 @@ __all__ = [
     "CkptStoreError",
     "CommitConflictError",
     "CorruptCheckpointError",
+    "DeadlineExceededError",
     "InvalidKeyError",
     "InvalidRangeError",
     "InvalidURLError",
@@ -142,3 +144,10 @@ class TornSnapshotError(CkptStoreError, RuntimeError):
 
 class StoreError(CkptStoreError, OSError):
     """A backend request failed after retries (network, permissions, server errors)."""
+
+
+class DeadlineExceededError(StoreError, TimeoutError):
+    """A request to a store got no complete answer within its deadline
+    (``Settings.request_deadline``), its retries and the pauses between them included: a
+    server that accepts and never answers, answers a byte at a time, or stops mid-body. The
+    message names the operation, the URL and the deadline."""

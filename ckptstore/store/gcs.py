@@ -140,7 +140,11 @@ class GCSStore(base.Store):
         project: the Google Cloud project (billing for requester-pays buckets).
         endpoint_url: ``http(s)://host:port`` of an emulator or private endpoint.
         requester_pays: bill requests to ``project`` on requester-pays buckets.
-        request_timeout: seconds one request may take in total (``None``: no limit).
+        request_timeout: seconds one try of a request may take in total (``None``: no limit
+            but ``Settings.request_deadline``, which bounds all tries together).
+        connect_timeout: seconds to connect.
+        read_timeout: seconds to wait for the first byte of an answer, and for each next
+            chunk of it.
         session_kwargs: passed to ``aiohttp.ClientSession`` (proxies, connector).
         settings: tunables, the retry policy among them (``retry_attempts``, ``retry_delay``,
             ``retry_max_delay``); see :class:`~ckptstore.config.Settings`. ``from_url`` still
@@ -162,6 +166,8 @@ class GCSStore(base.Store):
         endpoint_url: str | None = None,
         requester_pays: bool | str = False,
         request_timeout: float | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
         session_kwargs: dict[str, Any] | None = None,
         scheme: str = "gs",
         settings: Settings | None = None,
@@ -172,7 +178,14 @@ class GCSStore(base.Store):
         self.bucket = bucket
         self._prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self._scheme = scheme
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout)
+        for name, value in (("connect_timeout", connect_timeout), ("read_timeout", read_timeout)):
+            if not value > 0:
+                raise ValueError(f"gcs store: {name} must be > 0 seconds, got {value!r}")
+        # Without sock_connect/sock_read, aiohttp waits forever for a server that accepted
+        # and says nothing: a try gives up as the S3 backend's does (connect, then each read).
+        self._timeout = aiohttp.ClientTimeout(
+            total=request_timeout, sock_connect=connect_timeout, sock_read=read_timeout
+        )
         if endpoint_url is not None:
             endpoint_url = transport.check_endpoint_url(endpoint_url)
         fs_options: dict[str, Any] = {
@@ -217,13 +230,16 @@ class GCSStore(base.Store):
             "endpoint_url",
             "requester_pays",
             "request_timeout",
+            "connect_timeout",
+            "read_timeout",
             "session_kwargs",
         }
         unknown = set(rest) - known
         if unknown:
             raise TypeError(f"gcs store: unknown options {sorted(unknown)}; known: {sorted(known)}")
-        if isinstance(rest.get("request_timeout"), str):
-            rest["request_timeout"] = float(rest["request_timeout"])
+        for name in ("request_timeout", "connect_timeout", "read_timeout"):
+            if isinstance(rest.get(name), str):
+                rest[name] = float(rest[name])
         if isinstance(rest.get("requester_pays"), str) and rest["requester_pays"].lower() in {
             "1",
             "0",
@@ -313,6 +329,8 @@ class GCSStore(base.Store):
 
         try:
             return await self._transport.run(attempt, transient=_transient, what=what)
+        except errors.DeadlineExceededError:
+            raise  # said already, with the deadline
         except (_Transient, aiohttp.ClientError, TimeoutError) as exc:
             raise self._gave_up(exc, what) from None
 

@@ -458,8 +458,34 @@ class Transport:
 
         The last failure is raised as it is (the backend translates it); it carries the
         number of attempts made, for :func:`attempts_made`. A first contact that finds no
-        server raises :class:`Unreachable` instead.
+        server raises :class:`Unreachable` instead. The tries and the pauses between them
+        share one deadline (``Settings.request_deadline``): past it, the try in flight is
+        cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised.
         """
+        limit = self._settings().request_deadline
+        tries: list[BaseException] = []
+        timeout = asyncio.timeout(limit)
+        try:
+            async with timeout:
+                return await self._tries(request, transient, what, tries)
+        except TimeoutError:
+            if not timeout.expired():
+                raise  # a timeout of the client's own, raised by the last try
+            last = f"; the last try failed with {tries[-1]}" if tries else ""
+            raise errors.DeadlineExceededError(
+                f"{what}: no complete answer within the request deadline of {limit:g} s "
+                f"(Settings.request_deadline) after {len(tries) + 1} tries{last}; the "
+                f"server at {self.endpoint} accepts but does not answer, or answers too "
+                "slowly"
+            ) from None
+
+    async def _tries(
+        self,
+        request: Callable[[], Awaitable[_T]],
+        transient: Callable[[BaseException], bool],
+        what: str,
+        failures: list[BaseException],
+    ) -> _T:
         attempt = 0
         began = time.monotonic()
         while True:
@@ -475,6 +501,7 @@ class Transport:
                 if attempt >= attempts or not transient(exc):
                     exc.ckptstore_attempts = attempt  # type: ignore[attr-defined]
                     raise
+                failures.append(exc)
                 self._log.debug("%s: %s, retry %d of %d", what, exc, attempt, attempts - 1)
                 await self.pause(attempt)
                 continue

@@ -21,6 +21,12 @@ seeded random share of them, fail the way real networks and object stores fail:
                      connection closed, as when a commit succeeds and its reply is lost
 ``"strip_header"``   forwarded without the request header ``header`` (a server that ignores
                      a condition such as ``If-None-Match``)
+``"stall"``          read and not forwarded; never answered, the connection held open and
+                     silent until the client gives up (a server that accepts and hangs)
+``"trickle"``        forwarded; the response head is sent, then its body one byte every
+                     ``seconds`` (a server or link that answers one byte a second)
+``"stall_body"``     forwarded; the head and ``nbytes`` of the body (or half of it) are sent,
+                     then nothing more, the connection held open (a body that stops)
 ===================  ==========================================================================
 
 One proxy serves both object-store dialects: ``dialect="s3"`` (the default) names requests
@@ -65,7 +71,18 @@ __all__ = [
 
 #: The damage a rule can do besides answering with an error status (any 4xx or 5xx, given as
 #: its digits, such as ``"503"``).
-FAULT_KINDS = ("503", "500", "reset", "truncate", "corrupt", "drop_response", "strip_header")
+FAULT_KINDS = (
+    "503",
+    "500",
+    "reset",
+    "truncate",
+    "corrupt",
+    "drop_response",
+    "strip_header",
+    "stall",
+    "trickle",
+    "stall_body",
+)
 
 Dialect = Literal["s3", "gcs"]
 
@@ -159,6 +176,7 @@ class ProxyFault:
         nbytes: for ``reset`` and ``truncate``, bytes of the response body sent before the
             cut (``None``: half of the body).
         header: for ``strip_header``, the request header to remove (case-insensitive).
+        seconds: for ``trickle``, the pause before each byte of the body.
     """
 
     kind: str
@@ -171,6 +189,7 @@ class ProxyFault:
     body: bytes | None = None
     nbytes: int | None = None
     header: str = "if-none-match"
+    seconds: float = 1.0
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS and not _is_status(self.kind):
@@ -311,6 +330,13 @@ def _with_length(head: bytes, length: int) -> bytes:
     """``head`` with its framing replaced by a Content-Length (for a body we rewrite)."""
     head = _without_header(_without_header(head, "transfer-encoding"), "content-length")
     return head + b"\r\nContent-Length: " + str(length).encode()
+
+
+async def _hold(reader: asyncio.StreamReader) -> None:
+    """Say nothing until the client closes the connection (or the proxy stops)."""
+    with contextlib.suppress(ConnectionError, OSError):
+        while await reader.read(1 << 16):
+            pass
 
 
 def _reset(writer: asyncio.StreamWriter) -> None:
@@ -525,6 +551,9 @@ class FaultProxy(Stoppable):
                 if kind == "reset" and body:
                     _reset(writer)
                     return
+                if kind == "stall":
+                    await _hold(reader)
+                    return
                 if fault is not None and kind == "strip_header":
                     request.head = _without_header(request.head, fault.header.lower())
                 if upstream is None:
@@ -539,6 +568,9 @@ class FaultProxy(Stoppable):
                     if not await self._damage(writer, response, fault):
                         return
                     continue
+                if fault is not None and kind in ("trickle", "stall_body"):
+                    await self._slow(reader, writer, response, fault)
+                    return
                 writer.write(response.head + b"\r\n\r\n" + response.body)
                 await writer.drain()
                 closes = "close" in response.headers.get("connection", "").lower()
@@ -568,6 +600,31 @@ class FaultProxy(Stoppable):
         closes = "close" in headers.get("connection", "").lower()
         body = b"" if no_body else await _read_body(up_reader, headers, until_eof=closes)
         return _Message(head, headers, body)
+
+    @staticmethod
+    async def _slow(
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        response: _Message,
+        fault: ProxyFault,
+    ) -> None:
+        """Send ``response`` a byte at a time (``trickle``) or stop part-way and hold the
+        connection (``stall_body``), until the body ends or the client gives up."""
+        payload = _dechunk(response.body) if _is_chunked(response.headers) else response.body
+        writer.write(_with_length(response.head, len(payload)) + b"\r\n\r\n")
+        if fault.kind == "stall_body":
+            cut = fault.nbytes if fault.nbytes is not None else len(payload) // 2
+            writer.write(payload[:cut])
+            await writer.drain()
+            await _hold(reader)
+            return
+        for at in range(len(payload)):
+            await writer.drain()
+            await asyncio.sleep(fault.seconds)
+            if writer.is_closing() or reader.at_eof():
+                return
+            writer.write(payload[at : at + 1])
+        await writer.drain()
 
     @staticmethod
     async def _damage(writer: asyncio.StreamWriter, response: _Message, fault: ProxyFault) -> bool:

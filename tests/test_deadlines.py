@@ -1,0 +1,143 @@
+"""Nothing hangs (issue 30): a server that accepts and never answers, answers one byte a
+second, or stops mid-body fails the request within ``Settings.request_deadline`` plus 10%,
+with a DeadlineExceededError naming the operation, the URL and the deadline; retries share
+that deadline. Tested through the fault proxy on S3 (moto) and GCS (fake-gcs-server)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.config import Settings
+from ckptstore.errors import DeadlineExceededError, StoreError
+from ckptstore.store.registry import open_store
+from ckptstore.testing.proxy import FaultProxy, ProxyFault
+
+#: The deadline the tests give: long against a try on loopback, short for a test.
+DEADLINE = 2.0
+#: The slack the issue allows.
+SLACK = 1.10
+
+#: Each stall, on the read of an object: the proxy's fault and what it does.
+STALLS = {
+    "stall": "accepts the request and never answers",
+    "trickle": "answers one byte a second",
+    "stall_body": "sends half of the body, then nothing",
+}
+
+
+def _store(dialect: str, endpoint: str, bucket: str, **options: Any) -> Any:
+    prefix = f"t-{uuid.uuid4().hex[:12]}"
+    if dialect == "s3":
+        return open_store(f"s3://{bucket}/{prefix}", endpoint_url=endpoint, **options)
+    return open_store(f"gs://{bucket}/{prefix}", endpoint_url=endpoint, token="anon", **options)
+
+
+@pytest.fixture(params=[pytest.param("s3", marks=pytest.mark.s3), pytest.param("gcs")])
+def server(request: pytest.FixtureRequest) -> tuple[str, str, str, dict[str, Any]]:
+    """``(dialect, endpoint, bucket, options)`` of a real server."""
+    if request.param == "s3":
+        moto = request.getfixturevalue("moto_s3")
+        return "s3", moto.endpoint, moto.bucket, {"region": moto.region}
+    fake = request.getfixturevalue("fake_gcs")
+    return "gcs", fake.endpoint, request.getfixturevalue("gcs_bucket"), {}
+
+
+@pytest.mark.gcs
+@pytest.mark.parametrize("kind", list(STALLS))
+async def test_a_stalled_read_fails_within_its_deadline(
+    server: tuple[str, str, str, dict[str, Any]], kind: str
+) -> None:
+    dialect, endpoint, bucket, options = server
+    body = np.random.default_rng(0).integers(0, 255, 64 << 10, dtype=np.uint8).tobytes()
+    read = frozenset({"get"} if dialect == "s3" else {"download"})
+    with FaultProxy(endpoint, dialect=dialect) as proxy:  # type: ignore[arg-type]
+        store = _store(
+            dialect, proxy.endpoint, bucket, request_deadline=DEADLINE, retry_delay=0.01, **options
+        )
+        async with store:
+            await store.put("obj", body)
+            proxy.set_faults([ProxyFault(kind, ops=read)])  # every try of the read stalls
+            began = time.monotonic()
+            with pytest.raises(DeadlineExceededError) as raised:
+                await store.get("obj")
+            took = time.monotonic() - began
+            proxy.set_faults([])
+            assert await store.get("obj") == body  # the store is still usable
+    assert took <= DEADLINE * SLACK, f"{kind}: {took:.2f} s"
+    message = str(raised.value)
+    assert f"request deadline of {DEADLINE:g} s (Settings.request_deadline)" in message
+    assert store.url.split("://")[0] in message
+    assert "/obj" in message
+    assert isinstance(raised.value, TimeoutError)
+    assert isinstance(raised.value, StoreError)
+
+
+@pytest.mark.s3
+async def test_retries_stop_at_the_deadline_with_the_last_failure_named(moto_s3: Any) -> None:
+    """A server answering 503 to every try would be retried 10 times with pauses of up to
+    5 s; the deadline cuts the tries and the pauses short and names the last failure."""
+    with FaultProxy(moto_s3.endpoint, [ProxyFault("503", ops=frozenset({"get"}))]) as proxy:
+        store = _store(
+            "s3",
+            proxy.endpoint,
+            moto_s3.bucket,
+            region=moto_s3.region,
+            request_deadline=1.0,
+            retry_attempts=1000,
+            retry_delay=0.2,
+            retry_max_delay=0.2,
+        )
+        async with store:
+            await store.put("obj", b"x")
+            began = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match="the last try failed with"):
+                await store.get("obj")
+            assert time.monotonic() - began <= 1.0 * SLACK
+            assert 3 <= proxy.injected["503"] <= 8  # tries 0.2 s apart, then the deadline
+
+
+@pytest.mark.s3
+def test_a_load_through_a_stalling_server_names_the_deadline(moto_s3: Any) -> None:
+    state = {"w": np.arange(1 << 16, dtype=np.float32)}
+    with FaultProxy(moto_s3.endpoint) as proxy:
+        url = f"s3://{moto_s3.bucket}/deadline-{uuid.uuid4().hex[:8]}"
+        options = {"endpoint_url": proxy.endpoint, "region": moto_s3.region}
+        ckptstore.save(url, state, step=1, **options)
+        proxy.set_faults([ProxyFault("stall_body", ops=frozenset({"get"}), path="/1/attempt-")])
+        began = time.monotonic()
+        with pytest.raises(DeadlineExceededError, match=r"read s3://.*/1/attempt-"):
+            ckptstore.load(url, request_deadline=DEADLINE, **options)
+        assert time.monotonic() - began <= DEADLINE * SLACK + 1.0  # + the manifest's reads
+
+
+@pytest.mark.gcs
+async def test_gcs_gives_up_on_a_silent_server_at_its_read_timeout(
+    fake_gcs: Any, gcs_bucket: str
+) -> None:
+    """aiohttp without sock_read waited for a silent server until request_deadline (or for
+    ever, before it): a try now gives up at read_timeout, as on S3."""
+    with FaultProxy(fake_gcs.endpoint, dialect="gcs") as proxy:
+        store = _store("gcs", proxy.endpoint, gcs_bucket, read_timeout=1.0, retry_attempts=1)
+        async with store:
+            await store.put("obj", b"x" * 1000)
+            proxy.set_faults([ProxyFault("stall", ops=frozenset({"download"}))])
+            began = time.monotonic()
+            with pytest.raises(StoreError, match="did not answer in time") as raised:
+                await store.get("obj")
+            assert time.monotonic() - began <= 1.0 * SLACK + 0.2
+            assert not isinstance(raised.value, DeadlineExceededError)
+    with pytest.raises(ValueError, match="read_timeout must be > 0"):
+        _store("gcs", fake_gcs.endpoint, gcs_bucket, read_timeout=0)
+
+
+def test_the_deadline_is_a_setting_with_a_default_and_refuses_nonsense() -> None:
+    assert Settings().request_deadline == 300.0
+    assert Settings().replace(request_deadline="45s").request_deadline == 45.0
+    with pytest.raises(ValueError, match="request_deadline must be > 0"):
+        Settings(request_deadline=0)
