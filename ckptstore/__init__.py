@@ -9,6 +9,7 @@ import logging
 from ckptstore.config import Settings, default_settings
 from ckptstore.errors import (
     AlreadyExistsError,
+    BucketNotFoundError,
     CheckpointFormatError,
     CkptStoreError,
     CommitConflictError,
@@ -78,6 +79,7 @@ __all__ = [
     "recover_step",
     "rollback",
     "save",
+    "BucketNotFoundError",
     "CheckpointFormatError",
     "CkptStoreError",
     "CommitConflictError",

@@ -8,6 +8,7 @@ against plain files keeps working (``except FileNotFoundError`` catches a missin
     ├── InvalidURLError        (ValueError)         a URL no backend can open
     ├── InvalidRangeError      (ValueError)         a byte range outside its object
     ├── NotFoundError          (FileNotFoundError)  a key, step or bucket that does not exist
+    │   └── BucketNotFoundError                     the bucket a URL names does not exist
     ├── AlreadyExistsError     (FileExistsError)    put-if-absent found the key present
     │   └── CommitConflictError                     another attempt committed this step first
     ├── CorruptCheckpointError (ValueError)         bytes or a manifest fail verification
@@ -33,6 +34,7 @@ from __future__ import annotations
 __all__ = [
     "AlreadyExistsError",
     "BrokenReferenceError",
+    "BucketNotFoundError",
     "CheckpointFormatError",
     "CkptStoreError",
     "CommitConflictError",
@@ -79,6 +81,11 @@ class InvalidRangeError(CkptStoreError, ValueError):
 
 class NotFoundError(CkptStoreError, FileNotFoundError):
     """A key, step or bucket does not exist."""
+
+
+class BucketNotFoundError(NotFoundError):
+    """The bucket a URL names does not exist: no key or step under it can be found, and
+    the message says so instead of naming the key or step asked for."""
 
 
 class AlreadyExistsError(CkptStoreError, FileExistsError):

@@ -39,6 +39,7 @@ import numpy as np
 from ckptstore.errors import (
     AlreadyExistsError,
     BrokenReferenceError,
+    BucketNotFoundError,
     CommitConflictError,
     CorruptCheckpointError,
     NotFoundError,
@@ -717,6 +718,8 @@ async def read_manifest(store: Store, step: int) -> Manifest:
                 "(Settings.manifest_max_bytes); not reading it"
             )
         data = await store.get(key)
+    except BucketNotFoundError:
+        raise  # not the step: nothing under the URL can be found
     except NotFoundError:
         raise NotFoundError(f"{store.url}: step {step} is not committed (no {key})") from None
     return Manifest.parse(data, step=step, max_bytes=cap, source=f"{store.url}/{key}")

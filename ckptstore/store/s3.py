@@ -543,11 +543,23 @@ class S3Store(base.Store):
         tries = transport.attempts_made(exc)
         if isinstance(exc, bx.ClientError):
             code, status = _error_code(exc)
+            if op == "list" and status >= 400 and code == str(status):
+                # Every S3 server answers a failed ListObjectsV2 with an XML error document
+                # (NoSuchBucket, AccessDenied...); botocore names the error by its status only
+                # when there was none: a web server, SeaweedFS's filer or master port.
+                return transport.NotAnEndpoint(
+                    f"{op} {where}: {self._transport.endpoint} answered HTTP {status} without "
+                    "an S3 error document: it does not look like an S3 API endpoint (a "
+                    "filer, master or web port?); check endpoint_url (SeaweedFS: the "
+                    "-s3.port, 8333 by default)"
+                )
             entry = _ERROR_TABLE.lookup(code, status)
             message = str(exc.response.get("Error", {}).get("Message", "") or "")
             if entry is not None:
                 if code == "NoSuchBucket" or (entry.error is errors.NotFoundError and op == "list"):
-                    return entry.error(f"{op} {where}: bucket {self.bucket!r}: {entry.hint}")
+                    return errors.BucketNotFoundError(
+                        f"{op} {where}: bucket {self.bucket!r}: {entry.hint}"
+                    )
                 return entry.error(f"{op} {where}: {entry.hint} ({code or status})")
             return errors.StoreError(
                 f"{op} {where} failed after {tries} attempt(s): HTTP {status} {code}: "
@@ -1017,7 +1029,7 @@ class S3Store(base.Store):
             await client.head_bucket(Bucket=self.bucket)
         except bx.ClientError as exc:
             if _error_code(exc)[1] == 404:
-                raise errors.NotFoundError(
+                raise errors.BucketNotFoundError(
                     f"{self._where(key)}: bucket {self.bucket!r} does not exist at "
                     f"{self.endpoint_url or 'AWS S3'}; create it or fix the URL"
                 ) from None

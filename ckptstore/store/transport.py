@@ -390,6 +390,24 @@ def wire_failure(exc: BaseException) -> WireFailure | None:
     return found
 
 
+def speaks_no_http(exc: BaseException) -> bool:
+    """Whether ``exc`` shows that the server answered with something that is not HTTP/1.x:
+    the binary frames of an HTTP/2-only or gRPC port (aiohttp: ``Bad status line ... Expected
+    HTTP/``)."""
+    for cause in _causes(exc):
+        text = str(cause)
+        if type(cause).__name__ == "BadStatusLine" or (
+            "Bad status line" in text and "Expected HTTP/" in text
+        ):
+            return True
+    return False
+
+
+class NotAnEndpoint(errors.StoreError):
+    """The endpoint answered, but not as the store's API does (binary frames of a gRPC port,
+    a 404 without the API's error document): raised at once, without retries."""
+
+
 class Unreachable(errors.StoreError):
     """A store's first request found no server: nothing listens at the endpoint, or its host
     name does not resolve. Raised at once, without retries."""
@@ -439,7 +457,14 @@ class Transport:
 
     def check_reachable(self, exc: BaseException, what: str) -> None:
         """Raise :class:`Unreachable` if ``exc`` shows the server was never reached on this
-        store's first contact."""
+        store's first contact, :class:`NotAnEndpoint` if it answered in something other than
+        HTTP (at any time: no retry makes a gRPC port speak HTTP/1.1)."""
+        if speaks_no_http(exc):
+            raise NotAnEndpoint(
+                f"{what}: {self.endpoint} does not answer in HTTP/1.1 (it sent binary frames, "
+                "as a gRPC or HTTP/2-only port does): it is not the object store's API "
+                "endpoint; check endpoint_url (SeaweedFS: the -s3.port, 8333 by default)"
+            ) from None
         failure = wire_failure(exc)
         if not self.contacted and failure is not None and failure.never_connected:
             raise Unreachable(
