@@ -421,7 +421,12 @@ async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | Ckpt
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import retained_records, summarize_step, total_stored
+    from ckptstore.layout.maintenance import (
+        retained_records,
+        summarize_step,
+        total_stored,
+        uncommitted,
+    )
     from ckptstore.manager.functions import alist_steps
 
     if args.local is not None:
@@ -431,6 +436,9 @@ async def _ls(args: argparse.Namespace) -> Outcome:
         manifests = await _manifests(store, steps)
         valid = [m for m in manifests if not isinstance(m, CkptStoreError)]
         totals = total_stored(valid, await retained_records(store, valid))
+        # an invalid step's attempts are not counted as uncommitted: gc leaves them alone
+        invalid_steps = [s for s, m in zip(steps, manifests, strict=True) if m not in valid]
+        loose = await uncommitted(store, valid, skip_steps=invalid_steps)
         url = store.url
     rows: list[dict[str, Any]] = []
     table: list[tuple[object, ...]] = []
@@ -450,7 +458,26 @@ async def _ls(args: argparse.Namespace) -> Outcome:
             text += f" ({_MEMORY_NOTE})"
     else:
         text = "\n".join([render_table(_LS_HEADERS, table), _totals_line(totals), *invalid])
-    return Outcome({"url": url, "steps": rows, "total": dataclasses.asdict(totals)}, text)
+    if loose.attempts:
+        text += (
+            f"\nuncommitted: {format_bytes(loose.nbytes)} in "
+            f"{count(loose.objects, 'object')} of {count(len(loose.attempts), 'attempt')} "
+            "(saves or copies in progress, interrupted or failed, and steps set aside); "
+            "'ckptstore gc' removes those whose owner is gone or that were idle for the grace "
+            "period"
+        )
+    if loose.set_aside:
+        text += (
+            f"\nset aside by a roll-back: {step_list(loose.set_aside)} (recoverable with "
+            "ckptstore.recover_step until gc removes them)"
+        )
+    data = {
+        "url": url,
+        "steps": rows,
+        "total": dataclasses.asdict(totals),
+        "uncommitted": dataclasses.asdict(loose),
+    }
+    return Outcome(data, text)
 
 
 #: ``size`` is what a restore of the step reads: its ``own`` objects plus the objects of
@@ -1292,6 +1319,40 @@ def error_message(exc: BaseException) -> str | None:
     return _setup_error(exc)
 
 
+class Terminated(KeyboardInterrupt):
+    """The command was stopped by SIGTERM (a scheduler, ``kill``, a container stop): it
+    unwinds as an interrupt does, removing what it had begun, and exits with status 143."""
+
+
+async def _terminable(work: Coroutine[Any, Any, _T]) -> _T:
+    """``await work``, with SIGTERM cancelling it as asyncio's SIGINT handling does, so the
+    command's cleanup (an interrupted ``cp`` removing its attempt) runs either way."""
+    import signal
+
+    task = asyncio.current_task()
+    assert task is not None
+    loop = asyncio.get_running_loop()
+    terminated = False
+
+    def on_sigterm() -> None:
+        nonlocal terminated
+        terminated = True
+        task.cancel()
+
+    try:
+        loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, Windows
+        return await work
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+
+
 @dataclass
 class Failure:
     """The exit status :func:`reporting_errors` chose, or None if the work succeeded."""
@@ -1308,6 +1369,9 @@ def reporting_errors(prog: str) -> Iterator[Failure]:
     failure = Failure()
     try:
         yield failure
+    except Terminated:
+        print(f"{prog}: terminated", file=sys.stderr)
+        failure.status = 128 + 15
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         failure.status = 130
@@ -1329,7 +1393,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
     command: Command = args.func
     with reporting_errors(f"ckptstore {args.command}") as failure:
-        outcome = asyncio.run(command(args))
+        outcome = asyncio.run(_terminable(command(args)))
     if failure.status is not None:
         return failure.status
     try:

@@ -8,9 +8,13 @@ prefix when all of these hold:
 * its step has no manifest, or the step's manifest names a different attempt (read again
   right before deleting, so an attempt that committed meanwhile is kept);
 * it has been idle for longer than the grace period: its id's start time, the newest of its
-  objects and the expiry of its save's lease (:mod:`ckptstore.layout.lease`) are all older.
-  A running save renews its lease, so its attempt is never removed, whatever grace period the
-  collector was given, and a save whose lease lapsed refuses to commit.
+  objects and the expiry of its save's lease (:mod:`ckptstore.layout.lease`) are all older;
+  or its owner is gone: it holds a lease that expired (by more than a quarter of a lease
+  period, for clocks that disagree) and was never released, as a killed save's or copy's
+  is. A running save renews its lease, so its attempt is never removed, whatever grace
+  period the collector was given, and a save whose lease lapsed refuses to commit; so an
+  attempt whose lease expired can never commit, and nothing is gained by waiting for the
+  grace period (an interrupted ``ckptstore cp`` of 300 MiB used to stay for 6 hours).
 
 An attempt that holds ``committed.json`` is a committed attempt whose step was deleted while
 later steps referenced its objects (:mod:`ckptstore.layout.references`); no grace period
@@ -106,7 +110,7 @@ async def collect_garbage(
         keep = await _committed_attempt(store, step)
         if keep is not _INVALID:
             doomed, kept_start = await _idle_attempts(
-                store, prefix, attempts, keep, cutoff, report, retired
+                store, prefix, attempts, keep, cutoff, now, report, retired
             )
             oldest_kept = min(oldest_kept, kept_start)
             if doomed:
@@ -157,6 +161,7 @@ async def _idle_attempts(
     attempts: list[str],
     keep: str | None,
     cutoff: float,
+    now: float,
     report: GCReport,
     retired: list[str],
 ) -> tuple[dict[str, list[str]], float]:
@@ -180,10 +185,13 @@ async def _idle_attempts(
             continue
         signs = [started, *(m.last_modified for m in objects if m.last_modified is not None)]
         lease_key = attempt_dir + LEASE_NAME
+        owner_gone = False
         if any(meta.key == lease_key for meta in objects):
             expires = await lease_expiry(store, lease_key)
             signs += [] if expires is None else [expires]
-        if max(signs) > cutoff:
+            skew = store.settings.save_lease_seconds / 4
+            owner_gone = expires is not None and expires + skew < now
+        if max(signs) > cutoff and not owner_gone:
             report.kept_recent.append(attempt_dir)
             oldest_kept = min(oldest_kept, started)
             continue

@@ -89,9 +89,20 @@ class SaveLease:
             StoreError: the first lease could not be written (so no data is written either).
         """
         lease = cls(store, step, attempt)
-        await lease._renew()
+        try:
+            await lease._renew()
+        except BaseException:
+            # Interrupted: a local write may still land the lease after this; remove it
+            # once the write has ended, so an interrupted save or copy leaves nothing.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(lease._remove())
+            raise
         lease._task = asyncio.create_task(lease._keep(), name=f"ckptstore lease {lease.key}")
         return lease
+
+    async def _remove(self) -> None:
+        await self.store.settle()
+        await self.store.delete([self.key])
 
     async def _renew(self) -> None:
         issued = time.monotonic()

@@ -40,7 +40,7 @@ import contextlib
 import dataclasses
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,10 +52,17 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
-from ckptstore.layout.keys import attempt_prefix, manifest_key, new_attempt_id
+from ckptstore.layout.keys import (
+    ATTEMPT_RE,
+    attempt_prefix,
+    manifest_key,
+    new_attempt_id,
+    parse_step,
+)
 from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.references import attempt_record, check_references
+from ckptstore.layout.references import RECORD_NAME, attempt_record, check_references
+from ckptstore.layout.rollback import SET_ASIDE_NAME
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
@@ -71,12 +78,14 @@ __all__ = [
     "Damage",
     "RootTotals",
     "StepSummary",
+    "Uncommitted",
     "VerifyReport",
     "copy_step",
     "plain_values",
     "retained_records",
     "summarize_step",
     "total_stored",
+    "uncommitted",
     "verify_manifest",
     "verify_step",
 ]
@@ -152,6 +161,59 @@ class RootTotals:
     own_bytes: int
     retained_bytes: int
     steps_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Uncommitted:
+    """What a root holds beside its committed steps: attempts no manifest names (saves and
+    copies in progress, interrupted or failed, steps a roll-back set aside).
+
+    Attributes:
+        attempts: their prefixes (``<step>/<attempt>/``).
+        objects: objects under them.
+        nbytes: bytes of those objects.
+        set_aside: steps set aside by a roll-back, not committed again.
+    """
+
+    attempts: list[str]
+    objects: int
+    nbytes: int
+    set_aside: list[int]
+
+
+async def uncommitted(
+    store: Store, manifests: Sequence[Manifest], *, skip_steps: Collection[int] = ()
+) -> Uncommitted:
+    """The :class:`Uncommitted` data of a root whose committed steps have ``manifests`` (one
+    listing of the root). Attempts of deleted steps kept for their references (they hold
+    ``committed.json``) are committed data, not counted; nor are the attempts of
+    ``skip_steps`` (steps whose manifest fails validation: what it names is unknown)."""
+    named = {attempt_prefix(m.step, m.attempt) for m in manifests}
+    sizes: dict[str, list[int]] = defaultdict(list)
+    records: set[str] = set()
+    aside: set[int] = set()
+    async for meta in store.list():
+        parts = meta.key.split("/")
+        if len(parts) < 3 or parse_step(parts[0]) is None or not ATTEMPT_RE.fullmatch(parts[1]):
+            continue
+        if int(parts[0]) in skip_steps:
+            continue
+        prefix = f"{parts[0]}/{parts[1]}/"
+        if prefix in named:
+            continue
+        if parts[2] == RECORD_NAME:
+            records.add(prefix)
+        if parts[2] == SET_ASIDE_NAME:
+            aside.add(int(parts[0]))
+        sizes[prefix].append(meta.size)
+    attempts = sorted(p for p in sizes if p not in records)
+    committed_steps = {m.step for m in manifests}
+    return Uncommitted(
+        attempts,
+        sum(len(sizes[p]) for p in attempts),
+        sum(sum(sizes[p]) for p in attempts),
+        sorted(aside - committed_steps),
+    )
 
 
 async def retained_records(store: Store, manifests: Sequence[Manifest]) -> list[Manifest]:
@@ -551,8 +613,11 @@ async def copy_step(
             await _copy_objects(src, dst, manifest, copied, progress)
             await _check_copy(dst, copied, progress)
         except BaseException:
+            # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed: the attempt is
+            # removed, after the writes still running in threads end (Store.settle), so
+            # none of them recreates a file once the prefix is gone.
             with contextlib.suppress(Exception):
-                await asyncio.shield(dst.delete_prefix(prefix))
+                await asyncio.shield(_discard(dst, prefix))
             raise
         lease.check()
         await commit_manifest(dst, copied)
@@ -568,6 +633,11 @@ async def copy_step(
         copied.nbytes / 2**20 / max(seconds, 1e-6),
     )
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
+
+
+async def _discard(store: Store, prefix: str) -> None:
+    await store.settle()
+    await store.delete_prefix(prefix)
 
 
 def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:

@@ -660,6 +660,15 @@ class Store(ABC):
         validate_prefix(prefix)
         return 0
 
+    async def settle(self) -> None:  # noqa: B027  (optional hook, not abstract)
+        """Wait until work that callers stopped waiting for has ended.
+
+        A cancelled request may still be running where cancellation cannot reach: a local
+        write in a thread creates its file after its caller was cancelled. Code that cleans
+        up after a cancellation (an interrupted copy removing its attempt) settles first, so
+        nothing it removes reappears. The default has no such work.
+        """
+
     async def close(self) -> None:  # noqa: B027  (optional hook, not abstract)
         """Release clients, pools and threads. The store is unusable afterwards."""
 

@@ -211,6 +211,10 @@ class FsspecStore(base.Store):
     def __repr__(self) -> str:
         return f"FsspecStore({transport.redact_url(self.url)!r}, fs={type(self.fs).__name__})"
 
+    async def settle(self) -> None:
+        # docstring inherited
+        await self._transport.settle()
+
     async def close(self) -> None:
         # docstring inherited
         if self._pool is not None:

@@ -267,6 +267,10 @@ class GCSStore(base.Store):
             max_parts=_MAX_COMPONENTS,
         )
 
+    async def settle(self) -> None:
+        # docstring inherited
+        await self._transport.settle()
+
     async def close(self) -> None:
         # docstring inherited
         if self._session is not None:

@@ -36,6 +36,7 @@ a crash (the writer's pid is in the name).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import errno
 import functools
@@ -254,6 +255,7 @@ class LocalStore(Store):
         super().__init__(settings=settings)
         self._root = os.path.abspath(os.fspath(root))
         self._executor: ThreadPoolExecutor | None = None
+        self._running: set[concurrent.futures.Future[Any]] = set()
         self._direct_ok = True  # cleared when the filesystem refuses O_DIRECT
         self._dir_syncs = _DirectorySyncs()
 
@@ -310,9 +312,16 @@ class LocalStore(Store):
             self._executor = ThreadPoolExecutor(
                 self.settings.io_threads, thread_name_prefix="ckptstore-io"
             )
-        return await asyncio.get_running_loop().run_in_executor(
-            self._executor, functools.partial(fn, *args)
-        )
+        # A thread's work goes on when its caller is cancelled: keep it for settle().
+        work = self._executor.submit(functools.partial(fn, *args))
+        self._running.add(work)
+        work.add_done_callback(self._running.discard)
+        return await asyncio.wrap_future(work)
+
+    async def settle(self) -> None:
+        # docstring inherited
+        while self._running:
+            await asyncio.wait([asyncio.wrap_future(w) for w in list(self._running)])
 
     async def close(self) -> None:
         # docstring inherited

@@ -525,6 +525,10 @@ class S3Store(base.Store):
         self._client = await self._client_cm.__aenter__()
         return self._client
 
+    async def settle(self) -> None:
+        # docstring inherited
+        await self._transport.settle()
+
     async def close(self) -> None:
         # docstring inherited
         self._closed = True

@@ -396,9 +396,10 @@ def speaks_no_http(exc: BaseException) -> bool:
     HTTP/``)."""
     for cause in _causes(exc):
         text = str(cause)
-        if type(cause).__name__ == "BadStatusLine" or (
-            "Bad status line" in text and "Expected HTTP/" in text
-        ):
+        # binary: the frames start with NUL bytes (a stray text line, say the body of an
+        # answer to HEAD that should have had none, is a broken response, not another
+        # protocol)
+        if "Bad status line" in text and "Expected HTTP/" in text and "\\x00" in text:
             return True
     return False
 
@@ -434,6 +435,7 @@ class Transport:
         self.endpoint = redact_url(endpoint)
         self.contacted = False
         self._log = log
+        self._running: set[asyncio.Future[Any]] = set()
 
     @property
     def attempts(self) -> int:
@@ -457,9 +459,9 @@ class Transport:
 
     def check_reachable(self, exc: BaseException, what: str) -> None:
         """Raise :class:`Unreachable` if ``exc`` shows the server was never reached on this
-        store's first contact, :class:`NotAnEndpoint` if it answered in something other than
-        HTTP (at any time: no retry makes a gRPC port speak HTTP/1.1)."""
-        if speaks_no_http(exc):
+        store's first contact, :class:`NotAnEndpoint` if it answered that first contact in
+        something other than HTTP (no retry makes a gRPC port speak HTTP/1.1)."""
+        if not self.contacted and speaks_no_http(exc):
             raise NotAnEndpoint(
                 f"{what}: {self.endpoint} does not answer in HTTP/1.1 (it sent binary frames, "
                 "as a gRPC or HTTP/2-only port does): it is not the object store's API "
@@ -487,6 +489,30 @@ class Transport:
         share one deadline (``Settings.request_deadline``): past it, the try in flight is
         cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised.
         """
+        # A request runs as a task of its own that a cancelled caller does not cancel: an
+        # upload whose body the server has may still create its object, and cleanup after an
+        # interrupt (settle, then delete) must come after it. It ends by its deadline.
+        work = asyncio.ensure_future(self._bounded(request, transient, what))
+        self._running.add(work)
+        work.add_done_callback(self._ended)
+        return await asyncio.shield(work)
+
+    def _ended(self, work: asyncio.Future[Any]) -> None:
+        self._running.discard(work)
+        if not work.cancelled():
+            work.exception()  # retrieved: a caller that was cancelled never will
+
+    async def settle(self) -> None:
+        """Wait until every request in flight has ended, its callers cancelled or not."""
+        while self._running:
+            await asyncio.wait(list(self._running))
+
+    async def _bounded(
+        self,
+        request: Callable[[], Awaitable[_T]],
+        transient: Callable[[BaseException], bool],
+        what: str,
+    ) -> _T:
         limit = self._settings().request_deadline
         tries: list[BaseException] = []
         timeout = asyncio.timeout(limit)

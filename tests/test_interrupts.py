@@ -1,0 +1,164 @@
+"""Interrupted work cleans up (issue 29): ``ckptstore cp`` stopped by Ctrl-C or SIGTERM
+removes its attempt, plain ``ckptstore gc`` removes an attempt whose owner is gone (its lease
+expired) without waiting for the grace period, and ``ckptstore ls`` says how much
+uncommitted data a root holds.
+
+Before: an interrupted cp exited 130 and left 32-300 MiB that ``ls`` did not mention and
+``gc`` kept for 6 hours; SIGTERM killed it with its temp files in place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ckptstore
+from ckptstore.cli.main import main
+from ckptstore.layout.keys import new_attempt_id
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A step of 8 objects of 16 MiB: long enough to copy that a signal lands mid-copy."""
+    root = tmp_path_factory.mktemp("interrupts") / "src"
+    rng = np.random.default_rng(0)
+    state = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(8)}
+    ckptstore.save(root, state, step=1)
+    return root
+
+
+def _files(root: Path) -> list[Path]:
+    return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
+
+
+def _interrupt_cp(src: Path, dst: str, sig: int, started: Any, *options: str) -> tuple[int, str]:
+    """Run ``ckptstore cp src dst``, send ``sig`` once ``started()`` says data is being
+    written, and return the exit status and stderr."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptstore", "cp", str(src), dst, "--no-progress", *options],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 60
+    while not started():
+        assert proc.poll() is None, "cp ended before it was interrupted"
+        assert time.monotonic() < deadline, "cp never started writing"
+        time.sleep(0.005)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize(
+    ("sig", "status", "said"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_an_interrupted_cp_to_a_directory_leaves_nothing(
+    source: Path, tmp_path: Path, sig: int, status: int, said: str
+) -> None:
+    dst = tmp_path / "dst"
+
+    def writing_data() -> bool:  # a data object's temp file or the object itself
+        return any(p.name != "lease.json" and "attempt-" in str(p) for p in _files(dst))
+
+    for _ in range(3):  # a signal in the lease's write, in the copy, near its end
+        returncode, err = _interrupt_cp(source, str(dst), sig, writing_data)
+        assert returncode == status, err
+        assert err.strip() == f"ckptstore cp: {said}"
+        assert _files(dst) == []
+
+
+@pytest.mark.s3
+def test_an_interrupted_cp_to_s3_leaves_no_object_and_no_upload(source: Path, moto_s3: Any) -> None:
+    client: Any = moto_s3.client()
+    prefix = f"cp-{uuid.uuid4().hex[:8]}"
+    options = ["--dst-option", f"endpoint_url={moto_s3.endpoint}"]
+    options += ["--dst-option", f"region={moto_s3.region}"]
+
+    def under(prefix: str) -> tuple[list[str], list[str]]:
+        keys = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix=prefix).get("Contents", [])
+        ups = client.list_multipart_uploads(Bucket=moto_s3.bucket, Prefix=prefix)
+        return [k["Key"] for k in keys], [u["Key"] for u in ups.get("Uploads", [])]
+
+    def writing_data() -> bool:
+        keys, uploads = under(prefix + "/1/")
+        return bool(uploads) or any(not k.endswith("lease.json") for k in keys)
+
+    try:
+        dst = f"s3://{moto_s3.bucket}/{prefix}"
+        returncode, err = _interrupt_cp(source, dst, signal.SIGINT, writing_data, *options)
+        assert returncode == 130, err
+        assert under(prefix + "/") == ([], [])
+    finally:
+        client.close()
+
+
+def _write_attempt(root: Path, step: int, *, lease_expires: float | None, age: float) -> Path:
+    """An uncommitted attempt of ``step`` started ``age`` seconds ago, with a lease that
+    expires at ``lease_expires`` (none if ``None``) and a 1 MiB object."""
+    attempt = root / str(step) / new_attempt_id(time.time() - age)
+    attempt.mkdir(parents=True)
+    (attempt / "leaf-000000").write_bytes(b"\0" * (1 << 20))
+    if lease_expires is not None:
+        body = {"expires": lease_expires, "period": 120, "pid": 1, "host": "h", "refs": []}
+        (attempt / "lease.json").write_text(json.dumps(body))
+    return attempt
+
+
+def test_gc_removes_an_attempt_whose_owner_is_gone_without_waiting_for_the_grace_period(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    ckptstore.save(root, {"w": np.ones(10)}, step=1)
+    gone = _write_attempt(root, 2, lease_expires=time.time() - 600, age=700)
+    running = _write_attempt(root, 3, lease_expires=time.time() + 100, age=700)
+    unleased = _write_attempt(root, 4, lease_expires=None, age=700)  # grace applies
+    just_expired = _write_attempt(root, 5, lease_expires=time.time() - 5, age=700)  # skew
+
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "uncommitted: 4.0 MiB in 7 objects of 4 attempts" in out
+
+    report = ckptstore.gc(root)  # the default grace: 6 hours
+    assert report.removed == [f"2/{gone.name}/"]
+    assert not gone.exists()
+    for kept in (running, unleased, just_expired):
+        assert kept.exists()
+    assert ckptstore.load(root)["w"].tolist() == [1.0] * 10
+
+
+def test_ls_names_uncommitted_data_and_set_aside_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        ckptstore.save(root, {"w": np.full(1 << 18, step, np.float32)}, step=step)
+    ckptstore.rollback(root, 1)
+    assert main(["ls", str(root), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["uncommitted"]["set_aside"] == [2, 3]
+    assert len(data["uncommitted"]["attempts"]) == 2
+    assert data["uncommitted"]["nbytes"] > 2 << 20
+    assert main(["ls", str(root)]) == 0
+    out = capsys.readouterr().out
+    assert "set aside by a roll-back: steps 2, 3" in out
+    assert "uncommitted: 2.0 MiB" in out
+
+    clean = tmp_path / "clean"
+    ckptstore.save(clean, {"w": np.ones(3)}, step=1)
+    assert main(["ls", str(clean)]) == 0
+    assert "uncommitted" not in capsys.readouterr().out
