@@ -43,8 +43,10 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import datetime
 import json
+import logging
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -52,7 +54,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
-from typing import Any, Literal, Self
+from typing import Any, Literal, NoReturn, Self
 
 from ckptstore import background
 from ckptstore.errors import CommitConflictError, NotFoundError
@@ -62,6 +64,7 @@ from ckptstore.layout.keys import attempt_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import delete_steps
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
+from ckptstore.manager.preemption import Notice, Preempted, PreemptionWatch, save_margin
 from ckptstore.manager.snapshot import LazyFence
 from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
 from ckptstore.pipeline import save as save_path
@@ -71,6 +74,8 @@ from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
 
 __all__ = ["CheckpointManager"]
+
+_log = logging.getLogger("ckptstore.preemption")
 
 #: Key of the manager's own entry in a manifest's metadata.
 _META_KEY = MANAGER_META_KEY
@@ -109,6 +114,14 @@ class CheckpointManager:
         local_max_to_keep: with ``local``, newest steps kept on the local tier, besides
             those not yet copied to the persistent tier; ``None`` keeps every step.
         local_options: store options for a URL ``local``.
+        preemption: save on a termination notice: ``True`` watches SIGTERM, or give the
+            signal numbers. After one arrives, the next :meth:`save` saves its step whatever
+            the interval, waits until it is durable and raises
+            :class:`~ckptstore.manager.preemption.Preempted` (a ``SystemExit`` with status
+            ``128 + signal``); see :mod:`ckptstore.manager.preemption`. From the main thread.
+        save_before: a wall-clock limit (seconds since the epoch or an aware ``datetime``):
+            the first :meth:`save` with less time left than twice the longest save so far
+            (a minute before the first) does the same, with status 124.
         **store_options: options for a URL ``url``, given as on every face
             (:mod:`ckptstore.pipeline.root`); refused with an open Store.
 
@@ -141,6 +154,8 @@ class CheckpointManager:
         persistent_every: int | None = None,
         local_max_to_keep: int | None = 2,
         local_options: dict[str, Any] | None = None,
+        preemption: bool | int | Iterable[int] = False,
+        save_before: float | datetime.datetime | None = None,
         **store_options: Any,
     ) -> None:
         if max_to_keep is not None and max_to_keep < 1:
@@ -235,6 +250,17 @@ class CheckpointManager:
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
         self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
+        signals: list[int] = []
+        if isinstance(preemption, bool):
+            signals = [signal.SIGTERM] if preemption else []
+        elif isinstance(preemption, int):
+            signals = [preemption]
+        else:
+            signals = list(preemption)
+        self._watch = (
+            PreemptionWatch(signals, save_before) if signals or save_before is not None else None
+        )
+        self._save_seconds: list[float] = []  # how long saves took, for save_before
         if self._closes_at_exit:
             _open_managers.add(self)
         if self._tiers is not None:
@@ -307,6 +333,11 @@ class CheckpointManager:
                 snapshot's leaf changed before it was copied.
         """
         self._check_open()
+        notice = None
+        if self._watch is not None:
+            notice = self._watch.notice(save_margin(self._save_seconds))
+            if notice is not None:
+                self._save_and_stop(step, state, metadata, metrics, notice)
         tiers = self._tiers
         if tiers is None and persist is not None:
             raise ValueError("persist= needs a local tier (CheckpointManager(local=...))")
@@ -355,10 +386,37 @@ class CheckpointManager:
                 tiers.replicator.submit(step)  # pending from here: local retention keeps it
             await tiers.retain_local()
 
-        self.last_handle = self._saver.submit(step, stage, write)
+        began = time.monotonic()
+        self.last_handle = handle = self._saver.submit(step, stage, write)
+        if self._watch is not None:  # how long a save takes, for save_before's margin
+            handle._future.add_done_callback(
+                lambda _: self._save_seconds.append(time.monotonic() - began)
+            )
         if not self.async_save:
             self.wait_until_finished()
         return True
+
+    def _save_and_stop(
+        self, step: int, state: Any, metadata: Any, metrics: Any, notice: Notice
+    ) -> NoReturn:
+        """The last save after a preemption notice: this step, durable, then stop."""
+        newest = max(
+            (s for s in (self._newest, self._saver.newest_in_flight()) if s is not None),
+            default=None,
+        )
+        watch, self._watch = self._watch, None  # the save below is an ordinary one
+        try:
+            if newest is None or step > newest:
+                self.save(step, state, metadata=metadata, force=True, metrics=metrics)
+            else:
+                step = newest  # saved already (or being saved): that one is the last
+            self.wait_until_finished()
+        finally:
+            self._watch = watch
+        where = self._store.url if self._tiers is None else self._tiers.local.url
+        stop = Preempted(step, notice, where)
+        _log.warning("%s", stop)
+        raise stop
 
     def _check_after_newest(self, step: int) -> None:
         """Refuse, in the ``save`` call, a step that is not after the newest committed (or
@@ -673,6 +731,8 @@ class CheckpointManager:
             return
         self._closed = True
         _open_managers.discard(self)
+        if self._watch is not None:
+            self._watch.close()
         try:
             self._saver.wait_until_finished()
         finally:
