@@ -93,6 +93,10 @@ class Settings:
             second cannot hold a save or a restore for hours. A request moves at most one
             part (``part_size``) or range, so the default leaves 32 MiB more than 10 s at
             under 1 MiB/s.
+        hedged_reads: the largest share of an object store's ranged reads sent a second time
+            when slow against their peers (three times the median time per MiB of the last
+            64 reads, at least 50 ms); the first answer wins (``ckptstore.store.transport.
+            Hedger``). Hedges add at most about this share of the bytes read; 0 turns them off.
         incremental: saves record an xxh3-128 hash of every leaf and write only the leaves
             that changed since the newest committed step, referencing that step's objects
             for the rest (docs/format.md, "Incremental saves"). Costs one hashing pass over
@@ -120,6 +124,7 @@ class Settings:
     gc_grace_seconds: int = 6 * 3600
     save_lease_seconds: int = 120
     request_deadline: float = 300.0
+    hedged_reads: float = 0.05
     incremental: bool = True
 
     def __post_init__(self) -> None:
@@ -145,6 +150,8 @@ class Settings:
                 f"0 <= retry_delay <= retry_max_delay, got {self.retry_delay} and "
                 f"{self.retry_max_delay}"
             )
+        if not 0 <= self.hedged_reads <= 1:
+            raise ValueError(f"Settings.hedged_reads must be in [0, 1], got {self.hedged_reads}")
         if not self.request_deadline > 0:
             raise ValueError(
                 f"Settings.request_deadline must be > 0 seconds, got {self.request_deadline}"

@@ -141,3 +141,34 @@ def test_the_deadline_is_a_setting_with_a_default_and_refuses_nonsense() -> None
     assert Settings().replace(request_deadline="45s").request_deadline == 45.0
     with pytest.raises(ValueError, match="request_deadline must be > 0"):
         Settings(request_deadline=0)
+
+
+@pytest.mark.s3
+@pytest.mark.parametrize("share", [0.05, 0.0])
+async def test_a_straggling_read_is_hedged_and_the_first_answer_wins(
+    moto_s3: Any, share: float
+) -> None:
+    """One ranged GET answered 2 s late: with hedging, a second GET answers it in
+    milliseconds; with ``hedged_reads=0`` the read waits the 2 s."""
+    body = np.random.default_rng(1).integers(0, 255, 4 << 20, dtype=np.uint8)
+    with FaultProxy(moto_s3.endpoint) as proxy:
+        store = _store(
+            "s3", proxy.endpoint, moto_s3.bucket, region=moto_s3.region, hedged_reads=share
+        )
+        async with store:
+            await store.put("obj", body.tobytes())
+            out = np.empty(256 << 10, np.uint8)
+            for i in range(10):  # peers to compare with
+                await store.read_into("obj", i * len(out), memoryview(out))
+            proxy.set_faults([ProxyFault("delay", ops=frozenset({"get"}), times=1, seconds=2)])
+            began = time.monotonic()
+            await store.read_into("obj", 3 * len(out), memoryview(out))
+            took = time.monotonic() - began
+            hedger = store._transport.hedger
+    assert out.tobytes() == body[3 * len(out) : 4 * len(out)].tobytes()
+    if share:
+        assert took < 1.0, took
+        assert (hedger.hedged, hedger.won) == (1, 1)
+    else:
+        assert took >= 2.0
+        assert hedger.hedged == 0

@@ -937,8 +937,12 @@ class S3Store(base.Store):
         ``checksum``, returns the crc32c of the bytes (of the attempt that succeeded)."""
         client = await self._get_client()
         try:
-            return await self._call(
-                "read", key, lambda: self._fetch(client, key, start, out, whole, checksum)
+            # A ranged read of an immutable object may be hedged (transport.Hedger).
+            return await self._transport.run(
+                lambda: self._fetch(client, key, start, out, whole, checksum),
+                transient=_transient,
+                what=f"read {self._where(key)}",
+                hedge_bytes=None if out is None else len(out),
             )
         except bx.ClientError as exc:
             code, status = _error_code(exc)

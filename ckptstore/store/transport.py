@@ -34,12 +34,14 @@ lives here:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import errno
 import logging
 import random
 import re
 import socket
+import statistics
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
@@ -404,6 +406,92 @@ def speaks_no_http(exc: BaseException) -> bool:
     return False
 
 
+class Hedger:
+    """Hedged reads: a read that takes much longer than its peers is sent again, on another
+    connection; the first answer wins and the other is cancelled.
+
+    One slow request out of hundreds (a busy disk, a server's GC pause, a lost packet's
+    retransmit timeout) sets the pace of a parallel restore; asking twice costs a few
+    percent of bytes and cuts that tail (the technique of Dean and Barroso, "The Tail at
+    Scale", 2013). A read is hedged when it has taken ``factor`` times the median time per
+    MiB of the last :data:`WINDOW` reads (sizes below 1 MiB count as 1 MiB), and not less than
+    ``floor`` seconds; at most ``share`` of the reads, plus one, are hedged, so hedges add
+    at most about that share of the bytes. Only idempotent reads of immutable objects are
+    hedged: both answers carry the same bytes, and each is verified on its own.
+
+    Args:
+        share: the largest fraction of reads hedged (``Settings.hedged_reads``; 0: none).
+        factor: how many times a peer's time a read may take before it is hedged.
+        floor: seconds below which no read is hedged.
+    """
+
+    #: Reads whose times make the median.
+    WINDOW = 64
+    #: Reads timed before any is hedged.
+    WARMUP = 8
+
+    def __init__(self, share: float, *, factor: float = 3.0, floor: float = 0.05) -> None:
+        self.share = share
+        self.factor = factor
+        self.floor = floor
+        self._per_mib: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.reads = 0
+        self.hedged = 0
+        self.won = 0  # hedges that answered first
+
+    def _patience(self, nbytes: int) -> float | None:
+        """Seconds a read of ``nbytes`` may take before it is hedged, by the reads timed so
+        far; None while fewer than :data:`WARMUP` are."""
+        if len(self._per_mib) < self.WARMUP:
+            return None
+        per_mib = statistics.median(self._per_mib)
+        return max(self.floor, self.factor * per_mib * max(nbytes / (1 << 20), 1.0))
+
+    def _may_hedge(self) -> bool:
+        return self.hedged + 1 <= self.share * self.reads + 1
+
+    async def run(self, read: Callable[[], Awaitable[_T]], nbytes: int) -> _T:
+        """``await read()``, hedged by a second ``read()`` if it is slow."""
+        self.reads += 1
+        began = time.monotonic()
+        if self.share <= 0:
+            return await read()
+        racers = [asyncio.ensure_future(read())]
+        try:
+            while True:
+                # The patience is asked again while the read runs: the first reads of a
+                # restore start together, before any peer has been timed.
+                patience = self._patience(nbytes)
+                waited = time.monotonic() - began
+                if patience is not None and waited >= patience:
+                    if self._may_hedge():
+                        break
+                    return await racers[0]  # the budget is spent: wait for it
+                timeout = 0.05 if patience is None else max(patience - waited, 0.05)
+                done, _ = await asyncio.wait(racers, timeout=timeout)
+                if done:
+                    result = racers[0].result()
+                    self._timed(began, nbytes)
+                    return result
+            self.hedged += 1
+            racers.append(asyncio.ensure_future(read()))
+            pending = set(racers)
+            while pending:
+                done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if not task.cancelled() and task.exception() is None:
+                        self.won += task is racers[1]
+                        return task.result()
+            return racers[0].result()  # both failed: the first one's error
+        finally:  # the loser (or both, if the caller was cancelled) stops here
+            for task in racers:
+                task.cancel()
+            await asyncio.gather(*racers, return_exceptions=True)
+
+    def _timed(self, began: float, nbytes: int) -> None:
+        self._per_mib.append((time.monotonic() - began) / max(nbytes / (1 << 20), 1.0))
+
+
 class NotAnEndpoint(errors.StoreError):
     """The endpoint answered, but not as the store's API does (binary frames of a gRPC port,
     a 404 without the API's error document): raised at once, without retries."""
@@ -436,6 +524,8 @@ class Transport:
         self.contacted = False
         self._log = log
         self._running: set[asyncio.Future[Any]] = set()
+        #: Hedged reads of this store (``run(..., hedge_bytes=...)``).
+        self.hedger = Hedger(settings().hedged_reads)
 
     @property
     def attempts(self) -> int:
@@ -480,6 +570,7 @@ class Transport:
         *,
         transient: Callable[[BaseException], bool],
         what: str,
+        hedge_bytes: int | None = None,
     ) -> _T:
         """Await ``request()`` until it succeeds, retrying failures ``transient`` accepts.
 
@@ -487,8 +578,18 @@ class Transport:
         number of attempts made, for :func:`attempts_made`. A first contact that finds no
         server raises :class:`Unreachable` instead. The tries and the pauses between them
         share one deadline (``Settings.request_deadline``): past it, the try in flight is
-        cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised.
+        cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised. A read of
+        ``hedge_bytes`` bytes of an immutable object may be hedged (:class:`Hedger`): a try
+        that is slow against its peers is sent a second time, and the first answer wins.
         """
+        if hedge_bytes is not None:
+            hedger = self.hedger
+            hedger.share = self._settings().hedged_reads
+            plain = request
+
+            def request() -> Awaitable[_T]:
+                return hedger.run(plain, hedge_bytes)
+
         # A request runs as a task of its own that a cancelled caller does not cancel: an
         # upload whose body the server has may still create its object, and cleanup after an
         # interrupt (settle, then delete) must come after it. It ends by its deadline.

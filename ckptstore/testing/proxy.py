@@ -27,6 +27,7 @@ seeded random share of them, fail the way real networks and object stores fail:
                      ``seconds`` (a server or link that answers one byte a second)
 ``"stall_body"``     forwarded; the head and ``nbytes`` of the body (or half of it) are sent,
                      then nothing more, the connection held open (a body that stops)
+``"delay"``          forwarded, and answered whole ``seconds`` later (a slow straggler)
 ===================  ==========================================================================
 
 One proxy serves both object-store dialects: ``dialect="s3"`` (the default) names requests
@@ -82,6 +83,7 @@ FAULT_KINDS = (
     "stall",
     "trickle",
     "stall_body",
+    "delay",
 )
 
 Dialect = Literal["s3", "gcs"]
@@ -176,7 +178,8 @@ class ProxyFault:
         nbytes: for ``reset`` and ``truncate``, bytes of the response body sent before the
             cut (``None``: half of the body).
         header: for ``strip_header``, the request header to remove (case-insensitive).
-        seconds: for ``trickle``, the pause before each byte of the body.
+        seconds: for ``trickle``, the pause before each byte of the body; for ``delay``, the
+            pause before the answer.
     """
 
     kind: str
@@ -411,6 +414,8 @@ class FaultProxy(Stoppable):
         self.injected_ops: Counter[str] = Counter()
         #: requests seen, by operation
         self.requests: Counter[str] = Counter()
+        #: Bytes of response bodies sent to clients (what a client downloaded through it).
+        self.body_bytes = 0
         #: every request seen, in order of arrival
         self.log: list[Recorded] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -571,8 +576,12 @@ class FaultProxy(Stoppable):
                 if fault is not None and kind in ("trickle", "stall_body"):
                     await self._slow(reader, writer, response, fault)
                     return
+                if fault is not None and kind == "delay":
+                    await asyncio.sleep(fault.seconds)
                 writer.write(response.head + b"\r\n\r\n" + response.body)
                 await writer.drain()
+                with self._lock:
+                    self.body_bytes += len(response.body)
                 closes = "close" in response.headers.get("connection", "").lower()
                 if closes or "close" in headers.get("connection", "").lower():
                     return
