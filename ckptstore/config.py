@@ -94,7 +94,7 @@ class Settings:
             part (``part_size``) or range, so the default leaves 32 MiB more than 10 s at
             under 1 MiB/s.
         hedged_reads: the largest share of an object store's ranged reads sent a second time
-            when slow against their peers (three times the median time per MiB of the last
+            when slow against their peers (twice the median time per MiB of the last
             64 reads, at least 50 ms); the first answer wins (``ckptstore.store.transport.
             Hedger``). Hedges add at most about this share of the bytes read; 0 turns them off.
         incremental: saves record an xxh3-128 hash of every leaf and write only the leaves

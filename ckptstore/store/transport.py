@@ -413,7 +413,7 @@ class Hedger:
     One slow request out of hundreds (a busy disk, a server's GC pause, a lost packet's
     retransmit timeout) sets the pace of a parallel restore; asking twice costs a few
     percent of bytes and cuts that tail (the technique of Dean and Barroso, "The Tail at
-    Scale", 2013). A read is hedged when it has taken ``factor`` times the median time per
+    Scale", 2013). A read is hedged when it has taken ``factor`` (2) times the median time per
     MiB of the last :data:`WINDOW` reads (sizes below 1 MiB count as 1 MiB), and not less than
     ``floor`` seconds; at most ``share`` of the reads, plus one, are hedged, so hedges add
     at most about that share of the bytes. Only idempotent reads of immutable objects are
@@ -430,7 +430,7 @@ class Hedger:
     #: Reads timed before any is hedged.
     WARMUP = 8
 
-    def __init__(self, share: float, *, factor: float = 3.0, floor: float = 0.05) -> None:
+    def __init__(self, share: float, *, factor: float = 2.0, floor: float = 0.05) -> None:
         self.share = share
         self.factor = factor
         self.floor = floor

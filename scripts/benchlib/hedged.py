@@ -9,7 +9,7 @@ with), interleaved:
 
 * **undelayed**: the proxy delays nothing (the yardstick; hedging on, nothing to hedge);
 * **2% delayed 5 s, hedged**: ``Settings.hedged_reads = 0.05``, the default
-  (``ckptstore.store.transport.Hedger``: a read three times slower per MiB than the median
+  (``ckptstore.store.transport.Hedger``: a read twice as slow per MiB as the median
   of the reads timed so far is sent again, the first answer wins);
 * **2% delayed 5 s, not hedged**: ``hedged_reads = 0``: what a straggler costs.
 
