@@ -37,6 +37,10 @@ def loop() -> asyncio.AbstractEventLoop:
         return _loop
 
 
+#: How long an interrupted :func:`run` waits for its work to clean up before re-raising.
+CLEANUP_SECONDS = 30.0
+
+
 def submit(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:
     """Schedule ``coro`` on the background loop; returns its future."""
     return asyncio.run_coroutine_threadsafe(coro, loop())
@@ -51,7 +55,25 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
     if _thread is threading.current_thread():
         coro.close()
         raise RuntimeError("ckptstore.background.run called from the background loop")
-    return submit(coro).result()
+    ended = threading.Event()
+
+    async def tracked() -> _T:
+        try:
+            return await coro
+        finally:
+            ended.set()
+
+    future = submit(tracked())
+    try:
+        return future.result()
+    except BaseException:
+        # Ctrl-C (or a SystemExit from a signal handler) in the caller: the work would run
+        # on, or be stopped half-way by the loop's shutdown at exit. Cancel it instead and
+        # give its cleanup (an interrupted save removing its attempt) time to finish.
+        if not future.done():
+            future.cancel()
+            ended.wait(CLEANUP_SECONDS)
+        raise
 
 
 def _stop() -> None:

@@ -143,24 +143,24 @@ def test_the_deadline_is_a_setting_with_a_default_and_refuses_nonsense() -> None
         Settings(request_deadline=0)
 
 
-@pytest.mark.s3
+@pytest.mark.gcs
 @pytest.mark.parametrize("share", [0.05, 0.0])
 async def test_a_straggling_read_is_hedged_and_the_first_answer_wins(
-    moto_s3: Any, share: float
+    server: tuple[str, str, str, dict[str, Any]], share: float
 ) -> None:
     """One ranged GET answered 2 s late: with hedging, a second GET answers it in
     milliseconds; with ``hedged_reads=0`` the read waits the 2 s."""
+    dialect, endpoint, bucket, options = server
+    read = frozenset({"get"} if dialect == "s3" else {"download"})
     body = np.random.default_rng(1).integers(0, 255, 4 << 20, dtype=np.uint8)
-    with FaultProxy(moto_s3.endpoint) as proxy:
-        store = _store(
-            "s3", proxy.endpoint, moto_s3.bucket, region=moto_s3.region, hedged_reads=share
-        )
+    with FaultProxy(endpoint, dialect=dialect) as proxy:  # type: ignore[arg-type]
+        store = _store(dialect, proxy.endpoint, bucket, hedged_reads=share, **options)
         async with store:
             await store.put("obj", body.tobytes())
             out = np.empty(256 << 10, np.uint8)
             for i in range(10):  # peers to compare with
                 await store.read_into("obj", i * len(out), memoryview(out))
-            proxy.set_faults([ProxyFault("delay", ops=frozenset({"get"}), times=1, seconds=2)])
+            proxy.set_faults([ProxyFault("delay", ops=read, times=1, seconds=2)])
             began = time.monotonic()
             await store.read_into("obj", 3 * len(out), memoryview(out))
             took = time.monotonic() - began

@@ -25,6 +25,7 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.layout.keys import new_attempt_id
+from tests.matrix import trials
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -162,3 +163,40 @@ def test_ls_names_uncommitted_data_and_set_aside_steps(
     ckptstore.save(clean, {"w": np.ones(3)}, step=1)
     assert main(["ls", str(clean)]) == 0
     assert "uncommitted" not in capsys.readouterr().out
+
+
+_SAVE = """
+import sys
+import numpy as np
+import ckptstore
+
+rng = np.random.default_rng(0)
+state = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(8)}
+print("ready", flush=True)
+ckptstore.save(sys.argv[1], state, step=1)
+"""
+
+
+def test_ctrl_c_in_a_plain_save_removes_its_attempt(tmp_path: Path) -> None:
+    """ckptstore.save runs on the background loop: Ctrl-C in the caller left the save
+    running until the interpreter stopped the loop half-way, its attempt left behind. Now
+    the save is cancelled and removes what it wrote before the KeyboardInterrupt goes on."""
+    root = tmp_path / "run"
+    for _ in range(trials(3, 1)):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _SAVE, str(root)],
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 60
+        while not any(p.name.startswith("leaf-") for p in _files(root)):
+            assert proc.poll() is None, proc.communicate()[1]
+            assert time.monotonic() < deadline, "the save never wrote"
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert "KeyboardInterrupt" in err
+        assert _files(root) == []
+        assert ckptstore.list_steps(root) == []

@@ -296,8 +296,10 @@ async def write_checkpoint(
             hashes = await asyncio.shield(hashing)
     except BaseException as exc:
         await _settled(hashing)
-        if isinstance(exc, Exception):
-            await abandon_attempt(store, attempt)
+        if isinstance(exc, Exception | asyncio.CancelledError):
+            # cancelled (an interrupted save) as well as failed: once the writes still
+            # running in threads have ended, nothing of the attempt is left
+            await asyncio.shield(_settle_and_abandon(store, attempt))
         raise
 
     manifest = Manifest(
@@ -563,6 +565,12 @@ async def remove_objects(store: Store, prefix: str) -> None:
             directory = prefix.rsplit("/", 1)[0] + "/"
             keys = await store.list_keys(directory)
             await store.delete([k for k in keys if k.startswith(prefix)])
+
+
+async def _settle_and_abandon(store: Store, attempt: Attempt) -> None:
+    with contextlib.suppress(Exception):
+        await store.settle()
+    await abandon_attempt(store, attempt)
 
 
 async def abandon_attempt(store: Store, attempt: Attempt) -> None:

@@ -661,7 +661,8 @@ class Store(ABC):
         return 0
 
     async def settle(self) -> None:  # noqa: B027  (optional hook, not abstract)
-        """Wait until work that callers stopped waiting for has ended.
+        """Wait until the work in flight now, including what callers stopped waiting for, has
+        ended.
 
         A cancelled request may still be running where cancellation cannot reach: a local
         write in a thread creates its file after its caller was cancelled. Code that cleans

@@ -310,11 +310,13 @@ class GCSStore(base.Store):
         params: dict[str, str] | None = None,
         headers: dict[str, str] | None = None,
         body: Callable[[], Any] | None = None,
+        hedge_bytes: int | None = None,
     ) -> _T:
         """Send one request, retrying transient failures; ``handle`` reads a 2xx response.
 
         ``handle`` may raise :class:`_Transient` (a short or corrupt body) to retry. Error
-        statuses are translated by :meth:`_raise_for`.
+        statuses are translated by :meth:`_raise_for`. A ranged read passes ``hedge_bytes``
+        (:class:`~ckptstore.store.transport.Hedger`).
         """
 
         async def attempt() -> _T:
@@ -332,7 +334,9 @@ class GCSStore(base.Store):
                 return await handle(response)
 
         try:
-            return await self._transport.run(attempt, transient=_transient, what=what)
+            return await self._transport.run(
+                attempt, transient=_transient, what=what, hedge_bytes=hedge_bytes
+            )
         except errors.DeadlineExceededError:
             raise  # said already, with the deadline
         except (_Transient, aiohttp.ClientError, TimeoutError) as exc:
@@ -514,6 +518,7 @@ class GCSStore(base.Store):
             what=what,
             params={"alt": "media"},
             headers={"Range": f"bytes={start}-{end - 1}"},
+            hedge_bytes=size,
         )
 
     async def _head(self, key: str) -> base.ObjectMeta:

@@ -320,7 +320,8 @@ class LocalStore(Store):
 
     async def settle(self) -> None:
         # docstring inherited
-        while self._running:
+        # the work running now: what a caller settling after its cancellation had started
+        if self._running:
             await asyncio.wait([asyncio.wrap_future(w) for w in list(self._running)])
 
     async def close(self) -> None:

@@ -604,8 +604,8 @@ class Transport:
             work.exception()  # retrieved: a caller that was cancelled never will
 
     async def settle(self) -> None:
-        """Wait until every request in flight has ended, its callers cancelled or not."""
-        while self._running:
+        """Wait until every request in flight now has ended, its callers cancelled or not."""
+        if self._running:
             await asyncio.wait(list(self._running))
 
     async def _bounded(
