@@ -113,7 +113,34 @@ def scenario_sigkill(root: str) -> dict[str, Any]:
     return out
 
 
-SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill}
+#: the manager's collective deadline in the stalled-rank scenario, seconds
+STALL_TIMEOUT = 5.0
+
+
+def scenario_stall(root: str) -> dict[str, Any]:
+    """Step 1; then the failing rank stalls (alive, silent: it never calls ``save(2)``) while
+    the others save step 2: their collectives fail at the manager's ``timeout``, and they say
+    how long after the ``save`` call that was."""
+    import os
+    import time
+
+    rank = dist.get_rank()
+    mgr = ckptstore.distributed.CheckpointManager(opened(root), timeout=STALL_TIMEOUT)
+    mgr.save(1, part(rank, 1))
+    mgr.wait_until_finished()
+    if rank == FAILING_RANK:
+        print("RESULT " + json.dumps({"stalled": True}), flush=True)
+        time.sleep(3 * STALL_TIMEOUT)  # silent past every survivor's deadline
+        os._exit(0)  # never takes part again: no close(), no goodbye
+    began = time.monotonic()
+    mgr.save(2, part(rank, 2))
+    out = {"error": outcome_of(mgr.wait_until_finished)}
+    out["seconds"] = time.monotonic() - began  # type: ignore[assignment]
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # the group is broken: skip close()'s and destroy_process_group's collectives
+
+
+SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill, "stall": scenario_stall}
 
 
 if __name__ == "__main__":

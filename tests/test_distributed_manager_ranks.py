@@ -15,6 +15,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+import ckptstore
 from tests.multirank import Target, assert_all_ok, run_and_sigkill, run_ranks
 
 pytestmark = pytest.mark.torch
@@ -102,3 +103,24 @@ def test_rank_sigkilled_during_the_background_write_leaves_no_step(
         run_ranks(LOADER, world, "load", target.base, "1", str(world), logs=logs, env=env)
     )
     assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
+
+
+def test_a_stalled_rank_fails_every_other_rank_within_the_collective_deadline(
+    tmp_path: Path,
+) -> None:
+    """Issue 30: rank 1 stays alive and silent; every other rank's background save of step
+    2 fails within the manager's collective timeout plus 10% (and a second for staging and
+    the start of the collectives), with an error, and nothing of step 2 is committed."""
+    from tests.manager_ranks import STALL_TIMEOUT
+
+    root = tmp_path / "ckpts"
+    outcomes = run_ranks(WORKER, 3, "stall", str(root), logs=tmp_path / "logs", env={})
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 0, f"rank {rank}:\n{outcome.log[-4000:]}"
+        result = outcome.results[-1]
+        if rank == FAILING_RANK:
+            assert result == {"stalled": True}
+            continue
+        assert "another rank died or stalled" in result["error"], result
+        assert result["seconds"] <= STALL_TIMEOUT * 1.1 + 1.0, result
+    assert ckptstore.list_steps(root) == [1]

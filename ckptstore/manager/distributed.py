@@ -689,9 +689,15 @@ def _release_lease(attempt: Attempt) -> None:
 def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:
     """The error a surviving rank raises when a collective fails, which is how a rank learns
     that another one died (torch.distributed raises its transport's RuntimeError then)."""
+    timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
+    why = (
+        "another rank died or stalled: none answered within the collectives' timeout"
+        if timed_out
+        else "another rank died"
+    )
     return CkptStoreError(
-        f"{store.url}: step {step} was not saved: {what} failed, most likely because another "
-        f"rank died ({type(exc).__name__}: {exc})"
+        f"{store.url}: step {step} was not saved: {what} failed, most likely because {why} "
+        f"({type(exc).__name__}: {exc})"
     )
 
 
