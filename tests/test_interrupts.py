@@ -25,18 +25,26 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.layout.keys import new_attempt_id
+from ckptstore.testing.proxy import FaultProxy, ProxyFault
 from tests.matrix import trials
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+#: The step cp copies: 8 objects of 16 MiB (leaf-000000 ... leaf-000007).
+STATE = {
+    f"w{i}": np.random.default_rng(i).standard_normal(4 << 20).astype(np.float32) for i in range(8)
+}
+#: Every object but the first answered this late, so a signal sent once the first object (or
+#: the lease) is at the destination always lands mid-copy, however loaded the machine.
+LATE = 3.0
+LATE_OBJECTS = r"leaf-00000[1-7]"
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A step of 8 objects of 16 MiB: long enough to copy that a signal lands mid-copy."""
     root = tmp_path_factory.mktemp("interrupts") / "src"
-    rng = np.random.default_rng(0)
-    state = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(8)}
-    ckptstore.save(root, state, step=1)
+    ckptstore.save(root, STATE, step=1)
     return root
 
 
@@ -44,18 +52,18 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
-def _interrupt_cp(src: Path, dst: str, sig: int, started: Any, *options: str) -> tuple[int, str]:
-    """Run ``ckptstore cp src dst``, send ``sig`` once ``started()`` says data is being
-    written, and return the exit status and stderr."""
+def _interrupt_cp(src: str, dst: str, sig: int, started: Any, *options: str) -> tuple[int, str]:
+    """Run ``ckptstore cp src dst``, send ``sig`` once ``started()`` says so, and return the
+    exit status and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptstore", "cp", str(src), dst, "--no-progress", *options],
+        [sys.executable, "-m", "ckptstore", "cp", src, dst, "--no-progress", *options],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stderr=subprocess.PIPE,
         text=True,
     )
     deadline = time.monotonic() + 60
     while not started():
-        assert proc.poll() is None, "cp ended before it was interrupted"
+        assert proc.poll() is None, f"cp ended before it was interrupted: {proc.communicate()}"
         assert time.monotonic() < deadline, "cp never started writing"
         time.sleep(0.005)
     proc.send_signal(sig)
@@ -63,45 +71,60 @@ def _interrupt_cp(src: Path, dst: str, sig: int, started: Any, *options: str) ->
     return proc.returncode, err
 
 
+@pytest.mark.s3
 @pytest.mark.parametrize(
     ("sig", "status", "said"),
     [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "terminated")],
     ids=["SIGINT", "SIGTERM"],
 )
 def test_an_interrupted_cp_to_a_directory_leaves_nothing(
-    source: Path, tmp_path: Path, sig: int, status: int, said: str
+    moto_s3: Any, tmp_path: Path, sig: int, status: int, said: str
 ) -> None:
+    """From S3 (the objects after the first answered late) to a local directory, the signal
+    sent once the lease is written, then once the first object is."""
+    src = f"s3://{moto_s3.bucket}/cp-src-{uuid.uuid4().hex[:8]}"
+    ckptstore.save(src, STATE, step=1, **moto_s3.options())
+    late = ProxyFault("delay", ops=frozenset({"get"}), path=LATE_OBJECTS, seconds=LATE)
     dst = tmp_path / "dst"
 
-    def writing_data() -> bool:  # a data object's temp file or the object itself
-        return any(p.name != "lease.json" and "attempt-" in str(p) for p in _files(dst))
+    def lease_written() -> bool:
+        return any(p.name == "lease.json" for p in _files(dst))
 
-    for _ in range(3):  # a signal in the lease's write, in the copy, near its end
-        returncode, err = _interrupt_cp(source, str(dst), sig, writing_data)
-        assert returncode == status, err
-        assert err.strip() == f"ckptstore cp: {said}"
-        assert _files(dst) == []
+    def data_written() -> bool:
+        return any(p.name.startswith("leaf-") for p in _files(dst))
+
+    with FaultProxy(moto_s3.endpoint, [late]) as proxy:
+        options = ["-o", f"endpoint_url={proxy.endpoint}", "-o", f"region={moto_s3.region}"]
+        for started in (lease_written, data_written):
+            returncode, err = _interrupt_cp(src, str(dst), sig, started, *options)
+            assert returncode == status, err
+            assert err.strip() == f"ckptstore cp: {said}"
+            assert _files(dst) == []
 
 
 @pytest.mark.s3
 def test_an_interrupted_cp_to_s3_leaves_no_object_and_no_upload(source: Path, moto_s3: Any) -> None:
+    """To S3, the uploads after the first answered late (the objects exist upstream before
+    the answer): the cleanup waits for them, then removes them."""
     client: Any = moto_s3.client()
     prefix = f"cp-{uuid.uuid4().hex[:8]}"
-    options = ["--dst-option", f"endpoint_url={moto_s3.endpoint}"]
-    options += ["--dst-option", f"region={moto_s3.region}"]
+    late = ProxyFault("delay", ops=frozenset({"put_object"}), path=LATE_OBJECTS, seconds=LATE)
 
     def under(prefix: str) -> tuple[list[str], list[str]]:
         keys = client.list_objects_v2(Bucket=moto_s3.bucket, Prefix=prefix).get("Contents", [])
         ups = client.list_multipart_uploads(Bucket=moto_s3.bucket, Prefix=prefix)
         return [k["Key"] for k in keys], [u["Key"] for u in ups.get("Uploads", [])]
 
-    def writing_data() -> bool:
+    def data_written() -> bool:
         keys, uploads = under(prefix + "/1/")
         return bool(uploads) or any(not k.endswith("lease.json") for k in keys)
 
     try:
-        dst = f"s3://{moto_s3.bucket}/{prefix}"
-        returncode, err = _interrupt_cp(source, dst, signal.SIGINT, writing_data, *options)
+        with FaultProxy(moto_s3.endpoint, [late]) as proxy:
+            options = ["--dst-option", f"endpoint_url={proxy.endpoint}"]
+            options += ["--dst-option", f"region={moto_s3.region}"]
+            dst = f"s3://{moto_s3.bucket}/{prefix}"
+            returncode, err = _interrupt_cp(str(source), dst, signal.SIGINT, data_written, *options)
         assert returncode == 130, err
         assert under(prefix + "/") == ([], [])
     finally:
@@ -169,11 +192,15 @@ _SAVE = """
 import sys
 import numpy as np
 import ckptstore
+from ckptstore.store.local import LocalStore
+from ckptstore.store.wrappers import Fault, FaultStore
 
+# every put waits 1 s first: the signal, sent once a data object is on disk, always lands
+# before the commit, however loaded the machine
+store = FaultStore(LocalStore(sys.argv[1]), [Fault(frozenset({"put"}), latency=1.0)])
 rng = np.random.default_rng(0)
-state = {f"w{i}": rng.standard_normal(4 << 20).astype(np.float32) for i in range(8)}
-print("ready", flush=True)
-ckptstore.save(sys.argv[1], state, step=1)
+state = {f"w{i}": rng.standard_normal(1 << 20).astype(np.float32) for i in range(8)}
+ckptstore.save(store, state, step=1)
 """
 
 
