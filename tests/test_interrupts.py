@@ -52,11 +52,21 @@ def _files(root: Path) -> list[Path]:
     return [p for p in root.rglob("*") if p.is_file()] if root.exists() else []
 
 
+#: ``python -m ckptstore``, with Ctrl-C delivered as in a terminal: a test run started in the
+#: background (``bash .ci/run &``, CI runners) inherits SIGINT ignored, and Python keeps it so.
+_AS_A_TERMINAL_WOULD = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from ckptstore.cli.main import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
 def _interrupt_cp(src: str, dst: str, sig: int, started: Any, *options: str) -> tuple[int, str]:
     """Run ``ckptstore cp src dst``, send ``sig`` once ``started()`` says so, and return the
     exit status and stderr."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptstore", "cp", src, dst, "--no-progress", *options],
+        [sys.executable, "-c", _AS_A_TERMINAL_WOULD, "cp", src, dst, "--no-progress", *options],
         env={**os.environ, "PYTHONPATH": str(ROOT)},
         stderr=subprocess.PIPE,
         text=True,
@@ -189,7 +199,8 @@ def test_ls_names_uncommitted_data_and_set_aside_steps(
 
 
 _SAVE = """
-import sys
+import signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see above)
 import numpy as np
 import ckptstore
 from ckptstore.store.local import LocalStore
