@@ -567,6 +567,15 @@ async def remove_objects(store: Store, prefix: str) -> None:
             await store.delete([k for k in keys if k.startswith(prefix)])
 
 
+async def _settle_then_keep_or_abandon(store: Store, attempt: Attempt) -> None:
+    with contextlib.suppress(Exception):
+        await store.settle()
+    with contextlib.suppress(NotFoundError, CorruptCheckpointError):
+        if (await read_manifest(store, attempt.step)).attempt == attempt.id:
+            return  # the put landed: the step is committed, whatever the caller sees
+    await remove_objects(store, attempt.prefix)
+
+
 async def _settle_and_abandon(store: Store, attempt: Attempt) -> None:
     with contextlib.suppress(Exception):
         await store.settle()
@@ -619,6 +628,11 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         )
     try:
         await commit_manifest(store, manifest, encoded=data)
+    except asyncio.CancelledError:
+        # Interrupted around the manifest put: once the write in flight has ended, the step
+        # is either committed by this attempt (kept) or not (its objects removed).
+        await asyncio.shield(_settle_then_keep_or_abandon(store, attempt))
+        raise
     except CommitConflictError:
         # Another attempt's manifest is in place, so this attempt's objects can never become
         # visible: remove them now rather than leave them to garbage collection.
