@@ -400,10 +400,7 @@ class CheckpointManager:
         self, step: int, state: Any, metadata: Any, metrics: Any, notice: Notice
     ) -> NoReturn:
         """The last save after a preemption notice: this step, durable, then stop."""
-        newest = max(
-            (s for s in (self._newest, self._saver.newest_in_flight()) if s is not None),
-            default=None,
-        )
+        newest = self._newest_accepted()
         watch, self._watch = self._watch, None  # the save below is an ordinary one
         try:
             if newest is None or step > newest:
@@ -429,10 +426,7 @@ class CheckpointManager:
         if not self._newest_known:
             newest = self.latest_step()
             self._newest, self._newest_known = newest, True
-        newest = max(
-            (s for s in (self._newest, self._saver.newest_in_flight()) if s is not None),
-            default=None,
-        )
+        newest = self._newest_accepted()
         if newest is None or step > newest:
             return
         where = self._store.url if self._tiers is None else self._tiers.local.url
@@ -443,6 +437,11 @@ class CheckpointManager:
             f"to an older step and save the steps after it again, mgr.restore(step, "
             "rollback=True), which sets the newer steps aside; or save to a new root"
         )
+
+    def _newest_accepted(self) -> int | None:
+        """The newest step committed or being saved, as this manager knows it."""
+        steps = (self._newest, self._saver.newest_in_flight())
+        return max((s for s in steps if s is not None), default=None)
 
     def _committed(self, step: int) -> None:
         if self._newest is None or step > self._newest:
