@@ -81,6 +81,7 @@ __all__ = [
     "latest_step",
     "read_manifest",
     "remove_objects",
+    "remove_settled",
     "write_checkpoint",
     "write_objects",
 ]
@@ -565,6 +566,15 @@ async def remove_objects(store: Store, prefix: str) -> None:
             directory = prefix.rsplit("/", 1)[0] + "/"
             keys = await store.list_keys(directory)
             await store.delete([k for k in keys if k.startswith(prefix)])
+
+
+async def remove_settled(store: Store, prefix: str) -> None:
+    """:func:`remove_objects`, once the writes in flight have ended (``Store.settle``): what
+    an interrupted writer cleans up, so no write still running in a thread, or a request the
+    server may still complete, recreates an object after the removal."""
+    with contextlib.suppress(Exception):
+        await store.settle()
+    await remove_objects(store, prefix)
 
 
 async def _settle_then_keep_or_abandon(store: Store, attempt: Attempt) -> None:

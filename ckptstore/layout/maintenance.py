@@ -51,7 +51,7 @@ from ckptstore.errors import (
     InvalidRangeError,
     NotFoundError,
 )
-from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest
+from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest, remove_settled
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     attempt_prefix,
@@ -616,8 +616,7 @@ async def copy_step(
             # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed: the attempt is
             # removed, after the writes still running in threads end (Store.settle), so
             # none of them recreates a file once the prefix is gone.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(_discard(dst, prefix))
+            await asyncio.shield(remove_settled(dst, prefix))
             raise
         lease.check()
         await commit_manifest(dst, copied)
@@ -633,11 +632,6 @@ async def copy_step(
         copied.nbytes / 2**20 / max(seconds, 1e-6),
     )
     return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
-
-
-async def _discard(store: Store, prefix: str) -> None:
-    await store.settle()
-    await store.delete_prefix(prefix)
 
 
 def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:
