@@ -93,6 +93,15 @@ class Settings:
             second cannot hold a save or a restore for hours. A request moves at most one
             part (``part_size``) or range, so the default leaves 32 MiB more than 10 s at
             under 1 MiB/s.
+        save_deadline: seconds one whole save may take in the background (its hashing, writes
+            and commit; for a rank of a multi-rank save, its own writes) before
+            it fails with :class:`~ckptstore.errors.DeadlineExceededError` and its attempt is
+            abandoned. Object-store requests are bounded one by one by ``request_deadline``;
+            this bounds what they cannot: a local or NFS write the kernel never finishes, and
+            a save that makes slow progress through thousands of requests. The default leaves
+            a 1 TiB save of one process 0.3 GiB/s.
+        restore_deadline: the same for one whole restore (its reads, checks and rebuilding
+            of the arrays), on every face that restores.
         hedged_reads: the largest share of an object store's ranged reads sent a second time
             when slow against their peers (twice the median time per MiB of the last
             64 reads, at least 50 ms); the first answer wins (``ckptstore.store.transport.
@@ -124,6 +133,8 @@ class Settings:
     gc_grace_seconds: int = 6 * 3600
     save_lease_seconds: int = 120
     request_deadline: float = 300.0
+    save_deadline: float = 3600.0
+    restore_deadline: float = 3600.0
     hedged_reads: float = 0.05
     incremental: bool = True
 
@@ -152,10 +163,9 @@ class Settings:
             )
         if not 0 <= self.hedged_reads <= 1:
             raise ValueError(f"Settings.hedged_reads must be in [0, 1], got {self.hedged_reads}")
-        if not self.request_deadline > 0:
-            raise ValueError(
-                f"Settings.request_deadline must be > 0 seconds, got {self.request_deadline}"
-            )
+        for name in ("request_deadline", "save_deadline", "restore_deadline"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Settings.{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.pack_size <= 0 or self.leaf_alignment <= 0:
             raise ValueError("Settings.pack_size and Settings.leaf_alignment must be > 0")
         if self.save_lease_seconds < 4:

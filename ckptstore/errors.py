@@ -156,5 +156,7 @@ class StoreError(CkptStoreError, OSError):
 class DeadlineExceededError(StoreError, TimeoutError):
     """A request to a store got no complete answer within its deadline
     (``Settings.request_deadline``), its retries and the pauses between them included: a
-    server that accepts and never answers, answers a byte at a time, or stops mid-body. The
-    message names the operation, the URL and the deadline."""
+    server that accepts and never answers, answers a byte at a time, or stops mid-body. Or a
+    whole save or restore did not end within ``Settings.save_deadline`` or
+    ``Settings.restore_deadline`` (a write the kernel never finished). The message names the
+    operation, the URL and the deadline."""

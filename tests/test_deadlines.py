@@ -5,8 +5,11 @@ that deadline. Tested through the fault proxy on S3 (moto) and GCS (fake-gcs-ser
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,7 @@ import ckptstore
 from ckptstore.config import Settings
 from ckptstore.errors import DeadlineExceededError, StoreError
 from ckptstore.store.registry import open_store
+from ckptstore.store.wrappers import StoreWrapper
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
 
 #: The deadline the tests give: long against a try on loopback, short for a test.
@@ -172,3 +176,127 @@ async def test_a_straggling_read_is_hedged_and_the_first_answer_wins(
     else:
         assert took >= 2.0
         assert hedger.hedged == 0
+
+
+@pytest.mark.gcs
+@pytest.mark.parametrize("kind", ["stall", "stall_body"])
+async def test_an_fsspec_store_stalled_fails_within_its_deadline(
+    fake_gcs: Any, gcs_bucket: str, kind: str
+) -> None:
+    """fsspec drivers keep their own timeouts (gcsfs has none for a silent server); the
+    transport's request deadline bounds them all the same."""
+    body = np.random.default_rng(2).integers(0, 255, 64 << 10, dtype=np.uint8).tobytes()
+    with FaultProxy(fake_gcs.endpoint, dialect="gcs") as proxy:
+        store = open_store(
+            f"fsspec+gs://{gcs_bucket}/t-{uuid.uuid4().hex[:12]}",
+            endpoint_url=proxy.endpoint,
+            token="anon",
+            request_deadline=DEADLINE,
+            retry_delay=0.01,
+        )
+        async with store:
+            await store.put("obj", body)
+            proxy.set_faults([ProxyFault(kind, ops=frozenset({"download"}))])
+            began = time.monotonic()
+            with pytest.raises(DeadlineExceededError, match=r"Settings\.request_deadline"):
+                await store.get("obj")
+            took = time.monotonic() - began
+            proxy.set_faults([])
+            assert await store.get("obj") == body
+    assert took <= DEADLINE * SLACK, f"{kind}: {took:.2f} s"
+
+
+class _Hung(StoreWrapper):
+    """A disk whose writes (or reads) never return, as a hung NFS mount's: the thread that
+    makes one waits until the test lets it go, and no cancellation stops it."""
+
+    def __init__(self, inner: Any, ops: frozenset[str]) -> None:
+        super().__init__(inner)
+        self.ops = ops
+        self.go = threading.Event()
+        self.hung = threading.Event()
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        if op in self.ops and "/attempt-" in key and "lease" not in key:
+            self.hung.set()
+            await asyncio.to_thread(self.go.wait, 60)
+
+
+WHOLE = 1.0  # the whole-operation deadline the tests give
+
+
+@pytest.mark.parametrize("face", ["save", "manager"])
+def test_a_save_that_hangs_fails_at_the_save_deadline_and_leaves_nothing(
+    tmp_path: Path, face: str
+) -> None:
+    """Requests to a local disk have no request deadline (the kernel bounds them, or not):
+    the save deadline does, and the hung save's attempt is abandoned."""
+    inner = open_store(str(tmp_path / "root"), save_deadline=WHOLE)
+    store = _Hung(inner, frozenset({"put", "create_multipart"}))
+    state = {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(10, np.int8)}
+
+    def save() -> None:
+        if face == "save":
+            ckptstore.save(store, state, step=7)
+            return
+        with ckptstore.CheckpointManager(store) as mgr:
+            mgr.save(7, state)
+            mgr.wait_until_finished()
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(DeadlineExceededError) as raised:
+            save()
+        took = time.monotonic() - began
+    finally:
+        store.go.set()
+    assert store.hung.is_set()
+    assert took <= WHOLE + 2.0, took
+    message = str(raised.value)
+    assert f"save of step 7 to {inner.url}" in message, message
+    assert f"deadline of {WHOLE:g} s (Settings.save_deadline)" in message, message
+    assert ckptstore.list_steps(inner) == []
+    deadline = time.monotonic() + 10
+    while any((tmp_path / "root").rglob("*pack*")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the abandoned attempt's cleanup ends once the hung write does
+    assert not any(p.is_file() for p in (tmp_path / "root").rglob("attempt-*/*"))
+    ckptstore.save(inner, state, step=7)  # the step is free: nothing of the hung one stays
+    np.testing.assert_array_equal(ckptstore.load(inner, step=7)["w"], state["w"])
+
+
+@pytest.mark.parametrize("face", ["load", "manager"])
+def test_a_restore_that_hangs_fails_at_the_restore_deadline(tmp_path: Path, face: str) -> None:
+    inner = open_store(str(tmp_path / "root"), restore_deadline=WHOLE)
+    state = {"w": np.arange(1 << 18, dtype=np.float32)}
+    ckptstore.save(inner, state, step=3)
+    store = _Hung(inner, frozenset({"get", "read"}))
+
+    def restore() -> None:
+        if face == "load":
+            ckptstore.load(store)
+            return
+        with ckptstore.CheckpointManager(store) as mgr:
+            mgr.restore(3)
+
+    began = time.monotonic()
+    try:
+        with pytest.raises(DeadlineExceededError) as raised:
+            restore()
+        took = time.monotonic() - began
+    finally:
+        store.go.set()
+    assert took <= WHOLE + 1.0, took
+    message = str(raised.value)
+    assert f"restore of step 3 from {inner.url}" in message or face == "load", message
+    assert f"restore of the newest step from {inner.url}" in message or face != "load", message
+    assert "(Settings.restore_deadline)" in message, message
+    np.testing.assert_array_equal(ckptstore.load(inner, step=3)["w"], state["w"])
+
+
+def test_the_whole_operation_deadlines_are_settings() -> None:
+    assert Settings().save_deadline == 3600.0
+    assert Settings().restore_deadline == 3600.0
+    assert Settings().replace(save_deadline="90s").save_deadline == 90.0
+    for name in ("save_deadline", "restore_deadline"):
+        with pytest.raises(ValueError, match=f"{name} must be > 0"):
+            Settings().replace(**{name: -1.0})

@@ -76,6 +76,7 @@ from ckptstore.errors import (
 from ckptstore.layout.restore import empty_array
 from ckptstore.manager import segments
 from ckptstore.manager.distributed import Collectives, Message, _Failure
+from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import Request, Selection, read_selected, rebuild, select_step
 from ckptstore.store.base import Store
 
@@ -275,7 +276,14 @@ def _read_and_transfer(
             for leaf, view in _views(selection, plan.transfers[tag], buffer)
         }
         own = [*plan.reads[rank], *boxed]
-        background.run(read_selected(store, selection, leaves=own, into=views))
+        background.run(
+            bounded(
+                read_selected(store, selection, leaves=own, into=views),
+                seconds=store.settings.restore_deadline,
+                what=f"rank {rank}'s reads of step {selection.manifest.step} from {store.url}",
+                setting="restore_deadline",
+            )
+        )
         # the reader's own arrays over a segment: private, as every receiver's are (the
         # shared mapping goes once nothing holds a view of it)
         del views

@@ -78,6 +78,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import FlatState, escape_key, join_path
 from ckptstore.manager import sharding
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import request, restore
 from ckptstore.pipeline.root import Root, opened
 from ckptstore.pipeline.save import Attempt
@@ -638,7 +639,14 @@ def commit_parts(
         # 2. write what this rank owns, then tell the coordinator
         prefix = f"{attempt.prefix}r{rank}-"
         try:
-            written: Any = background.run(_write_own(store, flat, leaves, rank, prefix, shards))
+            written: Any = background.run(
+                bounded(
+                    _write_own(store, flat, leaves, rank, prefix, shards),
+                    seconds=store.settings.save_deadline,
+                    what=f"rank {rank}'s writes of step {step} to {store.url}",
+                    setting="save_deadline",
+                )
+            )
         except Exception as exc:
             error, written = exc, _Failure.of(rank, exc)
         try:

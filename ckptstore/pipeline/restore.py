@@ -59,6 +59,7 @@ from ckptstore.layout.commit import latest_step, read_manifest
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import Pieces, read_leaves
 from ckptstore.layout.tree import flatten, iter_leaves, select_paths, unflatten
+from ckptstore.pipeline.deadline import bounded
 from ckptstore.stage.shards import rebuild_pieces, wanted_boxes
 from ckptstore.stage.stager import (
     ArrayKind,
@@ -272,7 +273,17 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
         NotFoundError: no such step, a key or target leaf naming nothing, or a leaf of
             ``into`` the step lacks.
         CorruptCheckpointError: the manifest or any byte read fails verification.
+        DeadlineExceededError: the restore took longer than ``Settings.restore_deadline``.
     """
+    return await bounded(
+        _read(store, step, asked, into),
+        seconds=store.settings.restore_deadline,
+        what=f"restore of {'the newest step' if step is None else f'step {step}'} from {store.url}",
+        setting="restore_deadline",
+    )
+
+
+async def _read(store: Store, step: int | None, asked: Request, into: Any) -> Selection:
     began = time.monotonic()
     selection = await select_step(store, step, asked)
     manifest = selection.manifest

@@ -64,6 +64,7 @@ from ckptstore.layout.commit import (
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
+from ckptstore.pipeline.deadline import bounded
 from ckptstore.stage.stager import StagedState, Stager
 from ckptstore.store.base import Store
 
@@ -210,8 +211,18 @@ async def save_flat(
 ) -> CommitInfo:
     """Plan, write and commit a flat state in this process (the arrays must not change
     until it returns). With ``Settings.incremental`` only what changed since the newest
-    committed step is written, unless ``full`` (:mod:`ckptstore.layout.incremental`)."""
-    return await write_checkpoint(store, flat, step=step, metadata=metadata, full=full)
+    committed step is written, unless ``full`` (:mod:`ckptstore.layout.incremental`).
+
+    Raises:
+        DeadlineExceededError: the save took longer than ``Settings.save_deadline``; its
+            attempt is abandoned.
+    """
+    return await bounded(
+        write_checkpoint(store, flat, step=step, metadata=metadata, full=full),
+        seconds=store.settings.save_deadline,
+        what=f"save of step {step} to {store.url}",
+        setting="save_deadline",
+    )
 
 
 async def save_staged(
