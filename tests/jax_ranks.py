@@ -239,7 +239,39 @@ def scenario_manager(root: str, step: str) -> dict[str, Any]:
     return out
 
 
+#: seconds the others wait for a stalled process (JaxCollectives timeout)
+STALL_TIMEOUT = 5.0
+
+
+def scenario_stall(root: str, step: str) -> dict[str, Any]:
+    """Save ``step``; then process 1 stalls (alive and silent: it never calls the next
+    save) while the others save ``step + 1``: they fail within the collectives' timeout,
+    and say how long after the call that was."""
+    import time
+
+    comm = JaxCollectives("stall", timeout=STALL_TIMEOUT)
+    store = opened(root)
+    cd.save(store, state(), step=int(step), comm=comm)
+    if comm.rank == 1:
+        print("RESULT " + json.dumps({"stalled": True}), flush=True)
+        time.sleep(3 * STALL_TIMEOUT)  # silent past every other process's deadline
+        os._exit(0)  # never takes part again, nor in jax.distributed's shutdown barrier
+    began = time.monotonic()
+    try:
+        cd.save(store, state(1), step=int(step) + 1, comm=comm)
+        outcome = "succeeded"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    result = {"error": outcome, "seconds": time.monotonic() - began}
+    print("RESULT " + json.dumps(result), flush=True)
+    # process 0 hosts the coordination service, whose end aborts every other process:
+    # outlive the stalled one
+    time.sleep(max(0.0, 3 * STALL_TIMEOUT + 2 - (time.monotonic() - began)))
+    os._exit(0)
+
+
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
+    "stall": scenario_stall,
     "manager": scenario_manager,
     "save": scenario_save,
     "load": scenario_load,
@@ -262,9 +294,9 @@ def main() -> None:
     )
     result = SCENARIOS[scenario](*args)
     print("RESULT " + json.dumps(result), flush=True)
-    if scenario == "sigkill":
-        # jax.distributed's shutdown waits for every process at a barrier, the killed one
-        # too: leave without it
+    if scenario in ("sigkill", "stall"):
+        # jax.distributed's shutdown waits for every process at a barrier, the killed or
+        # stalled one too: leave without it
         sys.stdout.flush()
         os._exit(0)
     jax.distributed.shutdown()

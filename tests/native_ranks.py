@@ -159,11 +159,45 @@ def scenario_sigkill(root: str) -> dict[str, Any]:
     return outcome
 
 
+#: the collectives' deadline of the stalled-rank scenario, seconds
+STALL_TIMEOUT = 5.0
+
+
+def scenario_stall(root: str, what: str) -> dict[str, Any]:
+    """Save step 1 over a gloo group whose collectives time out after STALL_TIMEOUT; then
+    rank 1 stalls (alive and silent: it never calls the next save or load) while the other
+    ranks ``what`` (``save`` step 2 or ``load`` step 1): they fail within the timeout, and
+    say how long after the call that was."""
+    from datetime import timedelta
+
+    rank = dist.get_rank()
+    group = dist.new_group(backend="gloo", timeout=timedelta(seconds=STALL_TIMEOUT))
+    store = opened(root)
+    cd.save(store, part(rank, 1), step=1, group=group)
+    if rank == 1:
+        print("RESULT " + json.dumps({"stalled": True}), flush=True)
+        time.sleep(3 * STALL_TIMEOUT)  # silent past every survivor's deadline
+        os._exit(0)  # never takes part again
+    began = time.monotonic()
+    try:
+        if what == "save":
+            cd.save(store, part(rank, 2), step=2, group=group)
+        else:
+            cd.load(store, 1, group=group)
+        outcome = "succeeded"
+    except Exception as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    result = {"error": outcome, "seconds": time.monotonic() - began}
+    print("RESULT " + json.dumps(result), flush=True)
+    os._exit(0)  # the group is broken: skip destroy_process_group's collectives
+
+
 SCENARIOS = {
     "save": scenario_save,
     "load": scenario_load,
     "failures": scenario_failures,
     "sigkill": scenario_sigkill,
+    "stall": scenario_stall,
 }
 
 

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("torch")
 
+import ckptstore
 from tests.multirank import (
     TARGETS_AND_WORLDS,
     WITH_4_RANKS,
@@ -122,3 +123,27 @@ def test_survivors_of_a_sigkilled_rank_get_a_ckptstore_error(tmp_path: Path) -> 
     for error in _run_and_sigkill(Target(str(tmp_path / "ckpts"), {}), 2, tmp_path):
         assert error.startswith("CkptStoreError"), error
         assert "step 2" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what", ["save", "load"])
+def test_a_stalled_rank_fails_every_other_rank_within_the_collective_deadline(
+    tmp_path: Path, what: str
+) -> None:
+    """Issue 30, for ``distributed.save`` and ``distributed.load``: rank 1 stays alive and
+    silent; the other ranks' calls fail within the group's timeout plus 10% (and a second
+    for the start of the collectives), saying a rank died or stalled, and nothing of step 2
+    is committed."""
+    from tests.native_ranks import STALL_TIMEOUT
+
+    root = tmp_path / "ckpts"
+    outcomes = run_ranks(WORKER, 3, "stall", str(root), what, logs=tmp_path / "logs", env={})
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 0, f"rank {rank}:\n{outcome.log[-4000:]}"
+        result = outcome.results[-1]
+        if rank == FAILING_RANK:
+            assert result == {"stalled": True}
+            continue
+        assert "another rank died or stalled" in result["error"], result
+        assert result["seconds"] <= STALL_TIMEOUT * 1.1 + 1.0, result
+    assert ckptstore.list_steps(root) == [1]

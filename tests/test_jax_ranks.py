@@ -211,3 +211,25 @@ def test_jax_collectives_need_jax_distributed() -> None:
 
     with pytest.raises(RuntimeError, match=r"jax\.distributed\.initialize"):
         JaxCollectives()
+
+
+@pytest.mark.slow
+def test_a_stalled_process_fails_the_others_within_the_collective_deadline(
+    tmp_path: Path,
+) -> None:
+    """Issue 30, on JaxCollectives: process 1 stays alive and silent; process 0's save of
+    step 2 fails within the collectives' timeout plus 10% (and a second for the save's own
+    work before its first collective), naming process 1, and step 2 is not committed."""
+    from tests.jax_ranks import STALL_TIMEOUT
+
+    root = tmp_path / "ckpts"
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    outcomes = run_ranks(WORKER, 2, "stall", str(root), "1", logs=tmp_path / "logs", env=env)
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == 0, f"process {rank}:\n{outcome.log[-4000:]}"
+    assert outcomes[1].results[-1] == {"stalled": True}
+    result = outcomes[0].results[-1]
+    assert "process 1 of the jax.distributed job did not reach" in result["error"], result
+    assert "step 2 was not saved" in result["error"], result
+    assert result["seconds"] <= STALL_TIMEOUT * 1.1 + 1.0, result
+    assert ckptstore.list_steps(root) == [1]

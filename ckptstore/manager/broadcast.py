@@ -75,7 +75,7 @@ from ckptstore.errors import (
 )
 from ckptstore.layout.restore import empty_array
 from ckptstore.manager import segments
-from ckptstore.manager.distributed import Collectives, Message, _Failure
+from ckptstore.manager.distributed import Collectives, Message, _Failure, lost_rank
 from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import Request, Selection, read_selected, rebuild, select_step
 from ckptstore.store.base import Store
@@ -330,7 +330,7 @@ def _read_and_transfer(
     try:
         comm.exchange(sends, receives)
     except Exception as exc:
-        raise _lost(store, step, "sending the shared leaves", exc) from exc
+        raise lost_rank(store, step, "sending the shared leaves", exc, "was not loaded") from exc
     for _, tag, buffer in receives:
         selection.arrays.update(_views(selection, plan.transfers[tag], buffer))
 
@@ -450,14 +450,7 @@ def _share(comm: Collectives, obj: Any, store: Store, step: int, what: str) -> l
     try:
         return comm.all_gather(obj)
     except Exception as exc:
-        raise _lost(store, step, what, exc) from exc
-
-
-def _lost(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:
-    return CkptStoreError(
-        f"{store.url}: loading step {step} failed: {what} failed, most likely because "
-        f"another rank died ({type(exc).__name__}: {exc})"
-    )
+        raise lost_rank(store, step, what, exc, "was not loaded") from exc
 
 
 def _raise_failures(shared: list[Any], own: Exception | None, store: Store, step: int) -> None:

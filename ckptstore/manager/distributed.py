@@ -625,7 +625,7 @@ def commit_parts(
         try:
             parts = comm.all_gather(shared)
         except Exception as exc:
-            raise _lost_rank(store, step, "sharing the ranks' parts", exc) from exc
+            raise lost_rank(store, step, "sharing the ranks' parts", exc) from exc
         _raise_first(parts, error, store, step)
         steps = {p.step for p in parts}
         if len(steps) > 1:
@@ -654,7 +654,7 @@ def commit_parts(
         except BaseException as exc:
             _remove(store, prefix)  # a rank died before the commit: nothing is committed
             if isinstance(exc, Exception):
-                raise _lost_rank(store, step, "gathering the written objects", exc) from exc
+                raise lost_rank(store, step, "gathering the written objects", exc) from exc
             raise
         outcome: _Outcome | None = None
         if reports is not None:
@@ -694,9 +694,13 @@ def _release_lease(attempt: Attempt) -> None:
         background.run(attempt.lease.release())
 
 
-def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreError:
+def lost_rank(
+    store: Store, step: int, what: str, exc: Exception, outcome: str = "was not saved"
+) -> CkptStoreError:
     """The error a surviving rank raises when a collective fails, which is how a rank learns
-    that another one died (torch.distributed raises its transport's RuntimeError then)."""
+    that another one died or stalled (torch.distributed raises its transport's RuntimeError
+    then, after the group's timeout for a silent rank); ``outcome`` says what became of the
+    step (``"was not saved"``, ``"was not loaded"``)."""
     timed_out = isinstance(exc, TimeoutError) or "timed out" in str(exc).lower()
     why = (
         "another rank died or stalled: none answered within the collectives' timeout"
@@ -704,7 +708,7 @@ def _lost_rank(store: Store, step: int, what: str, exc: Exception) -> CkptStoreE
         else "another rank died"
     )
     return CkptStoreError(
-        f"{store.url}: step {step} was not saved: {what} failed, most likely because {why} "
+        f"{store.url}: step {step} {outcome}: {what} failed, most likely because {why} "
         f"({type(exc).__name__}: {exc})"
     )
 
