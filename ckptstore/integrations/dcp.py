@@ -205,11 +205,16 @@ class Writer(_AtCheckpoint, StorageWriter):
         try:
             attempt = background.run(save_path.begin(store, step))
             self._begun = attempt  # it holds the attempt's lease; what ranks get does not
-        except CommitConflictError:
-            raise AlreadyExistsError(
-                f"{self.url} already holds a committed checkpoint (step {step} of "
-                f"{store.url}); save to a new URL (checkpoints are immutable)"
-            ) from None
+        except BaseException as exc:
+            # DCP calls nothing more after a failed plan: the client opened for it closes
+            # now, not as an "Unclosed client session" at exit
+            self._target.handle.release()
+            if isinstance(exc, CommitConflictError):
+                raise AlreadyExistsError(
+                    f"{self.url} already holds a committed checkpoint (step {step} of "
+                    f"{store.url}); save to a new URL (checkpoints are immutable)"
+                ) from None
+            raise
         return [
             SavePlan(
                 items=plan.items,
@@ -486,7 +491,13 @@ class Reader(_AtCheckpoint, StorageReader):
         ):
             raise TypeError("this Metadata was not read by ckptstore.dcp.Reader.read_metadata")
         if self._manifest is None:  # DCP handed over metadata another reader read
-            self._manifest = background.run(find_manifest(self._target.store, self._target.step))
+            try:
+                self._manifest = background.run(
+                    find_manifest(self._target.store, self._target.step)
+                )
+            except BaseException:
+                self._target.handle.release()  # as after a failed read_metadata
+                raise
         self._locations = locations
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:

@@ -191,6 +191,14 @@ class CheckpointManager:
                 )
             if local_max_to_keep is not None and local_max_to_keep < 1:
                 raise ValueError(f"local_max_to_keep must be >= 1 or None, got {local_max_to_keep}")
+        signals: list[int] = []
+        if isinstance(preemption, bool):
+            signals = [signal.SIGTERM] if preemption else []
+        elif isinstance(preemption, int):
+            signals = [preemption]
+        else:
+            signals = list(preemption)
+        PreemptionWatch.check(signals, save_before)  # refused before anything is opened
         if isinstance(keep_time_interval, datetime.timedelta):
             keep_time_interval = keep_time_interval.total_seconds()
         self.max_to_keep = max_to_keep
@@ -250,13 +258,6 @@ class CheckpointManager:
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
         self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
-        signals: list[int] = []
-        if isinstance(preemption, bool):
-            signals = [signal.SIGTERM] if preemption else []
-        elif isinstance(preemption, int):
-            signals = [preemption]
-        else:
-            signals = list(preemption)
         self._watch = (
             PreemptionWatch(signals, save_before) if signals or save_before is not None else None
         )

@@ -82,23 +82,44 @@ class PreemptionWatch:
         signals: Iterable[int] = (),
         save_before: float | datetime.datetime | None = None,
     ) -> None:
-        self._signals = [signal.Signals(s) for s in signals]
+        self._signals, self.save_before = self.check(signals, save_before)
+        self._notice: Notice | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+        for sig in self._signals:
+            self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    @staticmethod
+    def check(
+        signals: Iterable[int], save_before: float | datetime.datetime | None
+    ) -> tuple[list[signal.Signals], float | None]:
+        """The signals and the time limit, validated (nothing installed): a caller checks
+        them before it opens anything.
+
+        Raises:
+            ValueError: a number that is no signal here, a naive or past ``save_before``,
+                or signals to watch from a thread other than the main one.
+        """
+        checked = []
+        for number in signals:
+            try:
+                checked.append(signal.Signals(number))
+            except ValueError:
+                raise ValueError(
+                    f"preemption={list(signals)!r}: {number!r} is not a signal of this "
+                    "platform (give True for SIGTERM, or signal numbers such as signal.SIGUSR1)"
+                ) from None
         if isinstance(save_before, datetime.datetime):
             if save_before.tzinfo is None:
                 raise ValueError("save_before must be an aware datetime (with a time zone)")
             save_before = save_before.timestamp()
         if save_before is not None and not save_before > time.time():
             raise ValueError(f"save_before={save_before} is not in the future")
-        self.save_before = save_before
-        self._notice: Notice | None = None
-        self._previous: dict[signal.Signals, Any] = {}
-        if self._signals and threading.current_thread() is not threading.main_thread():
+        if checked and threading.current_thread() is not threading.main_thread():
             raise ValueError(
                 "preemption= installs signal handlers, which only the main thread can do; "
                 "make the CheckpointManager in the main thread"
             )
-        for sig in self._signals:
-            self._previous[sig] = signal.signal(sig, self._on_signal)
+        return checked, save_before
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         if self._notice is None:
