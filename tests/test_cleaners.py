@@ -118,3 +118,119 @@ def test_gc_loops_beside_retention_never_fail_and_keep_every_step(
     for step in kept:
         got = ckptstore.load(url, step, **options)
         assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[step]
+
+
+#: A cleaner on another host: its wall clock is ``skew`` seconds off the saver's (within
+#: the quarter of the lease period that docs/commit.md allows).
+_GC_LOOP_ON_ANOTHER_HOST = """
+import json, os, sys, time
+real = time.time
+skew = float(sys.argv[3])
+time.time = lambda: real() + skew
+import ckptstore
+
+root, stop = sys.argv[1], sys.argv[2]
+options = json.loads(os.environ["CKPTSTORE_TEST_STORE_OPTIONS"])
+runs = removed = 0
+while not os.path.exists(stop):
+    report = ckptstore.gc(root, grace=0, **options)
+    runs += 1
+    removed += len(report.removed) + len(report.reclaimed)
+print(json.dumps({"runs": runs, "removed": removed}), flush=True)
+"""
+
+#: the lease period of the mixed test: short, so renewals and expiries happen during it
+LEASE = 8
+
+
+@pytest.mark.parametrize(
+    "target",
+    ["local", pytest.param("seaweedfs", marks=[pytest.mark.s3, pytest.mark.slow])],
+    indirect=True,
+)
+def test_gc_rollback_retention_and_tier_cleanup_together_never_fail(
+    target: Target, tmp_path: Path
+) -> None:
+    """Every kind of cleaner at once on one run: a tiered manager's retention on both tiers
+    and its copies, a rollback every 9 saves (newer steps set aside on both tiers, then
+    saved again), and three gc loops with no grace period: two on the persistent root from
+    "other hosts" whose clocks are 1.5 s ahead and behind, one on the local tier. Nothing
+    fails; every step listed at the end loads bit-exact as last saved."""
+    url = target.base
+    options = {**target.options, "save_lease_seconds": LEASE}
+    local = tmp_path / "local-tier"
+    stop = tmp_path / "stop"
+    env = {
+        **os.environ,
+        **target.env(),
+        "PYTHONPATH": str(ROOT),
+        "CKPTSTORE_SAVE_LEASE_SECONDS": str(LEASE),
+    }
+    local.mkdir()
+    runs = [(url, "1.5"), (url, "-1.5"), (str(local), "0")]
+    cleaners = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GC_LOOP_ON_ANOTHER_HOST, root, str(stop), skew],
+            env={
+                **env,
+                "CKPTSTORE_TEST_STORE_OPTIONS": json.dumps(target.options if root == url else {}),
+            },
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for root, skew in runs
+    ]
+    rng = np.random.default_rng(1)
+    frozen = rng.standard_normal(128 << 10).astype(np.float32)
+    saved: dict[int, bytes] = {}
+    rollbacks = saves = 0
+    try:
+        deadline = time.monotonic() + SECONDS
+        step = 0
+        with ckptstore.CheckpointManager(
+            url,
+            local=str(local),
+            local_options={"save_lease_seconds": LEASE},
+            max_to_keep=3,
+            local_max_to_keep=2,
+            persistent_every=2,
+            **options,
+        ) as mgr:
+            while time.monotonic() < deadline or step < 20:
+                if step % 5 == 0:
+                    frozen = frozen + 1
+                moving = np.full(1000, step, np.int64)
+                mgr.save(step, {"frozen": frozen, "moving": moving})
+                saved[step] = frozen.tobytes() + moving.tobytes()
+                saves += 1
+                if saves % 9 == 0:  # go back two steps and save them again
+                    mgr.wait_until_finished()
+                    back = max(s for s in mgr.all_steps() if s <= step - 2)
+                    got = mgr.restore(back, rollback=True)
+                    assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[back]
+                    assert mgr.set_aside, "a rollback with newer steps set none aside"
+                    rollbacks += 1
+                    frozen = got["frozen"] + 0.5  # the rerun differs from the first run
+                    step = back
+                step += 1
+            mgr.wait_until_finished()
+            kept = mgr.all_steps()
+            for got_step in kept:
+                got = mgr.restore(got_step)
+                assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[got_step]
+    finally:
+        stop.touch()
+        outputs = [cleaner.communicate(timeout=120) for cleaner in cleaners]
+    removed = 0
+    for cleaner, (out, err) in zip(cleaners, outputs, strict=True):
+        assert cleaner.returncode == 0, err[-4000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["runs"] >= 2, summary
+        removed += summary["removed"]
+    assert removed > 0, "the gc loops found nothing to remove: they raced with nothing"
+    assert rollbacks >= 2
+    assert kept, "no step left"
+    for step in ckptstore.list_steps(url, **target.options):
+        got = ckptstore.load(url, step, **target.options)
+        assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[step]
