@@ -25,6 +25,11 @@ from ckptstore.errors import (
     TornSnapshotError,
     UnsupportedTreeError,
 )
+from ckptstore.integrations.safetensors import (
+    ExportInfo,
+    aexport_safetensors,
+    export_safetensors,
+)
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import UnsupportedLeafError
 from ckptstore.manager.checkpoint_manager import CheckpointManager
@@ -60,10 +65,12 @@ __all__ = [
     "AlreadyExistsError",
     "CheckpointManager",
     "CommitInfo",
+    "ExportInfo",
     "GCReport",
     "Manifest",
     "UnsupportedLeafError",
     "adelete_step",
+    "aexport_safetensors",
     "agc",
     "alist_steps",
     "aload",
@@ -72,6 +79,7 @@ __all__ = [
     "arollback",
     "asave",
     "delete_step",
+    "export_safetensors",
     "gc",
     "list_steps",
     "load",

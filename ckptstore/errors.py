@@ -115,7 +115,8 @@ class CheckpointFormatError(CkptStoreError, ValueError):
 class UnsupportedTreeError(CkptStoreError, ValueError):
     """A directory tree ckptstore cannot carry as one step: a special file (FIFO, socket,
     device), a symlink that leaves the tree, or a file that changed while it was uploaded;
-    the message names the path."""
+    or a state an export format cannot hold (a dtype it has no name for, two leaves of one
+    name). The message names the path."""
 
 
 class NotSupportedError(CkptStoreError, NotImplementedError):

@@ -923,6 +923,35 @@ async def _download(args: argparse.Namespace) -> Outcome:
     )
 
 
+async def _export(args: argparse.Namespace) -> Outcome:
+    from ckptstore.integrations.safetensors import aexport_safetensors
+
+    async with cli_store(args.url, _options(args.option)) as store:
+        step = await _resolve_step(store, args.step)
+        info = await aexport_safetensors(
+            store,
+            args.dest,
+            step=step,
+            keys=args.keys,
+            max_shard_size=args.max_shard_size,
+            overwrite=args.overwrite,
+        )
+        url = store.url
+    files = [str(path) for path in info.files]
+    return Outcome(
+        {
+            "url": url,
+            "step": step,
+            "format": args.format,
+            "files": files,
+            "tensors": info.tensors,
+            "bytes": info.nbytes,
+        },
+        f"step {step}: {info.tensors} tensor{'' if info.tensors == 1 else 's'}, "
+        f"{format_bytes(info.nbytes)}, every byte verified, exported to {', '.join(files)}",
+    )
+
+
 # ----------------------------------------------------------------- tune
 
 
@@ -1044,6 +1073,10 @@ _EXAMPLES: dict[str, str] = {
         ckptstore download s3://bucket/hf-run latest out/checkpoint-500
         ckptstore download ./mirror 1000 /nvme/orbax/1000
     """,
+    "export": """
+        ckptstore export s3://bucket/run7 latest ./hf-model --keys model
+        ckptstore export ./checkpoints 1000 /models/step1000 --max-shard-size 2GB
+    """,
     "gc": """
         ckptstore gc ./checkpoints
         ckptstore gc s3://bucket/run7 --grace 3600
@@ -1086,6 +1119,13 @@ _DESCRIPTIONS: dict[str, str] = {
     "download": "Download a directory-tree step (STEP is a number or 'latest') into DIR, which "
     "must not exist or be empty: it is written beside DIR, every byte verified, then renamed "
     "into place, so DIR never holds a partial or unverified tree.",
+    "export": "Export the arrays of one step (STEP is a number or 'latest'), or of the subtree "
+    "--keys names, as safetensors files in DEST that safetensors and transformers load without "
+    "ckptstore: model.safetensors, or model-0000K-of-0000N.safetensors and their "
+    "model.safetensors.index.json past --max-shard-size. A tensor's name is its path below "
+    "--keys with '.' between levels, so a state saved as {'model': model.state_dict(), ...} "
+    "exported with --keys model has the state dict's names. Every byte is verified on the "
+    "way; each file is written under a temporary name and renamed once durable.",
     "gc": "Remove save attempts that never committed (crashed or preempted saves) once they "
     "are older than the grace period, and stale in-progress writes. An attempt whose save "
     "still renews its lease is kept whatever --grace says, so gc can run beside training. "
@@ -1226,6 +1266,34 @@ def build_parser() -> argparse.ArgumentParser:
     download.add_argument("url", metavar="URL", help="checkpoint root")
     download.add_argument("step", metavar="STEP", type=_step_arg, help="step number or 'latest'")
     download.add_argument("dir", metavar="DIR", help="directory to create (absent or empty)")
+
+    export = add("export", "export a step's arrays as safetensors files, verified", _export)
+    export.add_argument("url", metavar="URL", help="checkpoint root")
+    export.add_argument("step", metavar="STEP", type=_step_arg, help="step number or 'latest'")
+    export.add_argument("dest", metavar="DEST", help="directory to write the files into")
+    export.add_argument(
+        "--format",
+        choices=["safetensors"],
+        default="safetensors",
+        help="the file format (default: safetensors)",
+    )
+    export.add_argument(
+        "--keys",
+        default=None,
+        metavar="KEY",
+        help="the subtree to export, e.g. 'model' (default: every array); tensor names are "
+        "paths below it, joined with '.'",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        default=5 << 30,
+        metavar="SIZE",
+        help="the largest file, e.g. 2GB (default: 5GiB); more files get an index",
+    )
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace files of the same names in DEST"
+    )
 
     gc = add("gc", "remove abandoned save attempts", _gc)
     gc.add_argument("url", metavar="URL", help="checkpoint root")
