@@ -140,7 +140,49 @@ def scenario_stall(root: str) -> dict[str, Any]:
     os._exit(0)  # the group is broken: skip close()'s and destroy_process_group's collectives
 
 
-SCENARIOS = {"manager": scenario_manager, "sigkill": scenario_sigkill, "stall": scenario_stall}
+#: the step at whose start the preempted rank gets SIGTERM, and the save interval
+PREEMPT_AT, INTERVAL = 13, 5
+
+
+def scenario_preempt(root: str, how: str) -> dict[str, Any]:
+    """A training loop that saves every INTERVAL steps under ``preemption=True`` (``how``:
+    ``signal``) or ``save_before`` (``deadline``); at step PREEMPT_AT the failing rank alone
+    gets SIGTERM (from itself, as from a scheduler) or passes its time limit. Every rank
+    must save that step, wait for it to be durable and leave by ``Preempted``; each prints
+    what it knew before that, and the exit status says the rest."""
+    import logging
+    import os
+    import signal
+    import time
+
+    logging.basicConfig(level=logging.WARNING)  # Preempted's record says what was saved
+    rank = dist.get_rank()
+    options: dict[str, Any] = {"preemption": True}
+    if how == "deadline":
+        options = {"save_before": time.time() + 3600}
+    mgr = ckptstore.distributed.CheckpointManager(
+        opened(root), save_interval_steps=INTERVAL, timeout=GROUP_TIMEOUT, **options
+    )
+    print("RESULT " + json.dumps({"started": True}), flush=True)
+    for step in range(100):
+        if step == PREEMPT_AT and rank == FAILING_RANK:
+            if how == "signal":
+                os.kill(os.getpid(), signal.SIGTERM)
+            else:
+                assert mgr._watch is not None
+                mgr._watch.save_before = time.time() + 0.5  # within the margin: stop now
+        print("RESULT " + json.dumps({"step": step}), flush=True)
+        mgr.save(step, part(rank, step))
+        time.sleep(0.01)
+    return {"finished": "never preempted"}
+
+
+SCENARIOS = {
+    "manager": scenario_manager,
+    "sigkill": scenario_sigkill,
+    "stall": scenario_stall,
+    "preempt": scenario_preempt,
+}
 
 
 if __name__ == "__main__":

@@ -309,3 +309,44 @@ def test_without_torch_distributed_the_manager_names_both_ways_to_give_it_collec
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"init_process_group.*JaxCollectives\("):
         ckptstore.distributed.CheckpointManager(str(tmp_path))
+
+
+def test_preemption_with_collectives_of_ones_own_agrees_on_the_step(shared: Store) -> None:
+    """``comm=`` with ``save_before=`` and ``preemption_comm=``: rank 1's time limit comes
+    at step 3; both ranks save step 3 and stop with Preempted (status 124) there."""
+    import time
+
+    from ckptstore.manager.preemption import Preempted
+
+    flags = ckptstore.distributed.LocalGroup(2, timeout=30)
+
+    def rank_body(rank: int, comm: ckptstore.distributed.Collectives) -> Any:
+        with ckptstore.distributed.CheckpointManager(
+            shared,
+            comm=comm,
+            save_interval_steps=10,
+            save_before=time.time() + 3600,
+            preemption_comm=flags.member(rank),
+        ) as mgr:
+            for step in range(20):
+                if step == 3 and rank == 1:
+                    assert mgr._watch is not None
+                    mgr._watch.save_before = time.time() + 0.5  # inside the margin
+                mgr.save(step, {f"w{rank}": np.full(8, step), "step": step})
+        return "never preempted"
+
+    outcomes = run_ranks(2, rank_body)
+    for outcome in outcomes:
+        assert isinstance(outcome, Preempted), outcome
+        assert (outcome.step, outcome.code) == (3, 124)
+    assert "save_before" in outcomes[0].notice.reason
+    assert "on rank 1" in outcomes[0].notice.reason  # rank 0 was told by rank 1
+    assert steps_of(shared) == [0, 3]
+    got = background.run(ckptstore.aload(shared, 3))
+    assert got["w0"].tolist() == got["w1"].tolist() == [3] * 8
+
+
+def test_preemption_with_comm_needs_collectives_for_it(shared: Store) -> None:
+    group = ckptstore.distributed.LocalGroup(1, timeout=5)
+    with pytest.raises(ValueError, match="need preemption_comm="):
+        ckptstore.distributed.CheckpointManager(shared, comm=group.member(0), preemption=True)

@@ -124,3 +124,25 @@ def test_a_stalled_rank_fails_every_other_rank_within_the_collective_deadline(
         assert "another rank died or stalled" in result["error"], result
         assert result["seconds"] <= STALL_TIMEOUT * 1.1 + 1.0, result
     assert ckptstore.list_steps(root) == [1]
+
+
+@pytest.mark.parametrize("how", ["signal", "deadline"])
+def test_preemption_on_one_rank_makes_every_rank_save_that_step_and_stop(
+    tmp_path: Path, how: str
+) -> None:
+    """Issue 29: SIGTERM to one rank of 3 (or one rank's clock past ``save_before``) at step
+    13 of a loop that saves every 5 steps: every rank agrees at its next save() call, step 13
+    is saved by all of them, durable, and every rank leaves with Preempted's status (143 for
+    the signal, 124 for the time limit). The step loads bit-exact."""
+    from tests.manager_ranks import INTERVAL, PREEMPT_AT, exact
+
+    root = tmp_path / "ckpts"
+    outcomes = run_ranks(WORKER, 3, "preempt", str(root), how, logs=tmp_path / "logs", env={})
+    status = 143 if how == "signal" else 124
+    for rank, outcome in enumerate(outcomes):
+        assert outcome.returncode == status, f"rank {rank}:\n{outcome.log[-4000:]}"
+        assert outcome.results[-1] == {"step": PREEMPT_AT}, outcome.results[-3:]
+        assert f"step {PREEMPT_AT} is durable; stopping on" in outcome.log, outcome.log[-2000:]
+    assert ckptstore.list_steps(root) == [*range(0, PREEMPT_AT, INTERVAL), PREEMPT_AT]
+    got = ckptstore.load(root, PREEMPT_AT, target="torch")
+    assert all(exact(got, rank, PREEMPT_AT) for rank in range(3))

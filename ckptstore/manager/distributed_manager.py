@@ -53,7 +53,8 @@ from __future__ import annotations
 import asyncio
 import datetime
 import os
-from collections.abc import Callable, Coroutine
+import time
+from collections.abc import Callable, Coroutine, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
@@ -72,6 +73,7 @@ from ckptstore.manager.distributed import (
     commit_parts,
     load,
 )
+from ckptstore.manager.preemption import Notice, save_margin
 from ckptstore.pipeline import save as save_path
 from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
@@ -106,11 +108,19 @@ class CheckpointManager(_SingleProcessManager):
         timeout: seconds the new gloo group waits in a collective before failing (how long
             survivors of a rank that died silently wait at most); default: torch's
             (30 minutes). Only with ``torch.distributed``.
+        preemption, save_before: as for :class:`~ckptstore.CheckpointManager`: a signal on
+            any rank (or the time limit on any rank's clock) makes every rank save the step
+            of its next :meth:`save` call, wait until it is durable and raise
+            :class:`~ckptstore.manager.preemption.Preempted`. Every ``save()`` call then
+            runs one small collective to agree (a second gloo group, made here).
+        preemption_comm: with ``comm=`` and ``preemption``/``save_before``: collectives of
+            their own for that agreement (e.g. ``JaxCollectives("manager-preemption")``).
         **store_options: options for a URL ``url``, as on every face.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised and no ``comm`` is given.
-        ValueError: ``comm`` with ``group`` or ``timeout``; a coordinator outside the group.
+        ValueError: ``comm`` with ``group`` or ``timeout``; a coordinator outside the group;
+            ``preemption`` with ``comm`` but no ``preemption_comm``.
     """
 
     # Its close() runs collectives; at interpreter exit they could wait on ranks that are
@@ -133,16 +143,39 @@ class CheckpointManager(_SingleProcessManager):
         comm: Collectives | None = None,
         coordinator: int = 0,
         timeout: float | None = None,
+        preemption: bool | int | Iterable[int] = False,
+        save_before: float | datetime.datetime | None = None,
+        preemption_comm: Collectives | None = None,
         **store_options: Any,
     ) -> None:
         self._own_group: Any = None
+        self._flags_group: Any = None
+        watching = preemption is not False or save_before is not None
         if comm is not None:
             if group is not None or timeout is not None:
                 raise ValueError(
                     "give comm= or a torch.distributed group= (and its timeout=), not both"
                 )
+            if watching and preemption_comm is None:
+                raise ValueError(
+                    "preemption= and save_before= with comm= need preemption_comm=: collectives "
+                    'of their own (e.g. JaxCollectives("manager-preemption")), on which every '
+                    "save() agrees whether any rank was told to stop"
+                )
         else:
+            if preemption_comm is not None:
+                raise ValueError(
+                    "preemption_comm= goes with comm=; without it the manager "
+                    "makes a group of its own for it"
+                )
             comm, self._own_group = _group_of_its_own(group, timeout)
+            if watching:
+                try:
+                    preemption_comm, self._flags_group = _group_of_its_own(group, timeout)
+                except BaseException:
+                    self._destroy_group()
+                    raise
+        self._flags = preemption_comm if watching else None
         try:
             check_coordinator(comm, coordinator)
             super().__init__(
@@ -156,6 +189,8 @@ class CheckpointManager(_SingleProcessManager):
                 async_save=async_save,
                 max_in_flight=1,  # two saves in flight would interleave their collectives
                 stager=stager,
+                preemption=preemption,
+                save_before=save_before,
                 **store_options,
             )
         except BaseException:
@@ -214,6 +249,10 @@ class CheckpointManager(_SingleProcessManager):
         self._check_open()
         if persist is not None:
             raise ValueError("persist= needs a local tier; a multi-rank manager has none")
+        if self._watch is not None:
+            notice = self._agreed_notice()
+            if notice is not None:  # on every rank, at the same step
+                self._save_and_stop(step, state, metadata, metrics, notice)
         if not (force or self.should_save(step)):
             self._saver.raise_errors()
             return False
@@ -243,10 +282,29 @@ class CheckpointManager(_SingleProcessManager):
                 self._thread, self._commit_everywhere, staged, fences, step, document, meta
             )
 
-        self.last_handle = self._saver.submit(step, stage, write)
+        began = time.monotonic()
+        self.last_handle = handle = self._saver.submit(step, stage, write)
+        if self._watch is not None:  # how long a save takes, for save_before's margin
+            handle._future.add_done_callback(
+                lambda _: self._save_seconds.append(time.monotonic() - began)
+            )
         if not self.async_save:
             self.wait_until_finished()
         return True
+
+    def _agreed_notice(self) -> Notice | None:
+        """Whether any rank was told to stop (a signal, or ``save_before`` close), agreed on
+        by every rank in one small collective per :meth:`save` call, on collectives of their
+        own so it never waits for a save in flight."""
+        assert self._watch is not None
+        assert self._flags is not None
+        mine = self._watch.notice(save_margin(self._save_seconds))
+        said = self._flags.all_gather(None if mine is None else (mine.reason, mine.status))
+        for rank, told in enumerate(said):
+            if told is not None:
+                reason, status = told
+                return mine or Notice(f"{reason} on rank {rank}", int(status))
+        return None
 
     def _commit_everywhere(
         self,
@@ -391,12 +449,14 @@ class CheckpointManager(_SingleProcessManager):
             self._destroy_group()
 
     def _destroy_group(self) -> None:
-        group, self._own_group = self._own_group, None
-        if group is not None:
-            import torch.distributed as dist
+        groups = (self._own_group, self._flags_group)
+        self._own_group = self._flags_group = None
+        for group in groups:
+            if group is not None:
+                import torch.distributed as dist
 
-            if dist.is_initialized():
-                dist.destroy_process_group(group)
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
 
     def __repr__(self) -> str:
         return (
