@@ -250,6 +250,15 @@ EVERY_TARGET = [
 ]
 
 
+#: :data:`EVERY_TARGET` for the soak and crash loops, which take 10-40 s a target: local
+#: disk and SeaweedFS (the S3 dialect) by default, moto as well under ``--full``.
+SOAK_TARGETS = [
+    "local",
+    pytest.param("moto", marks=[pytest.mark.s3, pytest.mark.slow]),
+    pytest.param("seaweedfs", marks=pytest.mark.s3),
+]
+
+
 @pytest.fixture(
     params=[
         "local",

@@ -25,7 +25,7 @@ import ckptstore
 from ckptstore import background
 from ckptstore.store.local import LocalStore
 from tests.matrix import trials
-from tests.multirank import EVERY_TARGET, Target
+from tests.multirank import SOAK_TARGETS, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -65,7 +65,7 @@ def test_a_put_whose_directory_is_pruned_by_a_concurrent_delete_succeeds(tmp_pat
     background.run(store.close())
 
 
-@pytest.mark.parametrize("target", EVERY_TARGET, indirect=True)
+@pytest.mark.parametrize("target", SOAK_TARGETS, indirect=True)
 def test_gc_loops_beside_retention_never_fail_and_keep_every_step(
     target: Target, tmp_path: Path
 ) -> None:

@@ -32,7 +32,7 @@ from ckptstore.layout.maintenance import verify_step
 from ckptstore.store.registry import open_store
 from ckptstore.testing.incremental_tests import FineTuning
 from tests.matrix import trials
-from tests.multirank import EVERY_TARGET, Target
+from tests.multirank import SOAK_TARGETS, Target
 
 ROOT = Path(__file__).resolve().parent.parent
 TRIALS = trials(full=30, quick=5)
@@ -80,7 +80,7 @@ def _same(actual: Any, expected: Any) -> bool:
 
 
 # every store in the default run too: the kills are few there, not the stores
-@pytest.mark.parametrize("target", EVERY_TARGET, indirect=True)
+@pytest.mark.parametrize("target", SOAK_TARGETS, indirect=True)
 def test_sigkill_during_save_retention_and_gc(target: Target) -> None:
     query = urllib.parse.urlencode(target.options)
     url = f"{target.base}?{query}" if query else target.base

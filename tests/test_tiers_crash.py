@@ -118,7 +118,9 @@ def _only_committed_data_after_gc(url: str) -> bool:
     return bool(report.removed or report.stale_writes)
 
 
-@pytest.mark.parametrize("server", ["moto", "seaweedfs"])
+@pytest.mark.parametrize(
+    "server", [pytest.param("moto", marks=pytest.mark.slow), "seaweedfs"]
+)  # moto's run (about 40 s) adds no S3 behaviour SeaweedFS's lacks: --full runs it
 def test_sigkill_at_random_points_of_saves_copies_and_retention(
     request: pytest.FixtureRequest, tmp_path: Path, server: str
 ) -> None:
