@@ -425,3 +425,48 @@ def test_a_failed_upload_or_download_leaves_nothing(tmp_path: Path) -> None:
         files.download(failing, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+
+
+def test_local_copy_reuses_an_exact_copy_and_moves_anything_else_aside(tmp_path: Path) -> None:
+    """A restart on the same node finds the step's directory still there: reused when it
+    holds the step exactly, otherwise moved aside (never deleted or merged) and downloaded."""
+    src, store, out = tmp_path / "src", tmp_path / "store", tmp_path / "out" / "checkpoint-7"
+    make_tree(src, small=12)
+    files.upload(src, store, step=7, **SMALL)
+
+    assert files.local_copy(store, out) == out  # nothing there: downloaded
+    assert snapshot(out) == snapshot(src)
+    inode = (out / "model-0.safetensors").stat().st_ino
+    assert files.local_copy(store, out, step=7) == out  # there already: reused, not rewritten
+    assert (out / "model-0.safetensors").stat().st_ino == inode
+    assert [p.name for p in out.parent.iterdir()] == ["checkpoint-7"]
+
+    def damaged() -> None:  # same size, one byte changed: only the crc32c tells
+        body = bytearray((out / "model-1.safetensors").read_bytes())
+        body[1000] ^= 1
+        (out / "model-1.safetensors").write_bytes(bytes(body))
+
+    def extra() -> None:
+        (out / "shard-1" / "stray.tmp").write_bytes(b"x")
+
+    def missing() -> None:
+        (out / "empty.txt").unlink()
+
+    def relinked() -> None:
+        (out / "shard-0" / "config-link.json").unlink()
+        (out / "shard-0" / "config-link.json").symlink_to("../run.sh")
+
+    for change in (damaged, extra, missing, relinked):
+        change()
+        before = snapshot(out)
+        assert files.local_copy(store, out, step=7) == out
+        assert snapshot(out) == snapshot(src), change.__name__
+        aside = [p for p in out.parent.iterdir() if p.name.startswith("checkpoint-7.replaced-")]
+        assert len(aside) == 1, change.__name__
+        assert snapshot(aside[0]) == before  # what was there is kept, as it was
+        shutil.rmtree(aside[0])
+
+    (tmp_path / "empty").mkdir()  # an empty directory is taken over, not moved aside
+    assert files.local_copy(store, tmp_path / "empty") == tmp_path / "empty"
+    assert snapshot(tmp_path / "empty") == snapshot(src)
+    assert [p.name for p in tmp_path.iterdir() if "replaced" in p.name] == []

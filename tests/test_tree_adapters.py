@@ -76,6 +76,34 @@ def test_hf_trainer_checkpoints_to_s3_and_resumes_in_a_new_process(
 
 @pytest.mark.s3
 @pytest.mark.torch
+@pytest.mark.slow
+def test_hf_trainer_restarted_in_the_same_output_dir_reuses_its_checkpoint(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    """Issue 29: the second run of a script in the same output_dir, told to resume from the
+    store, finds output_dir/checkpoint-8 still there (it used to fail with
+    AlreadyExistsError): the copy is verified and reused, and training goes on exactly as a
+    resume on a new node (an empty output_dir, so a download) does."""
+    pytest.importorskip("transformers")
+    url = f"s3://{moto_s3.bucket}/hf-same-node"
+    store = moto_s3.options()
+    out = tmp_path / "out"
+    schedule = {"save_steps": 3, "store_options": store, "upload_to": url}
+    run("hf", {**schedule, "max_steps": 8, "output_dir": str(out)})
+    assert ckptstore.list_steps(url, **store) == [3, 6, 8]  # the Trainer saves at the end
+    assert (out / "checkpoint-8").is_dir()
+    resume = {**schedule, "max_steps": 10, "resume_from": url, "step": 8}
+    same_node = run("hf", {**resume, "output_dir": str(out)})
+    # reused: a copy that did not hold the step exactly would have been moved aside
+    # (the Trainer's save_total_limit has removed checkpoint-8 since)
+    assert not [p.name for p in out.iterdir() if ".replaced-" in p.name]
+    new_node = run("hf", {**resume, "output_dir": str(tmp_path / "new"), "upload_to": f"{url}-new"})
+    assert sorted(same_node) == [9, 10]
+    assert same_node == new_node
+
+
+@pytest.mark.s3
+@pytest.mark.torch
 def test_accelerate_states_to_s3_and_resume_in_a_new_process(
     tmp_path: Path, moto_s3: MotoS3
 ) -> None:

@@ -31,7 +31,8 @@ from typing import Any
 from accelerate import Accelerator
 
 from ckptstore import background
-from ckptstore.integrations.files import TreeMirror, download
+from ckptstore.errors import NotFoundError
+from ckptstore.integrations.files import TreeMirror, local_copy
 from ckptstore.layout.commit import latest_step
 from ckptstore.pipeline.root import Root, opened
 
@@ -83,8 +84,10 @@ class StoreStates:
     def load_state(self, step: int | None = None, **load_kwargs: Any) -> int | None:
         """Load step ``step`` (``None``: the newest committed one) into the Accelerator.
 
-        A step already in ``local_dir`` is loaded from there; otherwise the main process
-        downloads it first, verified (:func:`~ckptstore.integrations.files.download`).
+        A copy of the step already in ``local_dir`` that holds it exactly (a restart on the
+        same node) is loaded from there; otherwise the main process downloads it first,
+        verified, and moves whatever else was there aside
+        (:func:`~ckptstore.integrations.files.local_copy`).
 
         Returns:
             The step loaded, or ``None`` when the store holds no step (nothing is loaded).
@@ -95,8 +98,14 @@ class StoreStates:
             if step is None:
                 return None
         directory = self.directory(step)
-        if self.accelerator.is_main_process and not directory.exists():
-            download(self.root, directory, step=step, **self._options)
+        if self.accelerator.is_main_process:
+            try:
+                local_copy(self.root, directory, step=step, **self._options)
+            except NotFoundError:
+                if not directory.is_dir():
+                    raise
+                # a step only this node holds (its upload never committed): Accelerate's own
+                # directory, as it wrote it
         self.accelerator.wait_for_everyone()
         self.accelerator.load_state(str(directory), **load_kwargs)
         return step

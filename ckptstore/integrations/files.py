@@ -78,16 +78,20 @@ from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest
 from ckptstore.pipeline.root import Root, aopened, check_options
 from ckptstore.store.base import Store
+from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all
+from ckptstore.store.transport import store_logger
 
 __all__ = [
     "FORMAT",
     "TreeInfo",
     "TreeMirror",
     "adownload",
+    "alocal_copy",
     "aupload",
     "download",
     "is_tree_step",
+    "local_copy",
     "upload",
 ]
 
@@ -97,6 +101,7 @@ FORMAT = "ckptstore.files/1"
 _UINT8 = np.dtype(np.uint8)
 _UINT8_NAME = dtype_name(_UINT8) or "|u1"
 _TEMP_MARK = ".ckptstore-tmp-"
+_log = store_logger("ckptstore.restore")
 
 
 @dataclass(frozen=True, slots=True)
@@ -530,6 +535,123 @@ def download(
 ) -> Path:
     """:func:`adownload` for synchronous callers (runs on ckptstore's background loop)."""
     return background.run(adownload(root, target, step=step, **store_options))
+
+
+async def alocal_copy(
+    root: Root,
+    target: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    **store_options: Any,
+) -> Path:
+    """A verified local copy of tree step ``step`` at ``target``: reused when it is there
+    already, downloaded otherwise. What a restart needs on the same node (the copy an earlier
+    run downloaded or wrote is still there) and on a new one (nothing is).
+
+    ``target`` is reused when it holds exactly the step: the same directories, files and
+    symlinks and nothing else, every file of the step's size and crc32c (each file is read
+    once to check it). Anything else there (a copy cut short, a file changed, another run's
+    step of the same number after a rollback) is moved aside to
+    ``<target>.replaced-<time>`` (logged at WARNING on the ``ckptstore.restore`` logger),
+    never merged into or deleted, and the step is downloaded as :func:`adownload` does.
+
+    Args, Returns and Raises: as for :func:`adownload`, without its ``AlreadyExistsError``.
+    """
+    async with aopened(root, store_options) as store:
+        manifest = await find_manifest(store, step)
+        if not is_tree_step(manifest):
+            raise CheckpointFormatError(
+                f"{store.url}: step {manifest.step} is not a directory tree (no "
+                f"{FORMAT!r} format in its metadata); read it with ckptstore.load"
+            )
+        directories, placed = _layout(manifest, store.url)
+        dest, aside = await asyncio.to_thread(_reuse_or_move, target, manifest, directories, placed)
+        if aside is None and dest is not None:
+            _log.info("step %d: reusing the verified local copy %s", manifest.step, dest)
+            return dest
+        if aside is not None:
+            _log.warning(
+                "step %d: %s did not hold step %d of %s exactly; moved it aside to %s and "
+                "downloading",
+                manifest.step,
+                dest,
+                manifest.step,
+                store.url,
+                aside,
+            )
+        return await adownload(store, target, step=manifest.step)
+
+
+def local_copy(
+    root: Root,
+    target: str | os.PathLike[str],
+    *,
+    step: int | None = None,
+    **store_options: Any,
+) -> Path:
+    """:func:`alocal_copy` for synchronous callers (runs on ckptstore's background loop)."""
+    return background.run(alocal_copy(root, target, step=step, **store_options))
+
+
+def _reuse_or_move(
+    target: str | os.PathLike[str],
+    manifest: Manifest,
+    directories: list[str],
+    placed: list[_Placed],
+) -> tuple[Path | None, Path | None]:
+    """``(target, None)`` when ``target`` holds the step exactly; ``(target, aside)`` when
+    something else was there and is now at ``aside``; ``(None, None)`` when nothing was."""
+    dest = Path(os.path.abspath(target))
+    if not os.path.lexists(dest):
+        return None, None
+    if not dest.is_symlink() and dest.is_dir() and not any(dest.iterdir()):
+        return None, None  # an empty directory: the download takes its place
+    if _holds_exactly(dest, manifest, directories, placed):
+        return dest, None
+    aside = dest.with_name(
+        f"{dest.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+    )
+    os.rename(dest, aside)
+    return dest, aside
+
+
+def _holds_exactly(
+    dest: Path, manifest: Manifest, directories: list[str], placed: list[_Placed]
+) -> bool:
+    """Whether ``dest`` is a directory holding the step's tree and nothing else, every file
+    with the step's size and crc32c."""
+    if dest.is_symlink() or not dest.is_dir():
+        return False
+    found: set[str] = set()
+    for where, dirs, files in os.walk(dest):
+        relative = os.path.relpath(where, dest)
+        for name in [*dirs, *files]:
+            found.add(name if relative == "." else f"{relative}/{name}")
+    if found != set(directories) | {entry.name for entry in placed}:
+        return False
+    for name in directories:
+        if (dest / name).is_symlink() or not (dest / name).is_dir():
+            return False
+    for entry in placed:
+        path = dest / entry.name
+        if entry.link is not None:
+            if not path.is_symlink() or os.readlink(path) != entry.link:
+                return False
+            continue
+        info = path.lstat()
+        if not stat.S_ISREG(info.st_mode) or info.st_size != manifest.leaf_length[entry.leaf]:
+            return False
+        if _file_crc(path) != manifest.leaf_crc[entry.leaf]:
+            return False
+    return True
+
+
+def _file_crc(path: Path) -> int:
+    value = 0
+    with open(path, "rb") as f:
+        while block := f.read(8 << 20):
+            value = crc32c(block, value)
+    return value
 
 
 def _scratch_beside(dest: Path) -> Path:

@@ -28,7 +28,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore import background
-from ckptstore.integrations.files import TreeMirror, download
+from ckptstore.integrations.files import TreeMirror, local_copy
 from ckptstore.layout.commit import latest_step
 from ckptstore.pipeline.root import Root, opened
 
@@ -91,8 +91,10 @@ def resume_from_store(
     Args:
         root: where :class:`StoreCallback` uploaded the steps.
         local_dir: where to put it (the Trainer's ``output_dir`` is the natural choice); the
-            step becomes ``local_dir/checkpoint-<step>``, which must not exist yet (or be
-            empty), so a local checkpoint is never overwritten.
+            step becomes ``local_dir/checkpoint-<step>``. A copy already there that holds
+            the step exactly (a restart on the same node) is reused; anything else there is
+            moved aside, never overwritten, and the step downloaded
+            (:func:`~ckptstore.integrations.files.local_copy`).
         step: the step (``None``: the newest committed one).
         store_options: store options, as on every face.
 
@@ -101,7 +103,6 @@ def resume_from_store(
         ``resume_from_checkpoint`` takes as "start from scratch").
 
     Raises:
-        AlreadyExistsError: ``local_dir/checkpoint-<step>`` exists and is not empty.
         CorruptCheckpointError: a byte fails verification (nothing is left locally).
     """
     with opened(root, store_options) as store:
@@ -114,6 +115,6 @@ def resume_from_store(
         # Trainer has every process read the same resume_from_checkpoint directory.
         processes = PartialState()
         if processes.is_main_process:
-            download(store, target, step=step)
+            local_copy(store, target, step=step)
         processes.wait_for_everyone()
         return str(target)
