@@ -509,12 +509,7 @@ async def adownload(
     """
     dest = await asyncio.to_thread(_check_target, target)
     async with aopened(root, store_options) as store:
-        manifest = await find_manifest(store, step)
-        if not is_tree_step(manifest):
-            raise CheckpointFormatError(
-                f"{store.url}: step {manifest.step} is not a directory tree (no "
-                f"{FORMAT!r} format in its metadata); read it with ckptstore.load"
-            )
+        manifest = await _tree_manifest(store, step)
         directories, placed = _layout(manifest, store.url)
         scratch = await asyncio.to_thread(_scratch_beside, dest)
         try:
@@ -558,12 +553,7 @@ async def alocal_copy(
     Args, Returns and Raises: as for :func:`adownload`, without its ``AlreadyExistsError``.
     """
     async with aopened(root, store_options) as store:
-        manifest = await find_manifest(store, step)
-        if not is_tree_step(manifest):
-            raise CheckpointFormatError(
-                f"{store.url}: step {manifest.step} is not a directory tree (no "
-                f"{FORMAT!r} format in its metadata); read it with ckptstore.load"
-            )
+        manifest = await _tree_manifest(store, step)
         directories, placed = _layout(manifest, store.url)
         dest, aside = await asyncio.to_thread(_reuse_or_move, target, manifest, directories, placed)
         if aside is None and dest is not None:
@@ -591,6 +581,21 @@ def local_copy(
 ) -> Path:
     """:func:`alocal_copy` for synchronous callers (runs on ckptstore's background loop)."""
     return background.run(alocal_copy(root, target, step=step, **store_options))
+
+
+async def _tree_manifest(store: Store, step: int | None) -> Manifest:
+    """The manifest of tree step ``step`` (``None``: the newest).
+
+    Raises:
+        CheckpointFormatError: the step is not a directory tree.
+    """
+    manifest = await find_manifest(store, step)
+    if not is_tree_step(manifest):
+        raise CheckpointFormatError(
+            f"{store.url}: step {manifest.step} is not a directory tree (no "
+            f"{FORMAT!r} format in its metadata); read it with ckptstore.load"
+        )
+    return manifest
 
 
 def _reuse_or_move(
