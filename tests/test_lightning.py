@@ -348,3 +348,51 @@ def test_every_dtype_the_manager_stores_round_trips_bit_exact(dtype: Any, tmp_pa
     for key, expected in zip(("small", "large"), tensors, strict=True):
         assert loaded[key].dtype == dtype
         assert torch.equal(loaded[key].view(torch.uint8), expected.view(torch.uint8)), key
+
+
+class WithHparams(TinyModel):
+    def __init__(self, width: int = 4, note: str = "default") -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+
+@pytest.mark.s3
+def test_last_and_load_from_checkpoint_on_s3(moto_s3: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 29: ``ckpt_path="last"`` on an s3:// dirpath: ``last_checkpoint`` finds the
+    checkpoint ``save_last`` wrote (Lightning's own lookup drops the scheme and starts from
+    step 0), and ``load_from_checkpoint`` loads a module with its hyperparameters (Lightning's
+    reads one file and fails)."""
+    from ckptstore.lightning import last_checkpoint, load_from_checkpoint
+
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": moto_s3.endpoint})
+    options = moto_s3.options()
+    base = f"s3://{moto_s3.bucket}/lightning-last"
+    assert last_checkpoint(base, **options) is None  # a first run: nothing to resume
+
+    def checkpointing() -> ModelCheckpoint:
+        return ModelCheckpoint(dirpath=base, every_n_train_steps=2, save_last=True)
+
+    first = trainer(StoreCheckpointIO(**options), 4, [checkpointing()])
+    first.fit(WithHparams(note="first"), loader())
+    last = last_checkpoint(base, **options)
+    assert last == f"{base}/last.ckpt"
+    saved = StoreCheckpointIO(**options).load_checkpoint(last)
+    assert saved["global_step"] == 4
+
+    start = RecordStart()
+    second = trainer(StoreCheckpointIO(**options), 6, [start, checkpointing()])
+    second.fit(WithHparams(note="second"), loader(), ckpt_path=last_checkpoint(base, **options))
+    assert start.step == 4
+    for name, tensor in saved["state_dict"].items():
+        assert torch.equal(start.weights[name], tensor), name
+
+    loaded = load_from_checkpoint(WithHparams, last, store_options=options)
+    assert isinstance(loaded, WithHparams)
+    assert loaded.hparams.note == "second"  # last.ckpt is the second run's now
+    newest = StoreCheckpointIO(**options).load_checkpoint(last)
+    assert newest["global_step"] == 6
+    for name, tensor in newest["state_dict"].items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+    overridden = load_from_checkpoint(WithHparams, last, store_options=options, note="changed")
+    assert overridden.hparams.note == "changed"

@@ -44,6 +44,7 @@ import collections
 import contextlib
 import json
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -61,14 +62,17 @@ from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.tree import map_leaves
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import Selection, read, rebuild, request
-from ckptstore.pipeline.root import check_options
+from ckptstore.pipeline.root import aopened, check_options
 from ckptstore.stage import Stager
 from ckptstore.stage.stager import rebuild_leaf
 from ckptstore.stage.torch import tensor_from_numpy
 from ckptstore.stage.tree import expand
 from ckptstore.store.base import Store
 
-__all__ = ["StoreCheckpointIO"]
+__all__ = ["StoreCheckpointIO", "last_checkpoint", "load_from_checkpoint"]
+
+#: Lightning's names for the ``save_last`` checkpoint: ``last.ckpt``, ``last-v1.ckpt``...
+_LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
 
 #: Marks a manifest's ``metadata`` as holding a Lightning checkpoint, and its version.
 FORMAT = "ckptstore.lightning/3"
@@ -328,3 +332,73 @@ def _decode_v2(value: Any, tensors: list[torch.Tensor]) -> Any:
     if tag == "device" and isinstance(body, str):
         return torch.device(body)
     raise CorruptCheckpointError(f"unknown entry {value!r} in a Lightning checkpoint")
+
+
+def last_checkpoint(dirpath: str | os.PathLike[str], **options: Any) -> str | None:
+    """The checkpoint ``ckpt_path="last"`` means, under a ``ModelCheckpoint`` ``dirpath`` on
+    any backend: of the committed ``last*.ckpt`` checkpoints (``save_last=True``), the one
+    committed last; ``None`` when there is none (a first run).
+
+    Pass it as ``trainer.fit(model, ckpt_path=last_checkpoint(dirpath))``. Lightning's own
+    ``"last"`` lookup works on a local ``dirpath`` but not on ``s3://`` or ``gs://``: it lists
+    the directory with fsspec, drops the scheme from what it lists, and then looks for
+    ``bucket/...`` on the local disk, so the run silently starts from step 0.
+
+    Args:
+        dirpath: the ``ModelCheckpoint``'s ``dirpath``.
+        **options: store options, as for :class:`StoreCheckpointIO`.
+    """
+
+    async def newest() -> str | None:
+        async with aopened(os.fspath(dirpath), options) as store:
+            names = [
+                p.rstrip("/") for p in await store.list_prefixes("") if _LAST.match(p.rstrip("/"))
+            ]
+            when: dict[str, float] = {}
+            for name in names:
+                try:
+                    meta = await store.head(f"{name}/{manifest_key(0)}")
+                except NotFoundError:
+                    continue  # not committed (a save in flight, or removed meanwhile)
+                when[name] = meta.last_modified or 0.0
+        if not when:
+            return None
+        base = os.fspath(dirpath)
+        path, mark, query = base.partition("?")
+        return f"{path.rstrip('/')}/{max(when, key=lambda n: (when[n], n))}{mark}{query}"
+
+    return background.run(newest())
+
+
+def load_from_checkpoint(
+    cls: type[Any],
+    path: str | os.PathLike[str],
+    *,
+    map_location: Any = None,
+    store_options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """``cls.load_from_checkpoint`` for a checkpoint :class:`StoreCheckpointIO` saved.
+
+    Lightning's ``LightningModule.load_from_checkpoint(path)`` reads ``path`` as one file with
+    ``torch.load`` and fails on a ckptstore checkpoint (``EOFError`` on s3://,
+    ``IsADirectoryError`` on a local disk). This reads it with :class:`StoreCheckpointIO`,
+    every byte verified, and hands the checkpoint to ``cls.load_from_checkpoint`` as an
+    in-memory file, so hyperparameters, ``on_load_checkpoint`` and ``strict`` work as
+    Lightning defines them. Memory: the checkpoint is held twice while it is handed over.
+
+    Args:
+        cls: the ``LightningModule`` (or ``LightningDataModule``) class.
+        path: the checkpoint's URL or path.
+        map_location, **kwargs: what ``cls.load_from_checkpoint`` takes (``strict``,
+            ``hparams_file``, hyperparameters to override).
+        store_options: store options, as for :class:`StoreCheckpointIO`.
+    """
+    import io
+
+    checkpoint = StoreCheckpointIO(**(store_options or {})).load_checkpoint(path)
+    buffer = io.BytesIO()
+    torch.save(checkpoint, buffer)
+    del checkpoint
+    buffer.seek(0)
+    return cls.load_from_checkpoint(buffer, map_location=map_location, **kwargs)
