@@ -104,6 +104,34 @@ def test_hf_trainer_restarted_in_the_same_output_dir_reuses_its_checkpoint(
 
 @pytest.mark.s3
 @pytest.mark.torch
+@pytest.mark.slow
+def test_hf_trainer_resumes_with_its_own_resume_from_checkpoint_true(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    """Issue 29, native adapters: ``StoreCallback(url, resume=True)`` and the Trainer's own
+    ``train(resume_from_checkpoint=True)``. A job stopped at step 6 of 9 restarts on a new
+    node (an empty output_dir) with the same script and schedule, resumes from the store's
+    step 6 and trains 7-9 exactly as an uninterrupted run does, uploading to the same root."""
+    pytest.importorskip("transformers")
+    url = f"s3://{moto_s3.bucket}/hf-native"
+    store = moto_s3.options()
+    schedule = {"max_steps": 9, "save_steps": 3, "store_options": store, "native_resume": True}
+    whole = run("hf", {**schedule, "output_dir": str(tmp_path / "whole"), "upload_to": url + "-w"})
+    first = run(
+        "hf", {**schedule, "output_dir": str(tmp_path / "a"), "upload_to": url, "stop_at": 6}
+    )
+    assert sorted(first) == [1, 2, 3, 4, 5, 6]  # a first run: last_checkpoint was None
+    assert ckptstore.list_steps(url, **store) == [3, 6]
+    resumed = run(
+        "hf",
+        {**schedule, "output_dir": str(tmp_path / "b"), "upload_to": url, "expect_checkpoint": 1},
+    )
+    assert resumed == {step: whole[step] for step in (7, 8, 9)}
+    assert ckptstore.list_steps(url, **store) == [3, 6, 9]
+
+
+@pytest.mark.s3
+@pytest.mark.torch
 def test_accelerate_states_to_s3_and_resume_in_a_new_process(
     tmp_path: Path, moto_s3: MotoS3
 ) -> None:

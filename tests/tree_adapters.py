@@ -75,10 +75,19 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             trained.append(state.global_step)
 
-    callbacks = [StoreCallback(opts["upload_to"], **store), Trained()]
+    class StopAt(TrainerCallback):  # a job stopped early (preempted), same schedule
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == opts.get("stop_at"):
+                control.should_training_stop = True
+
+    native = opts.get("native_resume", False)
+    callback = StoreCallback(opts["upload_to"], resume=native, **store)
+    callbacks = [callback, Trained(), StopAt()]
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
-    resume = None
-    if opts.get("resume_from"):
+    resume: Any = None
+    if native:  # the Trainer's own resume, from what the callback put in output_dir
+        resume = True if opts.get("expect_checkpoint") else callback.last_checkpoint
+    elif opts.get("resume_from"):
         resume = resume_from_store(
             opts["resume_from"], opts["output_dir"], step=opts.get("step"), **store
         )

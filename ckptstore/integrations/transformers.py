@@ -4,13 +4,17 @@ The Trainer keeps writing its checkpoints where it always does (``output_dir/che
 local and fast); :class:`StoreCallback` uploads each one, once the Trainer has finished
 writing it, as step ``N`` of a ckptstore root, in the background, with ckptstore's commit:
 on S3 or GCS a step is visible only once every file of it is there and checksummed. To
-resume, :func:`resume_from_store` downloads a committed step into a local directory,
-verified, and returns the path the Trainer's ``resume_from_checkpoint`` takes::
+resume, ``StoreCallback(url, resume=True)`` puts the store's newest step in ``output_dir``
+when the Trainer is built, verified (or reuses a copy already there), so the Trainer's own
+``resume_from_checkpoint=True`` finds it::
 
-    from ckptstore.integrations.transformers import StoreCallback, resume_from_store
+    from ckptstore.integrations.transformers import StoreCallback
 
-    trainer = Trainer(..., callbacks=[StoreCallback("s3://bucket/run")])
-    trainer.train(resume_from_checkpoint=resume_from_store("s3://bucket/run", args.output_dir))
+    store = StoreCallback("s3://bucket/run", resume=True)
+    trainer = Trainer(..., callbacks=[store])
+    trainer.train(resume_from_checkpoint=store.last_checkpoint)  # None on a first run
+
+(:func:`resume_from_store` does the same for a step of your choice.)
 
 Only the main process (``state.is_world_process_zero``) uploads, so under several processes
 the checkpoint directory it sees must be complete (one node, or a shared filesystem), as
@@ -43,13 +47,38 @@ class StoreCallback(TrainerCallback):
     uploads; ``on_train_end`` waits for every upload. A failed upload is raised by the next
     save or at the end of training, never dropped.
 
+    With ``resume=True`` the newest committed step is also put in ``output_dir`` when the
+    Trainer is built (a verified copy already there is reused, as by
+    :func:`resume_from_store`), so the Trainer's own
+    ``trainer.train(resume_from_checkpoint=True)`` resumes from the store on any node;
+    :attr:`last_checkpoint` is that directory, or ``None`` when the store holds no step yet
+    (``resume_from_checkpoint=callback.last_checkpoint`` then serves the first run too).
+
     Args:
         root: where the steps go: a URL, a path or an open Store.
+        resume: put the store's newest step in ``output_dir`` when the Trainer is built.
         store_options: store options, as on every face.
     """
 
-    def __init__(self, root: Root, **store_options: Any) -> None:
+    def __init__(self, root: Root, *, resume: bool = False, **store_options: Any) -> None:
         self.mirror = TreeMirror(root, **store_options)
+        self.root = root
+        self.resume = resume
+        self._options = store_options
+        #: With ``resume=True``: the local copy of the newest step, once the Trainer is built.
+        self.last_checkpoint: str | None = None
+
+    def on_init_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        if self.resume:
+            self.last_checkpoint = resume_from_store(
+                self.root, args.output_dir or ".", **self._options
+            )
 
     def on_save(
         self,
