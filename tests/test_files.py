@@ -470,3 +470,42 @@ def test_local_copy_reuses_an_exact_copy_and_moves_anything_else_aside(tmp_path:
     assert files.local_copy(store, tmp_path / "empty") == tmp_path / "empty"
     assert snapshot(tmp_path / "empty") == snapshot(src)
     assert [p.name for p in tmp_path.iterdir() if "replaced" in p.name] == []
+
+
+_EXIT_WITHOUT_CLOSE = """
+import sys
+from ckptstore import files
+mirror = files.TreeMirror(sys.argv[1])
+mirror.submit(sys.argv[2], 5)
+"""
+
+
+def test_a_mirror_never_closed_still_uploads_what_it_queued(tmp_path: Path) -> None:
+    """Issue 29: a script that queues an upload and exits without close() used to lose it
+    (the thread pools refuse new work at exit) and say nothing; now the step is committed
+    at exit, and an upload that fails says so on stderr."""
+    import subprocess
+    import sys
+
+    src = tmp_path / "src"
+    make_tree(src, small=5, large=(1 << 20,))
+    done = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path / "store"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ckptstore.list_steps(tmp_path / "store") == [5]
+    out = tmp_path / "out"
+    files.download(tmp_path / "store", out)
+    assert snapshot(out) == snapshot(src)
+
+    (tmp_path / "a-file").write_bytes(b"")  # a root under a file cannot be written
+    failed = subprocess.run(
+        [sys.executable, "-c", _EXIT_WITHOUT_CLOSE, str(tmp_path / "a-file" / "store"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "at exit: an upload failed, its step is not in the store" in failed.stderr

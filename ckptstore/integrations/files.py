@@ -48,13 +48,16 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook must be registered before this module's
 import mmap
 import os
 import secrets
 import shutil
 import stat
+import sys
 import threading
 import time
+import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,7 +83,7 @@ from ckptstore.pipeline.root import Root, aopened, check_options
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all
-from ckptstore.store.transport import store_logger
+from ckptstore.store.transport import redact_url, store_logger
 
 __all__ = [
     "FORMAT",
@@ -833,6 +836,8 @@ class TreeMirror:
         self._lock = threading.Lock()
         self._pending: list[concurrent.futures.Future[TreeInfo]] = []
         self._done: list[TreeInfo] = []
+        self._pid = os.getpid()
+        _open_mirrors.add(self)
 
     def submit(
         self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None
@@ -897,17 +902,48 @@ class TreeMirror:
         self._raise_failed(wait=True)
 
     def close(self) -> None:
-        """:meth:`wait`, then stop the worker."""
+        """:meth:`wait`, then stop the worker. A mirror left open is closed when the main
+        thread ends, so a script that never closes it still gets every upload it queued
+        (a failure is then printed on stderr, naming the step)."""
+        _open_mirrors.discard(self)
         try:
             self.wait()
         finally:
             self._worker.shutdown(wait=True)
+
+    def __repr__(self) -> str:
+        where = self.root if isinstance(self.root, Store) else redact_url(os.fspath(self.root))
+        return f"TreeMirror({where!r})"
 
     def __enter__(self) -> TreeMirror:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: Mirrors not yet closed, closed when the main thread ends: as for CheckpointManager (see
+#: ckptstore.manager.checkpoint_manager._close_at_exit), this must run in threading's own
+#: exit hooks, before the thread pools the uploads use refuse new work.
+_open_mirrors: weakref.WeakSet[TreeMirror] = weakref.WeakSet()
+
+
+def _close_mirrors_at_exit() -> None:
+    for mirror in list(_open_mirrors):
+        if mirror._pid != os.getpid():  # its worker and uploads live in the parent only
+            continue
+        try:
+            mirror.close()
+        except Exception as exc:  # nothing can catch it now: say what was lost, and go on
+            print(
+                f"ckptstore: closing {mirror!r} at exit: an upload failed, its step is not "
+                f"in the store: {exc}",
+                file=sys.stderr,
+                flush=True,
+            )
+
+
+threading._register_atexit(_close_mirrors_at_exit)  # type: ignore[attr-defined]
 
 
 def _link_snapshot(source: Path) -> Path:
