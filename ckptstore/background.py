@@ -11,11 +11,15 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import concurrent.futures.thread  # its exit hook must be registered before ours (below)
+import os
+import sys
 import threading
+import weakref
 from collections.abc import Coroutine
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-__all__ = ["loop", "run", "submit"]
+__all__ = ["close_at_exit", "forget_at_exit", "loop", "run", "submit"]
 
 _T = TypeVar("_T")
 _lock = threading.Lock()
@@ -83,3 +87,43 @@ def _stop() -> None:
 
 
 atexit.register(_stop)
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+#: Objects closed when the main thread ends (a manager, a mirror), by the process that made
+#: them, with what a failure of the close means to the user.
+_at_exit: weakref.WeakKeyDictionary[_Closable, tuple[int, str]] = weakref.WeakKeyDictionary()
+
+
+def close_at_exit(obj: _Closable, lost: str) -> None:
+    """Close ``obj`` when the main thread ends, unless it is closed before (see
+    :func:`forget_at_exit`): a script that never closes a manager or a mirror still gets
+    every save or upload it queued. A close that fails then is printed on stderr as
+    ``ckptstore: closing <obj> at exit: <lost>: <error>``.
+
+    It runs in ``threading``'s own exit hooks, which run before ``atexit``'s and in reverse
+    order of registration, so before the thread pools the work uses refuse new work (this
+    module imports their module first). A forked child never closes its parent's objects.
+    """
+    _at_exit[obj] = (os.getpid(), lost)
+
+
+def forget_at_exit(obj: _Closable) -> None:
+    """``obj`` was closed: nothing to do for it at exit."""
+    _at_exit.pop(obj, None)
+
+
+def _close_all_at_exit() -> None:
+    for obj, (pid, lost) in list(_at_exit.items()):
+        if pid != os.getpid():
+            continue
+        try:
+            obj.close()
+        except Exception as exc:  # nothing can catch it now: say what was lost, and go on
+            print(f"ckptstore: closing {obj!r} at exit: {lost}: {exc}", file=sys.stderr, flush=True)
+
+
+threading._register_atexit(_close_all_at_exit)  # type: ignore[attr-defined]

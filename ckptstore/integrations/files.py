@@ -48,16 +48,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import concurrent.futures.thread  # its exit hook must be registered before this module's
 import mmap
 import os
 import secrets
 import shutil
 import stat
-import sys
 import threading
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -836,8 +833,7 @@ class TreeMirror:
         self._lock = threading.Lock()
         self._pending: list[concurrent.futures.Future[TreeInfo]] = []
         self._done: list[TreeInfo] = []
-        self._pid = os.getpid()
-        _open_mirrors.add(self)
+        background.close_at_exit(self, "an upload failed, its step is not in the store")
 
     def submit(
         self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None
@@ -905,7 +901,7 @@ class TreeMirror:
         """:meth:`wait`, then stop the worker. A mirror left open is closed when the main
         thread ends, so a script that never closes it still gets every upload it queued
         (a failure is then printed on stderr, naming the step)."""
-        _open_mirrors.discard(self)
+        background.forget_at_exit(self)
         try:
             self.wait()
         finally:
@@ -920,30 +916,6 @@ class TreeMirror:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-#: Mirrors not yet closed, closed when the main thread ends: as for CheckpointManager (see
-#: ckptstore.manager.checkpoint_manager._close_at_exit), this must run in threading's own
-#: exit hooks, before the thread pools the uploads use refuse new work.
-_open_mirrors: weakref.WeakSet[TreeMirror] = weakref.WeakSet()
-
-
-def _close_mirrors_at_exit() -> None:
-    for mirror in list(_open_mirrors):
-        if mirror._pid != os.getpid():  # its worker and uploads live in the parent only
-            continue
-        try:
-            mirror.close()
-        except Exception as exc:  # nothing can catch it now: say what was lost, and go on
-            print(
-                f"ckptstore: closing {mirror!r} at exit: an upload failed, its step is not "
-                f"in the store: {exc}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-threading._register_atexit(_close_mirrors_at_exit)  # type: ignore[attr-defined]
 
 
 def _link_snapshot(source: Path) -> Path:

@@ -47,10 +47,7 @@ import logging
 import math
 import os
 import signal
-import sys
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from types import TracebackType
@@ -131,7 +128,8 @@ class CheckpointManager:
         set_aside: the steps the last ``restore(..., rollback=True)`` set aside, ascending.
     """
 
-    #: Whether a manager left open is closed when the main thread ends (see _close_at_exit).
+    #: Whether a manager left open is closed when the main thread ends
+    #: (:func:`ckptstore.background.close_at_exit`).
     _closes_at_exit = True
 
     def __init__(
@@ -257,13 +255,12 @@ class CheckpointManager:
         self._newest_known = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
-        self._pid = os.getpid()  # a forked child never closes its parent's managers at exit
         self._watch = (
             PreemptionWatch(signals, save_before) if signals or save_before is not None else None
         )
         self._save_seconds: list[float] = []  # how long saves took, for save_before
         if self._closes_at_exit:
-            _open_managers.add(self)
+            background.close_at_exit(self, "a background save failed")
         if self._tiers is not None:
             # Steps a crash or a failure left on the local tier only are copied now; the
             # first save's local retention keeps them until they are.
@@ -730,7 +727,7 @@ class CheckpointManager:
         if self._closed:
             return
         self._closed = True
-        _open_managers.discard(self)
+        background.forget_at_exit(self)
         if self._watch is not None:
             self._watch.close()
         try:
@@ -768,29 +765,3 @@ class CheckpointManager:
         if self._tiers is not None:
             return f"CheckpointManager({self._store.url!r}, local={self._tiers.local.url!r})"
         return f"CheckpointManager({self._store.url!r})"
-
-
-#: Managers not yet closed. A script that never closes its manager still gets every save it
-#: made: when the main thread ends, each one is closed, which waits for its saves in flight.
-#: That must happen before the thread pools the saves run on refuse new work: they shut down
-#: in ``threading``'s own exit hooks, which run before ``atexit``'s and in reverse order of
-#: registration, so this module registers there, after importing the pools' module. (DCP's
-#: ``async_save`` likewise joins its thread pool at exit.)
-_open_managers: weakref.WeakSet[CheckpointManager] = weakref.WeakSet()
-
-
-def _close_at_exit() -> None:
-    for manager in list(_open_managers):
-        if manager._pid != os.getpid():  # its threads and saves live in the parent only
-            continue
-        try:
-            manager.close()
-        except Exception as exc:  # nothing can catch it now: say what was lost, and go on
-            print(
-                f"ckptstore: closing {manager!r} at exit: a background save failed: {exc}",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-threading._register_atexit(_close_at_exit)  # type: ignore[attr-defined]
