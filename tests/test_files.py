@@ -440,6 +440,7 @@ def test_local_copy_reuses_an_exact_copy_and_moves_anything_else_aside(tmp_path:
     assert files.local_copy(store, out, step=7) == out  # there already: reused, not rewritten
     assert (out / "model-0.safetensors").stat().st_ino == inode
     assert [p.name for p in out.parent.iterdir()] == ["checkpoint-7"]
+    replaced = out.parent / files.REPLACED_DIR
 
     def damaged() -> None:  # same size, one byte changed: only the crc32c tells
         body = bytearray((out / "model-1.safetensors").read_bytes())
@@ -461,7 +462,7 @@ def test_local_copy_reuses_an_exact_copy_and_moves_anything_else_aside(tmp_path:
         before = snapshot(out)
         assert files.local_copy(store, out, step=7) == out
         assert snapshot(out) == snapshot(src), change.__name__
-        aside = [p for p in out.parent.iterdir() if p.name.startswith("checkpoint-7.replaced-")]
+        aside = [p for p in replaced.iterdir() if p.name.startswith("checkpoint-7-")]
         assert len(aside) == 1, change.__name__
         assert snapshot(aside[0]) == before  # what was there is kept, as it was
         shutil.rmtree(aside[0])
@@ -469,7 +470,7 @@ def test_local_copy_reuses_an_exact_copy_and_moves_anything_else_aside(tmp_path:
     (tmp_path / "empty").mkdir()  # an empty directory is taken over, not moved aside
     assert files.local_copy(store, tmp_path / "empty") == tmp_path / "empty"
     assert snapshot(tmp_path / "empty") == snapshot(src)
-    assert [p.name for p in tmp_path.iterdir() if "replaced" in p.name] == []
+    assert not (tmp_path / files.REPLACED_DIR).exists()
 
 
 _EXIT_WITHOUT_CLOSE = """

@@ -96,7 +96,7 @@ def test_hf_trainer_restarted_in_the_same_output_dir_reuses_its_checkpoint(
     same_node = run("hf", {**resume, "output_dir": str(out)})
     # reused: a copy that did not hold the step exactly would have been moved aside
     # (the Trainer's save_total_limit has removed checkpoint-8 since)
-    assert not [p.name for p in out.iterdir() if ".replaced-" in p.name]
+    assert not (out / files.REPLACED_DIR).exists()
     new_node = run("hf", {**resume, "output_dir": str(tmp_path / "new"), "upload_to": f"{url}-new"})
     assert sorted(same_node) == [9, 10]
     assert same_node == new_node
@@ -149,6 +149,42 @@ def test_accelerate_states_to_s3_and_resume_in_a_new_process(
     assert sorted(resumed) == [3, 4, 5]
     assert resumed == {step: first[step] for step in (3, 4, 5)}
     assert (tmp_path / "second" / "step-2" / "random_states_0.pkl").is_file()
+
+
+@pytest.mark.s3
+@pytest.mark.torch
+@pytest.mark.slow
+def test_accelerate_own_save_state_and_load_state_mirrored_to_s3(
+    tmp_path: Path, moto_s3: MotoS3
+) -> None:
+    """Issue 29, native adapters: a script that calls only ``accelerator.save_state()`` and
+    ``load_state()`` (automatic checkpoint naming) after ``mirror_states``: its checkpoints
+    are committed as steps 0, 1...; a restart on the same node reuses its local copy, one on
+    a new node downloads it; both train on exactly as the first run did, and the next save
+    is the next step, not a collision with the one loaded."""
+    pytest.importorskip("accelerate")
+    url = f"s3://{moto_s3.bucket}/accelerate-native"
+    store = moto_s3.options()
+    schedule = {"url": url, "max_steps": 5, "store_options": store, "native": True}
+    same = tmp_path / "node-a"
+    first = run("accelerate", {**schedule, "local_dir": str(same), "save_at": [2, 4]})
+    assert ckptstore.list_steps(url, **store) == [0, 1]  # checkpoint_0 and checkpoint_1
+    again = run("accelerate", {**schedule, "local_dir": str(same), "resume": True})
+    assert again == {5: first[5]}
+    assert not (same / files.REPLACED_DIR).exists()  # its own copy, verified and reused
+    moved = run(
+        "accelerate",
+        {**schedule, "local_dir": str(tmp_path / "node-b"), "resume": True, "save_at": [5]},
+    )
+    assert moved == {5: first[5]}
+    assert ckptstore.list_steps(url, **store) == [0, 1, 2]
+    from accelerate import Accelerator
+
+    from ckptstore.integrations.accelerate import mirror_states
+
+    plain = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="automatic_checkpoint_naming=True"):
+        mirror_states(plain, url, **store)
 
 
 @pytest.mark.s3

@@ -103,17 +103,44 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
 
 def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
     from accelerate import Accelerator
+    from accelerate.utils import ProjectConfiguration
 
-    from ckptstore.integrations.accelerate import StoreStates
+    from ckptstore.integrations.accelerate import StoreStates, mirror_states
 
-    accelerator = Accelerator(cpu=True)
+    native = opts.get("native", False)
+    config = None
+    if native:  # Accelerate's own save_state()/load_state(), mirrored to the store
+        config = ProjectConfiguration(
+            project_dir=opts["local_dir"], automatic_checkpoint_naming=True, total_limit=1
+        )
+    accelerator = Accelerator(cpu=True, project_config=config)
     model = tiny_gpt2()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
+    if native:
+        mirror = mirror_states(accelerator, opts["url"], **opts["store_options"])
+        start = 0
+        if opts.get("resume"):
+            accelerator.load_state()
+            start = accelerator.step  # the training step the state was saved at
+        # Accelerate's own calls only: accelerator.step counts the steps, saved with the state
+        save = lambda step: accelerator.save_state()  # noqa: E731
+        losses = _train(accelerator, model, optimizer, opts, start, save)
+        mirror.close()
+        return losses
     states = StoreStates(accelerator, opts["url"], opts["local_dir"], **opts["store_options"])
     start = 0
     if opts.get("resume"):
         start = states.load_state(opts.get("step")) or 0
+    losses = _train(accelerator, model, optimizer, opts, start, states.save_state)
+    states.close()
+    return losses
+
+
+def _train(
+    accelerator: Any, model: Any, optimizer: Any, opts: dict[str, Any], start: int, save: Any
+) -> dict[int, float]:
+    """Steps ``start + 1`` to ``max_steps``, calling ``save(step)`` at the ``save_at`` ones."""
     data = Tokens()
     losses: dict[int, float] = {}
     model.train()
@@ -123,10 +150,10 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
         accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        accelerator.step = step
         losses[step] = loss.item()
         if step in opts.get("save_at", []):
-            states.save_state(step)
-    states.close()
+            save(step)
     return losses
 
 

@@ -32,11 +32,11 @@ from accelerate import Accelerator
 
 from ckptstore import background
 from ckptstore.errors import NotFoundError
-from ckptstore.integrations.files import TreeMirror, local_copy
+from ckptstore.integrations.files import REPLACED_DIR, TreeMirror, local_copy
 from ckptstore.layout.commit import latest_step
 from ckptstore.pipeline.root import Root, opened
 
-__all__ = ["StoreStates"]
+__all__ = ["StoreStates", "mirror_states"]
 
 
 class StoreStates:
@@ -121,3 +121,85 @@ class StoreStates:
     def close(self) -> None:
         """Wait for the uploads, then stop the uploader."""
         self.mirror.close()
+
+
+def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) -> TreeMirror:
+    """Mirror the Accelerator's own ``save_state()`` and ``load_state()`` to a ckptstore root,
+    so a training script keeps Accelerate's calls and gains the store.
+
+    The Accelerator must use ``ProjectConfiguration(automatic_checkpoint_naming=True)``:
+    ``save_state()`` then writes ``project_dir/checkpoints/checkpoint_<i>``, and ``i`` is the
+    step it is committed as. Afterwards:
+
+    * ``accelerator.save_state()`` saves as always, then the main process queues the
+      directory's upload (in the background; :class:`~ckptstore.integrations.files.
+      TreeMirror`), so Accelerate's ``total_limit`` may delete it meanwhile;
+    * ``accelerator.load_state()`` first puts the store's newest step in
+      ``project_dir/checkpoints`` (a verified copy already there is reused; another one is
+      moved aside: :func:`~ckptstore.integrations.files.local_copy`), loads the newest
+      checkpoint there as Accelerate does, and sets the save iteration after it, so the next
+      ``save_state()`` does not collide with it (Accelerate leaves that to the user).
+
+    Every process calls both, as Accelerate requires. The returned mirror's ``wait()``
+    blocks until the uploads so far are committed; it is closed at exit (or by ``close()``).
+
+    Raises:
+        ValueError: automatic checkpoint naming is off.
+    """
+    config = accelerator.project_configuration
+    if not config.automatic_checkpoint_naming:
+        raise ValueError(
+            "mirror_states needs Accelerator(project_config=ProjectConfiguration(project_dir="
+            "..., automatic_checkpoint_naming=True)): the checkpoint_<i> numbers are the "
+            "steps; without it, use StoreStates(accelerator, url, local_dir)"
+        )
+    project = Path(accelerator.project_dir)
+    checkpoints = project / "checkpoints"
+    # Accelerate takes every entry of checkpoints/ for a checkpoint (and its total_limit
+    # deletes the oldest): the snapshots and what local_copy replaces stay out of it
+    mirror = TreeMirror(root, snapshot_dir=project / ".ckptstore-snapshots", **store_options)
+    save, load = accelerator.save_state, accelerator.load_state
+
+    def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        location = save(output_dir, *args, **kwargs)
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            where = Path(location)
+            mirror.submit(where, _iteration(where), metadata={"library": "accelerate"})
+        return location
+
+    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if input_dir is None:
+            with opened(root, store_options) as store:
+                newest = background.run(latest_step(store))
+            if newest is not None and accelerator.is_main_process:
+                local_copy(
+                    root,
+                    checkpoints / f"checkpoint_{newest}",
+                    step=newest,
+                    aside_dir=project / REPLACED_DIR,
+                    **store_options,
+                )
+            accelerator.wait_for_everyone()
+        loaded = load(input_dir, *args, **kwargs)
+        if input_dir is None and checkpoints.is_dir():
+            numbers = [
+                int(p.name.removeprefix("checkpoint_"))
+                for p in checkpoints.iterdir()
+                if p.name.removeprefix("checkpoint_").isdigit()
+            ]
+            config.iteration = max(numbers, default=-1) + 1
+        return loaded
+
+    accelerator.save_state = save_state
+    accelerator.load_state = load_state
+    return mirror
+
+
+def _iteration(directory: Path) -> int:
+    """The ``i`` of ``checkpoint_<i>``."""
+    name = directory.name
+    number = name.removeprefix("checkpoint_")
+    if number == name or not number.isdigit():
+        raise ValueError(f"{directory}: not a checkpoint_<i> directory of automatic naming")
+    return int(number)

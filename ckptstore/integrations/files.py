@@ -84,6 +84,7 @@ from ckptstore.store.transport import redact_url, store_logger
 
 __all__ = [
     "FORMAT",
+    "REPLACED_DIR",
     "TreeInfo",
     "TreeMirror",
     "adownload",
@@ -532,11 +533,17 @@ def download(
     return background.run(adownload(root, target, step=step, **store_options))
 
 
+#: Where :func:`local_copy` moves what it replaces, beside the target: a name no checkpoint
+#: library takes for one of its checkpoints (they match ``checkpoint-*`` and the like).
+REPLACED_DIR = ".ckptstore-replaced"
+
+
 async def alocal_copy(
     root: Root,
     target: str | os.PathLike[str],
     *,
     step: int | None = None,
+    aside_dir: str | os.PathLike[str] | None = None,
     **store_options: Any,
 ) -> Path:
     """A verified local copy of tree step ``step`` at ``target``: reused when it is there
@@ -547,15 +554,23 @@ async def alocal_copy(
     symlinks and nothing else, every file of the step's size and crc32c (each file is read
     once to check it). Anything else there (a copy cut short, a file changed, another run's
     step of the same number after a rollback) is moved aside to
-    ``<target>.replaced-<time>`` (logged at WARNING on the ``ckptstore.restore`` logger),
+    ``<aside_dir>/<name>-<time>`` (logged at WARNING on the ``ckptstore.restore`` logger),
     never merged into or deleted, and the step is downloaded as :func:`adownload` does.
 
-    Args, Returns and Raises: as for :func:`adownload`, without its ``AlreadyExistsError``.
+    Args:
+        aside_dir: where to move what is replaced (default: :data:`REPLACED_DIR` beside
+            ``target``; out of the directory a library lists its checkpoints in, so it never
+            takes the old copy for a checkpoint or rotates it away).
+        root, target, step, store_options: as for :func:`adownload`.
+
+    Returns and Raises: as for :func:`adownload`, without its ``AlreadyExistsError``.
     """
     async with aopened(root, store_options) as store:
         manifest = await _tree_manifest(store, step)
         directories, placed = _layout(manifest, store.url)
-        dest, aside = await asyncio.to_thread(_reuse_or_move, target, manifest, directories, placed)
+        dest, aside = await asyncio.to_thread(
+            _reuse_or_move, target, aside_dir, manifest, directories, placed
+        )
         if aside is None and dest is not None:
             _log.info("step %d: reusing the verified local copy %s", manifest.step, dest)
             return dest
@@ -577,10 +592,13 @@ def local_copy(
     target: str | os.PathLike[str],
     *,
     step: int | None = None,
+    aside_dir: str | os.PathLike[str] | None = None,
     **store_options: Any,
 ) -> Path:
     """:func:`alocal_copy` for synchronous callers (runs on ckptstore's background loop)."""
-    return background.run(alocal_copy(root, target, step=step, **store_options))
+    return background.run(
+        alocal_copy(root, target, step=step, aside_dir=aside_dir, **store_options)
+    )
 
 
 async def _tree_manifest(store: Store, step: int | None) -> Manifest:
@@ -600,6 +618,7 @@ async def _tree_manifest(store: Store, step: int | None) -> Manifest:
 
 def _reuse_or_move(
     target: str | os.PathLike[str],
+    aside_dir: str | os.PathLike[str] | None,
     manifest: Manifest,
     directories: list[str],
     placed: list[_Placed],
@@ -613,9 +632,9 @@ def _reuse_or_move(
         return None, None  # an empty directory: the download takes its place
     if _holds_exactly(dest, manifest, directories, placed):
         return dest, None
-    aside = dest.with_name(
-        f"{dest.name}.replaced-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
-    )
+    where = Path(os.path.abspath(aside_dir)) if aside_dir else dest.parent / REPLACED_DIR
+    where.mkdir(parents=True, exist_ok=True)
+    aside = where / f"{dest.name}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
     os.rename(dest, aside)
     return dest, aside
 
@@ -819,13 +838,24 @@ class TreeMirror:
         snapshot: take a hard-link snapshot before returning from :meth:`submit`
             (``False``: upload the directory in place; it must then stay as it is until its
             upload finishes).
+        snapshot_dir: where the snapshots go (default: beside each directory). Give one
+            outside a directory whose every entry a library takes for a checkpoint
+            (Accelerate's ``checkpoints/``), on the same filesystem so hard links work.
         store_options: store options, as on every face (checked here, before any upload).
     """
 
-    def __init__(self, root: Root, *, snapshot: bool = True, **store_options: Any) -> None:
+    def __init__(
+        self,
+        root: Root,
+        *,
+        snapshot: bool = True,
+        snapshot_dir: str | os.PathLike[str] | None = None,
+        **store_options: Any,
+    ) -> None:
         check_options(root, store_options)
         self.root = root
         self.snapshot = snapshot
+        self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
         self._options = store_options
         self._worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ckptstore-mirror"
@@ -848,7 +878,7 @@ class TreeMirror:
         source = Path(directory)
         if not source.is_dir():
             raise NotADirectoryError(f"{source}: not a directory; nothing to upload")
-        copy = _link_snapshot(source) if self.snapshot else None
+        copy = _link_snapshot(source, self.snapshot_dir) if self.snapshot else None
         try:
             future = self._worker.submit(self._upload, copy or source, copy, step, metadata)
         except BaseException:
@@ -918,9 +948,13 @@ class TreeMirror:
         self.close()
 
 
-def _link_snapshot(source: Path) -> Path:
-    """A hard-linked copy of ``source`` beside it (copies where links are refused)."""
-    copy = source.parent / f".{source.name}{_TEMP_MARK}mirror-{secrets.token_hex(6)}"
+def _link_snapshot(source: Path, where: Path | None) -> Path:
+    """A hard-linked copy of ``source`` in ``where`` (default: beside it; copies where links
+    are refused)."""
+    if where is not None:
+        where.mkdir(parents=True, exist_ok=True)
+    parent = source.parent if where is None else where
+    copy = parent / f".{source.name}{_TEMP_MARK}mirror-{secrets.token_hex(6)}"
 
     def link_or_copy(src: str, dst: str) -> None:
         try:
