@@ -130,7 +130,7 @@ def scenario_stall(root: str) -> dict[str, Any]:
     mgr.wait_until_finished()
     if rank == FAILING_RANK:
         print("RESULT " + json.dumps({"stalled": True}), flush=True)
-        time.sleep(3 * STALL_TIMEOUT)  # silent past every survivor's deadline
+        time.sleep(2 * STALL_TIMEOUT)  # silent past every survivor's deadline
         os._exit(0)  # never takes part again: no close(), no goodbye
     began = time.monotonic()
     mgr.save(2, part(rank, 2))

@@ -30,7 +30,7 @@ from tests.multirank import SOAK_TARGETS, Target
 ROOT = Path(__file__).resolve().parent.parent
 
 #: Seconds the cleaners and the saver run together: minutes in the full matrix.
-SECONDS = trials(120, 12)
+SECONDS = trials(120, 6)
 
 _GC_LOOP = """
 import json, os, sys, time

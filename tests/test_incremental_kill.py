@@ -35,7 +35,7 @@ from tests.matrix import trials
 from tests.multirank import SOAK_TARGETS, Target
 
 ROOT = Path(__file__).resolve().parent.parent
-TRIALS = trials(full=30, quick=5)
+TRIALS = trials(full=30, quick=3)
 #: A child is killed after at most this many of its lines, one ``save`` and one ``gc`` a step.
 MAX_LINES = 8
 
