@@ -194,6 +194,20 @@ def assert_all_ok(outcomes: list[RankOutcome]) -> list[dict[str, Any]]:
     return [outcome.results[-1] for outcome in outcomes]
 
 
+def assert_stalled_rank_failed_the_others(
+    outcomes: list[RankOutcome], stalled: int, timeout: float
+) -> None:
+    """The stalled-rank scenarios' verdict: every rank exited cleanly; ``stalled`` reports
+    that it stalled; every other rank's call failed saying a rank died or stalled, within
+    ``timeout`` plus 10% (and a second for the call's own work before its collectives)."""
+    for rank, result in enumerate(assert_all_ok(outcomes)):
+        if rank == stalled:
+            assert result == {"stalled": True}
+            continue
+        assert "another rank died or stalled" in result["error"], result
+        assert result["seconds"] <= timeout * 1.1 + 1.0, result
+
+
 @dataclass
 class Target:
     """Where checkpoints go: a base URL and the store options that reach it."""

@@ -32,8 +32,13 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Seconds the cleaners and the saver run together: minutes in the full matrix.
 SECONDS = trials(120, 6)
 
+#: A gc loop in a process of its own: ``python -c _GC_LOOP ROOT STOP [SKEW]``. With SKEW its
+#: wall clock runs SKEW seconds off the saver's, as another host's would.
 _GC_LOOP = """
 import json, os, sys, time
+if len(sys.argv) > 3:
+    real, skew = time.time, float(sys.argv[3])
+    time.time = lambda: real() + skew
 import ckptstore
 
 root, stop = sys.argv[1], sys.argv[2]
@@ -45,6 +50,17 @@ while not os.path.exists(stop):
     removed += len(report.removed) + len(report.reclaimed)
 print(json.dumps({"runs": runs, "removed": removed}), flush=True)
 """
+
+
+def _summaries(cleaners: list[Any], outputs: list[tuple[str, str]]) -> list[dict[str, int]]:
+    """Each gc loop's report, once it has exited cleanly after at least two runs."""
+    summaries = []
+    for cleaner, (out, err) in zip(cleaners, outputs, strict=True):
+        assert cleaner.returncode == 0, err[-4000:]
+        summary = json.loads(out.strip().splitlines()[-1])
+        assert summary["runs"] >= 2, summary
+        summaries.append(summary)
+    return summaries
 
 
 def test_a_put_whose_directory_is_pruned_by_a_concurrent_delete_succeeds(tmp_path: Path) -> None:
@@ -110,34 +126,12 @@ def test_gc_loops_beside_retention_never_fail_and_keep_every_step(
     finally:
         stop.touch()
         outputs = [cleaner.communicate(timeout=120) for cleaner in cleaners]
-    for cleaner, (out, err) in zip(cleaners, outputs, strict=True):
-        assert cleaner.returncode == 0, err[-4000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert summary["runs"] >= 2, summary
+    _summaries(cleaners, outputs)
     assert kept == sorted(saved)[-2:]
     for step in kept:
         got = ckptstore.load(url, step, **options)
         assert got["frozen"].tobytes() + got["moving"].tobytes() == saved[step]
 
-
-#: A cleaner on another host: its wall clock is ``skew`` seconds off the saver's (within
-#: the quarter of the lease period that docs/commit.md allows).
-_GC_LOOP_ON_ANOTHER_HOST = """
-import json, os, sys, time
-real = time.time
-skew = float(sys.argv[3])
-time.time = lambda: real() + skew
-import ckptstore
-
-root, stop = sys.argv[1], sys.argv[2]
-options = json.loads(os.environ["CKPTSTORE_TEST_STORE_OPTIONS"])
-runs = removed = 0
-while not os.path.exists(stop):
-    report = ckptstore.gc(root, grace=0, **options)
-    runs += 1
-    removed += len(report.removed) + len(report.reclaimed)
-print(json.dumps({"runs": runs, "removed": removed}), flush=True)
-"""
 
 #: the lease period of the mixed test: short, so renewals and expiries happen during it
 LEASE = 8
@@ -170,7 +164,7 @@ def test_gc_rollback_retention_and_tier_cleanup_together_never_fail(
     runs = [(url, "1.5"), (url, "-1.5"), (str(local), "0")]
     cleaners = [
         subprocess.Popen(
-            [sys.executable, "-c", _GC_LOOP_ON_ANOTHER_HOST, root, str(stop), skew],
+            [sys.executable, "-c", _GC_LOOP, root, str(stop), skew],
             env={
                 **env,
                 "CKPTSTORE_TEST_STORE_OPTIONS": json.dumps(target.options if root == url else {}),
@@ -222,12 +216,7 @@ def test_gc_rollback_retention_and_tier_cleanup_together_never_fail(
     finally:
         stop.touch()
         outputs = [cleaner.communicate(timeout=120) for cleaner in cleaners]
-    removed = 0
-    for cleaner, (out, err) in zip(cleaners, outputs, strict=True):
-        assert cleaner.returncode == 0, err[-4000:]
-        summary = json.loads(out.strip().splitlines()[-1])
-        assert summary["runs"] >= 2, summary
-        removed += summary["removed"]
+    removed = sum(summary["removed"] for summary in _summaries(cleaners, outputs))
     assert removed > 0, "the gc loops found nothing to remove: they raced with nothing"
     assert rollbacks >= 2
     assert kept, "no step left"

@@ -221,6 +221,17 @@ class _Hung(StoreWrapper):
             self.hung.set()
             await asyncio.to_thread(self.go.wait, 60)
 
+    def deadline_of(self, call: Any) -> tuple[str, float]:
+        """Run ``call``, which must fail with DeadlineExceededError; then let the hung
+        threads go. Its message, and how long it took."""
+        began = time.monotonic()
+        try:
+            with pytest.raises(DeadlineExceededError) as raised:
+                call()
+            return str(raised.value), time.monotonic() - began
+        finally:
+            self.go.set()
+
 
 WHOLE = 1.0  # the whole-operation deadline the tests give
 
@@ -243,16 +254,9 @@ def test_a_save_that_hangs_fails_at_the_save_deadline_and_leaves_nothing(
             mgr.save(7, state)
             mgr.wait_until_finished()
 
-    began = time.monotonic()
-    try:
-        with pytest.raises(DeadlineExceededError) as raised:
-            save()
-        took = time.monotonic() - began
-    finally:
-        store.go.set()
+    message, took = store.deadline_of(save)
     assert store.hung.is_set()
     assert took <= WHOLE + 2.0, took
-    message = str(raised.value)
     assert f"save of step 7 to {inner.url}" in message, message
     assert f"deadline of {WHOLE:g} s (Settings.save_deadline)" in message, message
     assert ckptstore.list_steps(inner) == []
@@ -278,15 +282,8 @@ def test_a_restore_that_hangs_fails_at_the_restore_deadline(tmp_path: Path, face
         with ckptstore.CheckpointManager(store) as mgr:
             mgr.restore(3)
 
-    began = time.monotonic()
-    try:
-        with pytest.raises(DeadlineExceededError) as raised:
-            restore()
-        took = time.monotonic() - began
-    finally:
-        store.go.set()
+    message, took = store.deadline_of(restore)
     assert took <= WHOLE + 1.0, took
-    message = str(raised.value)
     assert f"restore of step 3 from {inner.url}" in message or face == "load", message
     assert f"restore of the newest step from {inner.url}" in message or face != "load", message
     assert "(Settings.restore_deadline)" in message, message
