@@ -201,14 +201,23 @@ def test_ls_names_uncommitted_data_and_set_aside_steps(
 _SAVE = """
 import signal, sys
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (see above)
+import asyncio
 import numpy as np
 import ckptstore
 from ckptstore.store.local import LocalStore
 from ckptstore.store.wrappers import Fault, FaultStore
 
-# every put waits 1 s first: the signal, sent once a data object is on disk, always lands
-# before the commit, however loaded the machine
-store = FaultStore(LocalStore(sys.argv[1]), [Fault(frozenset({"put"}), latency=1.0)])
+class NeverCommits(FaultStore):
+    # the manifest put waits until it is cancelled: the signal, sent once a data object is
+    # on disk, lands before the commit however loaded the machine (a 1 s wait before it was
+    # overtaken once in a full run)
+    async def _hook(self, op, key, nbytes):
+        if key.endswith("manifest.json") and op == "put":
+            await asyncio.Event().wait()
+        return await super()._hook(op, key, nbytes)
+
+# every data put waits 1 s first, so the signal lands while they are being written
+store = NeverCommits(LocalStore(sys.argv[1]), [Fault(frozenset({"put"}), latency=1.0)])
 rng = np.random.default_rng(0)
 state = {f"w{i}": rng.standard_normal(1 << 20).astype(np.float32) for i in range(8)}
 ckptstore.save(store, state, step=1)

@@ -34,6 +34,7 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
+from ckptstore.layout import commit
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.manager.functions import adelete_step, agc, alist_steps, aload, aread_manifest, asave
@@ -184,6 +185,35 @@ class _LoseManifestResponse(StoreWrapper):
         if key.endswith("/manifest.json") and self.lost == 0:
             self.lost += 1
             raise StoreError(f"connection reset after sending {key}")
+
+
+class _LaggingLookups(StoreWrapper):
+    """Lookups of manifests that lag: until this store's manifest put, reads miss (another
+    saver commits after this one checked), and after a refused put the next ``misses`` reads
+    miss too, as a FUSE or NFS client's cached negative lookup does. With ``lose_response``
+    the first manifest put lands and then reports a failure, as a dropped response would."""
+
+    def __init__(self, inner: Store, misses: int, *, lose_response: bool = False) -> None:
+        super().__init__(inner)
+        self.misses = misses
+        self.lose_response = lose_response
+        self.put_tried = False
+        self.missed = 0
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        if not key.endswith("/manifest.json"):
+            return await self.inner._put(key, data, mode)
+        first, self.put_tried = not self.put_tried, True
+        await self.inner._put(key, data, mode)
+        if first and self.lose_response:
+            raise StoreError(f"connection reset after sending {key}")
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        if not key.endswith("/manifest.json"):
+            return
+        if not self.put_tried or self.missed < self.misses:
+            self.missed += self.put_tried
+            raise NotFoundError(f"{self.url}/{key} does not exist (stale lookup)")
 
 
 class CheckpointTests:
@@ -344,6 +374,44 @@ class CheckpointTests:
         assert lossy.lost == 1
         assert (await aread_manifest(store, 9)).attempt == info.attempt
         assert_same_state(await aload(store, step=9), state)
+
+    async def test_manifest_lookup_lagging_its_create_still_decides_the_commit(
+        self, store: Store
+    ) -> None:
+        # another attempt holds the step: a conflict (not "step 15 is not committed"), and
+        # this attempt's objects are removed
+        first = {"x": np.arange(4)}
+        winner = await asave(store, first, step=15)
+        lagging = _LaggingLookups(store, misses=2)
+        with pytest.raises(CommitConflictError, match="committed by attempt"):
+            await asave(lagging, {"x": np.arange(5)}, step=15)
+        assert lagging.missed == 2
+        assert {k.split("/")[1] for k in await store.list_keys("15/")} == {
+            winner.attempt,
+            "manifest.json",
+        }
+        assert_same_state(await aload(store, step=15), first)
+        # this attempt's own put landed with its response lost: a success, its data kept
+        own = _LaggingLookups(store, misses=3, lose_response=True)
+        state = {"y": np.arange(6.0)}
+        info = await asave(own, state, step=16)
+        # (S3 recognises its own retried create by the object's checksum: no read at all)
+        assert own.missed in (0, 3), own.missed
+        assert (await aread_manifest(store, 16)).attempt == info.attempt
+        assert_same_state(await aload(store, step=16), state)
+
+    async def test_manifest_never_readable_after_its_create_leaves_the_data(
+        self, store: Store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        monkeypatch.setattr(commit, "MANIFEST_REREAD_WAITS", (0.01, 0.01))
+        await asave(store, {"x": np.arange(4)}, step=17)
+        lagging = _LaggingLookups(store, misses=1000)
+        with pytest.raises(StoreError, match="could not be read back") as raised:
+            await asave(lagging, {"x": np.arange(5)}, step=17)
+        assert not isinstance(raised.value, (CommitConflictError, NotFoundError))
+        assert lagging.missed == 3
+        attempts = {k.split("/")[1] for k in await store.list_keys("17/")} - {"manifest.json"}
+        assert len(attempts) == 2  # the outcome is unknown: this attempt's data is kept
 
     async def test_failed_data_put_leaves_no_manifest(self, store: Store) -> None:
         faulty = FaultStore(

@@ -9,9 +9,11 @@ moto is pure Python and CPU-bound: it is for correctness, not for speed.
 from __future__ import annotations
 
 import logging
+import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -52,14 +54,46 @@ class MotoS3:
         )
 
 
+def _atomic_conditional_writes(app: Callable[..., Any]) -> Callable[..., Any]:
+    """``app`` with its conditional writes made one at a time, as on S3.
+
+    moto 5.2.1 answers ``If-None-Match: *`` on PutObject and CompleteMultipartUpload by
+    looking the key up and then writing it (``s3/responses.py``), each request on its own
+    server thread: two racing creators can both pass the check. A full run saw 2 winners
+    of 8 racing ``put(mode="create")``; with ``sys.setswitchinterval(1e-6)`` 1 round in 60
+    did. S3 itself decides such requests atomically, and so must the server our tests of
+    the commit protocol run against: requests that carry a condition run under one lock.
+    """
+    lock = threading.Lock()
+
+    def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> Any:
+        conditional = environ.get("REQUEST_METHOD") in ("PUT", "POST") and (
+            "HTTP_IF_NONE_MATCH" in environ or "HTTP_IF_MATCH" in environ
+        )
+        if not conditional:
+            return app(environ, start_response)
+        with lock:
+            return list(app(environ, start_response))
+
+    return serve
+
+
 @pytest.fixture(scope="session")
 def moto_server() -> Iterator[MotoS3]:
     """A moto S3 server for the whole session."""
     pytest.importorskip("moto", reason="moto[server] is in the test extra")
-    from moto.server import ThreadedMotoServer
+    from moto.server import DomainDispatcherApplication, ThreadedMotoServer, create_backend_app
+    from werkzeug.serving import make_server
+
+    class AtomicMotoServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:  # ThreadedMotoServer's, with the app wrapped
+            app = _atomic_conditional_writes(DomainDispatcherApplication(create_backend_app))
+            self._server = make_server(self._ip_address, self._port, app, True)
+            self._server_ready_event.set()
+            self._server.serve_forever()
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server = AtomicMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
     try:
