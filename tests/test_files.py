@@ -370,18 +370,74 @@ def test_mirror_uploads_snapshots_in_order_and_raises_failures(tmp_path: Path) -
     with files.TreeMirror(store, **SMALL) as mirror:
         mirror.submit(first, 1)
         shutil.rmtree(first)  # the library's retention: the queued snapshot is unaffected
-        mirror.submit(second, 1)  # the same step again: its upload fails
+        mirror.wait()
+        files.upload(second, store, step=2)  # another writer commits step 2 meanwhile
+        mirror.submit(second, 2)  # so this upload fails, in the background
         with pytest.raises(CommitConflictError):
             mirror.wait()
-        mirror.submit(second, 2)
+        mirror.submit(second, 3)
         mirror.wait()
-        assert [info.step for info in mirror.uploaded] == [1, 2]
-    assert ckptstore.list_steps(store) == [1, 2]
+        assert [info.step for info in mirror.uploaded] == [1, 3]
+    assert ckptstore.list_steps(store) == [1, 2, 3]
     files.download(store, tmp_path / "back", step=1)
     assert snapshot(tmp_path / "back") == expected
     assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
     with pytest.raises(NotADirectoryError):
         files.TreeMirror(store).submit(tmp_path / "missing", 3)
+
+
+def test_mirror_refuses_a_step_not_after_the_newest_before_writing(tmp_path: Path) -> None:
+    """Issue 29: a rerun in the same root used to fail one save late, in the background."""
+    store = tmp_path / "store"
+    tree = tmp_path / "tree"
+    make_tree(tree, small=2, large=())
+    files.upload(tree, store, step=5)
+    with files.TreeMirror(store, resume_advice="Resume it thus") as mirror:
+        for old in (3, 5):
+            with pytest.raises(CommitConflictError, match=rf"step {old}: the newest .* is 5"):
+                mirror.submit(tree, old)
+        assert not [p for p in tmp_path.iterdir() if ".ckptstore-tmp-" in p.name]
+        mirror.submit(tree, 6)
+        with pytest.raises(CommitConflictError, match=r"newest step of this root is 6.*thus"):
+            mirror.check_step(6)  # queued counts as well as committed
+        mirror.wait()
+        files.upload(tree, store, step=7)  # another writer's step: found at upload time
+        mirror.submit(tree, 7)
+        with pytest.raises(CommitConflictError):
+            mirror.wait()
+        mirror.submit(tree, 8)  # the failed 7 never counted; the store has 7 all the same
+        mirror.wait()
+    assert ckptstore.list_steps(store) == [5, 6, 7, 8]
+
+
+def test_roll_back_sets_newer_steps_and_local_copies_aside(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    local = tmp_path / "out"
+    for step in (1, 2, 3):
+        make_tree(local / f"checkpoint-{step}", small=2, large=())
+        files.upload(local / f"checkpoint-{step}", store, step=step)
+    (local / "checkpoint-x").mkdir()  # not a step's name: kept where it is
+    newer = files.numbered_after(local, "checkpoint-")
+    with pytest.raises(NotFoundError):
+        files.roll_back(store, 7, newer_copies=newer)
+    assert sorted(p.name for p in local.iterdir()) == [f"checkpoint-{s}" for s in "123x"]
+    mirror = files.TreeMirror(store)
+    with pytest.raises(CommitConflictError, match="newest step of this root is 3"):
+        mirror.check_step(2)
+    assert files.roll_back(store, 1, newer_copies=newer) == [3, 2]
+    assert ckptstore.list_steps(store) == [1]
+    assert sorted(p.name for p in local.iterdir()) == [
+        ".ckptstore-replaced",
+        "checkpoint-1",
+        "checkpoint-x",
+    ]
+    aside = sorted(p.name.rsplit("-", 2)[0] for p in (local / files.REPLACED_DIR).iterdir())
+    assert aside == ["checkpoint-2", "checkpoint-3"]
+    mirror.rolled_back(1)
+    mirror.submit(local / "checkpoint-1", 2)  # step 2 saved again, from the older state
+    mirror.close()
+    assert ckptstore.list_steps(store) == [1, 2]
+    assert ckptstore.recover_step(store, 3).step == 3  # set aside, not lost
 
 
 def test_cli_upload_and_download(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,10 +2,11 @@
 
 Each reports only the steps it trained itself, so a resumed run shows where it started.
 
-``python tests/tree_adapters.py hf|accelerate OPTIONS_JSON``: trains a tiny GPT-2 built
-from a config (no download) on CPU through the Hugging Face Trainer or Accelerate, with the
-ckptstore adapter uploading its checkpoints, optionally resuming from a store URL first,
-and prints one JSON line: the loss of every step it trained, by step.
+``python tests/tree_adapters.py hf|accelerate|orbax OPTIONS_JSON``: trains a tiny GPT-2
+built from a config (no download) on CPU through the Hugging Face Trainer or Accelerate, or
+a JAX random walk through Orbax's CheckpointManager, with the ckptstore adapter uploading
+its checkpoints, optionally resuming from a store URL first, and prints one JSON line: the
+loss of every step it trained, by step.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
         max_steps=opts["max_steps"],
         save_strategy="steps",
         save_steps=opts["save_steps"],
-        save_total_limit=1,  # the Trainer deletes old checkpoints while they may be queued
+        # the Trainer deletes old checkpoints while they may be queued
+        save_total_limit=opts.get("save_total_limit", 1),
         logging_steps=1,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
@@ -81,7 +83,9 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
                 control.should_training_stop = True
 
     native = opts.get("native_resume", False)
-    callback = StoreCallback(opts["upload_to"], resume=native, **store)
+    resume_step = opts.get("resume_step", native)  # an int: that step (rollback= allowed)
+    rollback = opts.get("rollback", False)
+    callback = StoreCallback(opts["upload_to"], resume=resume_step, rollback=rollback, **store)
     callbacks = [callback, Trained(), StopAt()]
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
     resume: Any = None
@@ -111,7 +115,9 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
     config = None
     if native:  # Accelerate's own save_state()/load_state(), mirrored to the store
         config = ProjectConfiguration(
-            project_dir=opts["local_dir"], automatic_checkpoint_naming=True, total_limit=1
+            project_dir=opts["local_dir"],
+            automatic_checkpoint_naming=True,
+            total_limit=opts.get("total_limit", 1),
         )
     accelerator = Accelerator(cpu=True, project_config=config)
     model = tiny_gpt2()
@@ -120,7 +126,10 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
     if native:
         mirror = mirror_states(accelerator, opts["url"], **opts["store_options"])
         start = 0
-        if opts.get("resume"):
+        if opts.get("rollback"):
+            accelerator.load_state(step=opts["step"], rollback=True)
+            start = accelerator.step
+        elif opts.get("resume"):
             accelerator.load_state()
             start = accelerator.step  # the training step the state was saved at
         # Accelerate's own calls only: accelerator.step counts the steps, saved with the state
@@ -131,7 +140,7 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
     states = StoreStates(accelerator, opts["url"], opts["local_dir"], **opts["store_options"])
     start = 0
     if opts.get("resume"):
-        start = states.load_state(opts.get("step")) or 0
+        start = states.load_state(opts.get("step"), rollback=opts.get("rollback", False)) or 0
     losses = _train(accelerator, model, optimizer, opts, start, states.save_state)
     states.close()
     return losses
@@ -157,9 +166,43 @@ def _train(
     return losses
 
 
+def run_orbax(opts: dict[str, Any]) -> dict[int, float]:
+    """A JAX loop with Orbax's own CheckpointManager calls after ``mirror_manager``: a
+    random walk of the weights, its key in the state, so a resume must restore both."""
+    import jax
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from ckptstore.integrations.orbax import mirror_manager
+
+    options = ocp.CheckpointManagerOptions(max_to_keep=3, step_prefix="ckpt")
+    losses: dict[int, float] = {}
+    with ocp.CheckpointManager(opts["local_dir"], options=options) as manager:
+        mirror_manager(manager, opts["url"], **opts["store_options"])
+        state = {
+            "w": jnp.zeros((4, 4), jnp.float32),
+            "key": jax.random.key_data(jax.random.PRNGKey(0)),
+            "step": jnp.asarray(0),
+        }
+        restore = ocp.args.StandardRestore(state)
+        if opts.get("rollback"):
+            state = manager.restore(opts["step"], args=restore, rollback=True)
+        elif opts.get("resume") and (newest := manager.latest_step()) is not None:
+            state = manager.restore(newest, args=restore)
+        for step in range(int(state["step"]) + 1, opts["max_steps"] + 1):
+            key, sub = jax.random.split(jax.random.wrap_key_data(state["key"]))
+            w = state["w"] * 0.9 + jax.random.normal(sub, (4, 4))
+            state = {"w": w, "key": jax.random.key_data(key), "step": jnp.asarray(step)}
+            losses[step] = float(jnp.sum(w * w))
+            if step in opts.get("save_at", []):
+                manager.save(step, args=ocp.args.StandardSave(state))
+        manager.wait_until_finished()
+    return losses
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     which, raw = sys.argv[1], sys.argv[2]
     options = json.loads(Path(raw).read_text() if raw.endswith(".json") else raw)
-    result = run_hf(options) if which == "hf" else run_accelerate(options)
-    print("LOSSES " + json.dumps(result))
+    runs = {"hf": run_hf, "accelerate": run_accelerate, "orbax": run_orbax}
+    print("LOSSES " + json.dumps(runs[which](options)))

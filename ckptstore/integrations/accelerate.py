@@ -32,7 +32,13 @@ from accelerate import Accelerator
 
 from ckptstore import background
 from ckptstore.errors import NotFoundError
-from ckptstore.integrations.files import REPLACED_DIR, TreeMirror, local_copy
+from ckptstore.integrations.files import (
+    REPLACED_DIR,
+    TreeMirror,
+    local_copy,
+    numbered_after,
+    roll_back,
+)
 from ckptstore.layout.commit import latest_step
 from ckptstore.pipeline.root import Root, opened
 
@@ -61,7 +67,7 @@ class StoreStates:
         self.root = root
         self.local_dir = Path(local_dir)
         self._options = store_options
-        self.mirror = TreeMirror(root, **store_options)
+        self.mirror = TreeMirror(root, resume_advice=_STATES_ADVICE, **store_options)
 
     def directory(self, step: int) -> Path:
         """The local directory of ``step``."""
@@ -75,13 +81,17 @@ class StoreStates:
             CkptStoreError, OSError: an earlier upload failed.
         """
         directory = self.directory(step)
+        if self.accelerator.is_main_process:
+            self.mirror.check_step(step)  # before anything is written
         self.accelerator.save_state(str(directory), **save_kwargs)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             self.mirror.submit(directory, step, metadata={"library": "accelerate"})
         return directory
 
-    def load_state(self, step: int | None = None, **load_kwargs: Any) -> int | None:
+    def load_state(
+        self, step: int | None = None, *, rollback: bool = False, **load_kwargs: Any
+    ) -> int | None:
         """Load step ``step`` (``None``: the newest committed one) into the Accelerator.
 
         A copy of the step already in ``local_dir`` that holds it exactly (a restart on the
@@ -89,9 +99,33 @@ class StoreStates:
         verified, and moves whatever else was there aside
         (:func:`~ckptstore.integrations.files.local_copy`).
 
+        Args:
+            step: the step (``None``: the newest committed one).
+            rollback: make ``step`` the newest, so training saves the steps after it again:
+                the newer steps are set aside in the store (recoverable with
+                :func:`ckptstore.recover_step` until gc) and their ``step-N`` directories
+                moved to ``local_dir/.ckptstore-replaced``.
+            load_kwargs: what ``accelerator.load_state`` takes.
+
         Returns:
             The step loaded, or ``None`` when the store holds no step (nothing is loaded).
+
+        Raises:
+            ValueError: ``rollback`` without ``step``.
+            NotFoundError: ``step`` is not committed (and not on this node).
         """
+        if rollback and step is None:
+            raise ValueError("rollback=True needs the step to go back to: load_state(step, ...)")
+        if rollback:
+            assert step is not None
+            if self.accelerator.is_main_process:
+                roll_back(
+                    self.root,
+                    step,
+                    newer_copies=numbered_after(self.local_dir, "step-"),
+                    **self._options,
+                )
+            self.mirror.rolled_back(step)
         if step is None:
             with opened(self.root, self._options) as store:
                 step = background.run(latest_step(store))
@@ -157,10 +191,17 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
     checkpoints = project / "checkpoints"
     # Accelerate takes every entry of checkpoints/ for a checkpoint (and its total_limit
     # deletes the oldest): the snapshots and what local_copy replaces stay out of it
-    mirror = TreeMirror(root, snapshot_dir=project / ".ckptstore-snapshots", **store_options)
+    mirror = TreeMirror(
+        root,
+        snapshot_dir=project / ".ckptstore-snapshots",
+        resume_advice=_MIRROR_ADVICE,
+        **store_options,
+    )
     save, load = accelerator.save_state, accelerator.load_state
 
     def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        if output_dir is None and accelerator.is_main_process:
+            mirror.check_step(config.iteration)  # before anything is written
         location = save(output_dir, *args, **kwargs)
         accelerator.wait_for_everyone()
         if accelerator.is_main_process:
@@ -168,32 +209,72 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
             mirror.submit(where, _iteration(where), metadata={"library": "accelerate"})
         return location
 
-    def load_state(input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
-        if input_dir is None:
-            with opened(root, store_options) as store:
-                newest = background.run(latest_step(store))
-            if newest is not None and accelerator.is_main_process:
-                local_copy(
+    def load_state(
+        input_dir: str | None = None,
+        *args: Any,
+        step: int | None = None,
+        rollback: bool = False,
+        **kwargs: Any,
+    ) -> Any:
+        if input_dir is not None:
+            if step is not None or rollback:
+                raise ValueError("load_state: give input_dir or step=, not both")
+            return load(input_dir, *args, **kwargs)
+        if rollback and step is None:
+            raise ValueError("rollback=True needs the step to go back to: load_state(step=...)")
+        with opened(root, store_options) as store:
+            newest = background.run(latest_step(store))
+        wanted = newest if step is None else step
+        if wanted is not None and accelerator.is_main_process:
+            if rollback:
+                roll_back(
                     root,
-                    checkpoints / f"checkpoint_{newest}",
-                    step=newest,
+                    wanted,
+                    newer_copies=numbered_after(checkpoints, "checkpoint_"),
                     aside_dir=project / REPLACED_DIR,
                     **store_options,
                 )
-            accelerator.wait_for_everyone()
-        loaded = load(input_dir, *args, **kwargs)
-        if input_dir is None and checkpoints.is_dir():
-            numbers = [
-                int(p.name.removeprefix("checkpoint_"))
-                for p in checkpoints.iterdir()
-                if p.name.removeprefix("checkpoint_").isdigit()
-            ]
-            config.iteration = max(numbers, default=-1) + 1
+            local_copy(
+                root,
+                checkpoints / f"checkpoint_{wanted}",
+                step=wanted,
+                aside_dir=project / REPLACED_DIR,
+                **store_options,
+            )
+        accelerator.wait_for_everyone()
+        if rollback:
+            assert wanted is not None
+            mirror.rolled_back(wanted)
+            newest = wanted
+        if step is None:
+            loaded = load(None, *args, **kwargs)  # Accelerate's own: the newest in checkpoints/
+        else:
+            loaded = load(str(checkpoints / f"checkpoint_{step}"), *args, **kwargs)
+        numbers = [
+            int(p.name.removeprefix("checkpoint_"))
+            for p in (checkpoints.iterdir() if checkpoints.is_dir() else ())
+            if p.name.removeprefix("checkpoint_").isdigit()
+        ]
+        # the next save_state() is numbered after both this node's checkpoints and the store's
+        config.iteration = max([*numbers, -1 if newest is None else newest]) + 1
         return loaded
 
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     return mirror
+
+
+_STATES_ADVICE = (
+    "To resume that run, states.load_state() loads its newest step; to go back to an older "
+    "step and train on from it, states.load_state(step, rollback=True) sets the newer steps "
+    "aside"
+)
+
+_MIRROR_ADVICE = (
+    "To resume that run, accelerator.load_state() loads its newest step (and numbers the "
+    "next save after it); to go back to an older step and train on from it, "
+    "accelerator.load_state(step=<step>, rollback=True) sets the newer steps aside"
+)
 
 
 def _iteration(directory: Path) -> int:

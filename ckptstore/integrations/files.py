@@ -56,7 +56,7 @@ import stat
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, overload
@@ -67,16 +67,19 @@ from ckptstore import background
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointFormatError,
+    CommitConflictError,
     CorruptCheckpointError,
     UnsupportedTreeError,
 )
+from ckptstore.layout.commit import latest_step
 from ckptstore.layout.dtypes import dtype_name
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.restore import read_leaves
+from ckptstore.layout.rollback import set_aside
 from ckptstore.layout.tree import MAX_DEPTH, escape_key, join_path
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest
-from ckptstore.pipeline.root import Root, aopened, check_options
+from ckptstore.pipeline.root import Root, aopened, check_options, opened
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all
@@ -89,10 +92,14 @@ __all__ = [
     "TreeMirror",
     "adownload",
     "alocal_copy",
+    "aroll_back",
     "aupload",
     "download",
     "is_tree_step",
     "local_copy",
+    "move_aside",
+    "numbered_after",
+    "roll_back",
     "upload",
 ]
 
@@ -632,11 +639,94 @@ def _reuse_or_move(
         return None, None  # an empty directory: the download takes its place
     if _holds_exactly(dest, manifest, directories, placed):
         return dest, None
-    where = Path(os.path.abspath(aside_dir)) if aside_dir else dest.parent / REPLACED_DIR
+    return dest, move_aside(dest, aside_dir)
+
+
+def move_aside(
+    path: str | os.PathLike[str], aside_dir: str | os.PathLike[str] | None = None
+) -> Path:
+    """Rename ``path`` to ``<aside_dir>/<name>-<time>-<random>`` and return where it went:
+    a local copy that must no longer be taken for a checkpoint, kept rather than deleted.
+
+    Args:
+        aside_dir: where to (default: :data:`REPLACED_DIR` beside ``path``); on the same
+            filesystem, since it is one rename.
+    """
+    source = Path(os.path.abspath(path))
+    where = Path(os.path.abspath(aside_dir)) if aside_dir else source.parent / REPLACED_DIR
     where.mkdir(parents=True, exist_ok=True)
-    aside = where / f"{dest.name}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
-    os.rename(dest, aside)
-    return dest, aside
+    aside = where / f"{source.name}-{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+    os.rename(source, aside)
+    return aside
+
+
+def numbered_after(directory: str | os.PathLike[str], prefix: str) -> Callable[[int], list[Path]]:
+    """For :func:`roll_back`'s ``newer_copies``: the directories ``<prefix><N>`` in
+    ``directory`` with ``N`` above the step rolled back to (``checkpoint-N`` of the Hugging
+    Face Trainer, ``checkpoint_N`` of Accelerate's automatic naming)."""
+
+    def after(step: int) -> list[Path]:
+        found = []
+        for entry in Path(directory).glob(f"{prefix}*"):
+            number = entry.name.removeprefix(prefix)
+            if number.isdigit() and int(number) > step and entry.is_dir():
+                found.append(entry)
+        return sorted(found)
+
+    return after
+
+
+async def aroll_back(
+    root: Root,
+    step: int,
+    *,
+    newer_copies: Callable[[int], Iterable[Path]] = lambda step: (),
+    aside_dir: str | os.PathLike[str] | None = None,
+    **store_options: Any,
+) -> list[int]:
+    """Make tree step ``step`` the newest: what the adapters' ``rollback=True`` does.
+
+    The newer committed steps are set aside in the store, as by :func:`ckptstore.rollback`
+    (invisible, recoverable with :func:`ckptstore.recover_step` until gc removes them), and
+    then the local copies of newer steps (``newer_copies(step)``: the library's own
+    checkpoint directories) are moved aside (:func:`move_aside`), so neither the library's
+    "resume from the newest" nor its rotation ever takes them for the run's checkpoints.
+
+    Returns:
+        The steps set aside in the store, descending.
+
+    Raises:
+        NotFoundError: ``step`` is not committed; nothing is set aside or moved.
+        CheckpointFormatError: ``step`` is not a directory tree.
+    """
+    async with aopened(root, store_options) as store:
+        await _tree_manifest(store, step)
+        aside = await set_aside(store, step)
+        moved = [
+            await asyncio.to_thread(move_aside, copy, aside_dir) for copy in newer_copies(step)
+        ]
+    _log.warning(
+        "rolled %s back to step %d: steps %s set aside in the store, local copies %s moved aside",
+        store.url,
+        step,
+        sorted(aside) or "none",
+        [str(p) for p in moved] or "none",
+    )
+    return aside
+
+
+def roll_back(
+    root: Root,
+    step: int,
+    *,
+    newer_copies: Callable[[int], Iterable[Path]] = lambda step: (),
+    aside_dir: str | os.PathLike[str] | None = None,
+    **store_options: Any,
+) -> list[int]:
+    """:func:`aroll_back` for synchronous callers (runs on ckptstore's background loop)."""
+    return background.run(
+        aroll_back(root, step, newer_copies=newer_copies, aside_dir=aside_dir, **store_options)
+    )
 
 
 def _holds_exactly(
@@ -831,7 +921,10 @@ class TreeMirror:
     to a directory it has finished.
 
     A failed upload is raised by the next :meth:`submit`, by :meth:`wait` and by
-    :meth:`close`, never dropped.
+    :meth:`close`, never dropped. A step that is not after the newest one committed or
+    queued is refused by :meth:`submit` itself, as by the managers' ``save``: its commit
+    would fail in the background, or a script run again in the same root would upload old
+    step numbers between the previous run's.
 
     Args:
         root: where the steps go: a URL, a path or an open Store.
@@ -841,6 +934,8 @@ class TreeMirror:
         snapshot_dir: where the snapshots go (default: beside each directory). Give one
             outside a directory whose every entry a library takes for a checkpoint
             (Accelerate's ``checkpoints/``), on the same filesystem so hard links work.
+        resume_advice: how a user of the adapter resumes or rolls back, for the error that
+            refuses an old step.
         store_options: store options, as on every face (checked here, before any upload).
     """
 
@@ -850,13 +945,22 @@ class TreeMirror:
         *,
         snapshot: bool = True,
         snapshot_dir: str | os.PathLike[str] | None = None,
+        resume_advice: str = (
+            "To resume that run, download its newest step (ckptstore.files.local_copy) and "
+            "upload the steps after it; to go back to an older step and upload the steps "
+            "after it again, ckptstore.files.roll_back(root, step) sets the newer ones aside"
+        ),
         **store_options: Any,
     ) -> None:
         check_options(root, store_options)
         self.root = root
         self.snapshot = snapshot
         self.snapshot_dir = None if snapshot_dir is None else Path(snapshot_dir)
+        self.resume_advice = resume_advice
         self._options = store_options
+        self._newest: int | None = None  # the store's newest step, once looked up
+        self._newest_known = False
+        self._queued: dict[concurrent.futures.Future[TreeInfo], int] = {}
         self._worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="ckptstore-mirror"
         )
@@ -878,6 +982,7 @@ class TreeMirror:
         source = Path(directory)
         if not source.is_dir():
             raise NotADirectoryError(f"{source}: not a directory; nothing to upload")
+        self.check_step(step)
         copy = _link_snapshot(source, self.snapshot_dir) if self.snapshot else None
         try:
             future = self._worker.submit(self._upload, copy or source, copy, step, metadata)
@@ -887,7 +992,47 @@ class TreeMirror:
             raise
         with self._lock:
             self._pending.append(future)
+            self._queued[future] = step
         return future
+
+    def check_step(self, step: int) -> None:
+        """Refuse a step that is not after the newest committed or queued one (what
+        :meth:`submit` does first; an adapter calls it before its library writes the step).
+        The store's newest step is looked up once, at the first call.
+
+        Raises:
+            CommitConflictError: naming the newest step and :attr:`resume_advice`.
+        """
+        if not self._newest_known:
+            with opened(self.root, self._options) as store:
+                self._newest = background.run(latest_step(store))
+            self._newest_known = True
+        with self._lock:  # an upload that failed does not count; one queued or done does
+            queued = [s for f, s in self._queued.items() if not f.done() or not f.exception()]
+        newest = max((s for s in (self._newest, *queued) if s is not None), default=None)
+        if newest is not None and step <= newest:
+            raise CommitConflictError(
+                f"{self._where()}: cannot upload step {step}: the newest step of this root is "
+                f"{newest}, and a step is saved once, in increasing order. "
+                f"{self.resume_advice}; or upload to a new root"
+            )
+
+    def rolled_back(self, step: int) -> None:
+        """Take ``step`` as the root's newest from now on: after a roll-back to it, which
+        set the newer steps aside (:func:`roll_back`).
+
+        Raises:
+            RuntimeError: an upload is still queued (roll back before uploading again, or
+                :meth:`wait` first).
+        """
+        with self._lock:
+            if self._pending:
+                raise RuntimeError(
+                    f"{self!r}: {len(self._pending)} uploads are still queued; wait() for them "
+                    "before rolling back"
+                )
+            self._queued.clear()
+        self._newest, self._newest_known = step, True
 
     def _upload(self, source: Path, copy: Path | None, step: int, metadata: Any) -> TreeInfo:
         try:
@@ -906,9 +1051,13 @@ class TreeMirror:
             self._pending = [f for f in self._pending if f not in finished]
         error: BaseException | None = None
         for future in finished:
+            with self._lock:
+                step = self._queued.pop(future, None)
             exc = future.exception()
             if exc is None:
                 self._done.append(future.result())
+                if step is not None and self._newest_known:
+                    self._newest = max(step, self._newest if self._newest is not None else step)
             elif error is None:
                 error = exc
         if error is not None:
@@ -937,9 +1086,11 @@ class TreeMirror:
         finally:
             self._worker.shutdown(wait=True)
 
+    def _where(self) -> str:
+        return self.root.url if isinstance(self.root, Store) else redact_url(os.fspath(self.root))
+
     def __repr__(self) -> str:
-        where = self.root if isinstance(self.root, Store) else redact_url(os.fspath(self.root))
-        return f"TreeMirror({where!r})"
+        return f"TreeMirror({self._where()!r})"
 
     def __enter__(self) -> TreeMirror:
         return self

@@ -14,7 +14,11 @@ when the Trainer is built, verified (or reuses a copy already there), so the Tra
     trainer = Trainer(..., callbacks=[store])
     trainer.train(resume_from_checkpoint=store.last_checkpoint)  # None on a first run
 
-(:func:`resume_from_store` does the same for a step of your choice.)
+(:func:`resume_from_store` does the same for a step of your choice.) To go back to an older
+step and train on from it, ``StoreCallback(url, resume=step, rollback=True)``: the newer
+steps are set aside in the store and their ``checkpoint-N`` directories in ``output_dir``
+moved aside, so the Trainer saves those steps again. A save of a step that is not after
+the store's newest is refused in ``on_save``, naming the newest step.
 
 Only the main process (``state.is_world_process_zero``) uploads, so under several processes
 the checkpoint directory it sees must be complete (one node, or a shared filesystem), as
@@ -32,7 +36,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore import background
-from ckptstore.integrations.files import TreeMirror, local_copy
+from ckptstore.integrations.files import TreeMirror, local_copy, numbered_after, roll_back
 from ckptstore.layout.commit import latest_step
 from ckptstore.pipeline.root import Root, opened
 
@@ -53,17 +57,38 @@ class StoreCallback(TrainerCallback):
     ``trainer.train(resume_from_checkpoint=True)`` resumes from the store on any node;
     :attr:`last_checkpoint` is that directory, or ``None`` when the store holds no step yet
     (``resume_from_checkpoint=callback.last_checkpoint`` then serves the first run too).
+    ``resume=<step>`` puts that step there instead, and with ``rollback=True`` makes it the
+    newest first (see :func:`resume_from_store`).
 
     Args:
         root: where the steps go: a URL, a path or an open Store.
-        resume: put the store's newest step in ``output_dir`` when the Trainer is built.
+        resume: put the store's newest step (``True``) or this step (an int) in
+            ``output_dir`` when the Trainer is built.
+        rollback: with ``resume=<step>``: set the newer steps aside, so training saves them
+            again.
         store_options: store options, as on every face.
+
+    Raises:
+        ValueError: ``rollback`` without a step to go back to.
     """
 
-    def __init__(self, root: Root, *, resume: bool = False, **store_options: Any) -> None:
-        self.mirror = TreeMirror(root, **store_options)
+    def __init__(
+        self,
+        root: Root,
+        *,
+        resume: bool | int = False,
+        rollback: bool = False,
+        **store_options: Any,
+    ) -> None:
+        if rollback and (resume is True or resume is False):
+            raise ValueError(
+                "rollback=True needs the step to go back to: StoreCallback(url, resume=<step>, "
+                "rollback=True)"
+            )
+        self.mirror = TreeMirror(root, resume_advice=_RESUME_ADVICE, **store_options)
         self.root = root
         self.resume = resume
+        self.rollback = rollback
         self._options = store_options
         #: With ``resume=True``: the local copy of the newest step, once the Trainer is built.
         self.last_checkpoint: str | None = None
@@ -75,10 +100,26 @@ class StoreCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        if self.resume:
-            self.last_checkpoint = resume_from_store(
-                self.root, args.output_dir or ".", **self._options
-            )
+        if self.resume is False:
+            return
+        step = None if self.resume is True else self.resume
+        self.last_checkpoint = resume_from_store(
+            self.root, args.output_dir or ".", step=step, rollback=self.rollback, **self._options
+        )
+        if self.rollback and step is not None:
+            self.mirror.rolled_back(step)
+
+    def on_step_end(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # the Trainer is about to write checkpoint-<global_step>: refuse an old step before
+        # it writes anything (on_save would refuse it only after)
+        if control.should_save and state.is_world_process_zero:
+            self.mirror.check_step(state.global_step)
 
     def on_save(
         self,
@@ -106,11 +147,20 @@ class StoreCallback(TrainerCallback):
         self.mirror.wait()
 
 
+_RESUME_ADVICE = (
+    "To resume that run, StoreCallback(url, resume=True) and "
+    "trainer.train(resume_from_checkpoint=True) continue from its newest step; to go back to "
+    "an older step and train on from it, StoreCallback(url, resume=<step>, rollback=True) "
+    "sets the newer steps aside"
+)
+
+
 def resume_from_store(
     root: Root,
     local_dir: str | os.PathLike[str],
     *,
     step: int | None = None,
+    rollback: bool = False,
     **store_options: Any,
 ) -> str | None:
     """Download a committed checkpoint for ``Trainer.train(resume_from_checkpoint=...)``.
@@ -125,6 +175,12 @@ def resume_from_store(
             moved aside, never overwritten, and the step downloaded
             (:func:`~ckptstore.integrations.files.local_copy`).
         step: the step (``None``: the newest committed one).
+        rollback: make ``step`` the newest, so training can save the steps after it again:
+            the newer steps are set aside in the store (recoverable with
+            :func:`ckptstore.recover_step` until gc removes them) and the newer
+            ``checkpoint-N`` directories in ``local_dir`` are moved to
+            ``local_dir/.ckptstore-replaced``, so neither the Trainer's
+            ``resume_from_checkpoint=True`` nor its rotation takes them for this run's.
         store_options: store options, as on every face.
 
     Returns:
@@ -132,8 +188,12 @@ def resume_from_store(
         ``resume_from_checkpoint`` takes as "start from scratch").
 
     Raises:
+        ValueError: ``rollback`` without ``step``.
+        NotFoundError: ``step`` is not committed (nothing is set aside or moved).
         CorruptCheckpointError: a byte fails verification (nothing is left locally).
     """
+    if rollback and step is None:
+        raise ValueError("rollback=True needs the step to go back to (step=...)")
     with opened(root, store_options) as store:
         if step is None:
             step = background.run(latest_step(store))
@@ -144,6 +204,10 @@ def resume_from_store(
         # Trainer has every process read the same resume_from_checkpoint directory.
         processes = PartialState()
         if processes.is_main_process:
+            if rollback:
+                roll_back(
+                    store, step, newer_copies=numbered_after(local_dir, f"{PREFIX_CHECKPOINT_DIR}-")
+                )
             local_copy(store, target, step=step)
         processes.wait_for_everyone()
         return str(target)
