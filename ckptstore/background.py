@@ -117,7 +117,9 @@ def forget_at_exit(obj: _Closable) -> None:
 
 
 def _close_all_at_exit() -> None:
-    for obj, (pid, lost) in list(_at_exit.items()):
+    # newest first, as atexit does: an owner made after what it owns (an Orbax mirror and
+    # its uploader) closes first, and closes that too
+    for obj, (pid, lost) in reversed(list(_at_exit.items())):
         if pid != os.getpid():
             continue
         try:

@@ -410,6 +410,20 @@ def test_mirror_refuses_a_step_not_after_the_newest_before_writing(tmp_path: Pat
     assert ckptstore.list_steps(store) == [5, 6, 7, 8]
 
 
+def test_adopt_uploads_a_resumed_step_only_this_node_holds(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    tree = tmp_path / "checkpoint-4"
+    make_tree(tree, small=2, large=())
+    files.upload(tree, store, step=2)
+    with files.TreeMirror(store) as mirror:
+        assert not mirror.adopt(tree, 2)  # the store holds it
+        assert mirror.adopt(tree, 4)  # its upload died with the process that saved it
+    assert ckptstore.list_steps(store) == [2, 4]
+    with files.TreeMirror(store) as mirror:
+        assert not mirror.adopt(tree, 3)  # older than the store's newest: nothing to do
+    assert ckptstore.list_steps(store) == [2, 4]
+
+
 def test_roll_back_sets_newer_steps_and_local_copies_aside(tmp_path: Path) -> None:
     store = tmp_path / "store"
     local = tmp_path / "out"

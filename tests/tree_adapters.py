@@ -11,7 +11,10 @@ loss of every step it trained, by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,13 @@ from typing import Any
 import torch
 
 VOCAB, LENGTH = 64, 16
+
+
+def after_save(opts: dict[str, Any], step: int) -> None:
+    """``kill_after_save``: SIGKILL this process right after the save of that step was
+    accepted (queued, not yet durable), as a crash or an OOM kill would."""
+    if step == opts.get("kill_after_save"):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def tiny_gpt2() -> Any:
@@ -82,11 +92,15 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
             if state.global_step == opts.get("stop_at"):
                 control.should_training_stop = True
 
+    class Killed(TrainerCallback):  # after StoreCallback.on_save: the upload is queued
+        def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            after_save(opts, state.global_step)
+
     native = opts.get("native_resume", False)
     resume_step = opts.get("resume_step", native)  # an int: that step (rollback= allowed)
     rollback = opts.get("rollback", False)
     callback = StoreCallback(opts["upload_to"], resume=resume_step, rollback=rollback, **store)
-    callbacks = [callback, Trained(), StopAt()]
+    callbacks = [callback, Trained(), StopAt(), Killed()]
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
     resume: Any = None
     if native:  # the Trainer's own resume, from what the callback put in output_dir
@@ -135,7 +149,8 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
         # Accelerate's own calls only: accelerator.step counts the steps, saved with the state
         save = lambda step: accelerator.save_state()  # noqa: E731
         losses = _train(accelerator, model, optimizer, opts, start, save)
-        mirror.close()
+        if not opts.get("no_close"):  # else closed at exit
+            mirror.close()
         return losses
     states = StoreStates(accelerator, opts["url"], opts["local_dir"], **opts["store_options"])
     start = 0
@@ -163,6 +178,7 @@ def _train(
         losses[step] = loss.item()
         if step in opts.get("save_at", []):
             save(step)
+            after_save(opts, step)
     return losses
 
 
@@ -177,7 +193,8 @@ def run_orbax(opts: dict[str, Any]) -> dict[int, float]:
 
     options = ocp.CheckpointManagerOptions(max_to_keep=3, step_prefix="ckpt")
     losses: dict[int, float] = {}
-    with ocp.CheckpointManager(opts["local_dir"], options=options) as manager:
+    manager = ocp.CheckpointManager(opts["local_dir"], options=options)
+    with contextlib.nullcontext() if opts.get("no_close") else manager:  # else closed at exit
         mirror_manager(manager, opts["url"], **opts["store_options"])
         state = {
             "w": jnp.zeros((4, 4), jnp.float32),
@@ -196,7 +213,42 @@ def run_orbax(opts: dict[str, Any]) -> dict[int, float]:
             losses[step] = float(jnp.sum(w * w))
             if step in opts.get("save_at", []):
                 manager.save(step, args=ocp.args.StandardSave(state))
-        manager.wait_until_finished()
+                after_save(opts, step)
+        if not opts.get("no_close"):
+            manager.wait_until_finished()
+    return losses
+
+
+def run_manager(opts: dict[str, Any]) -> dict[int, float]:
+    """ckptstore's own CheckpointManager: a random walk saved every ``save_every`` steps
+    (``save()`` is called every step and keeps to the interval, or saves on a notice)."""
+    import numpy as np
+
+    from ckptstore import CheckpointManager
+
+    mgr = CheckpointManager(
+        opts["url"],
+        max_to_keep=3,
+        save_interval_steps=opts.get("save_every", 2),
+        preemption=opts.get("preemption", False),
+        **opts["store_options"],
+    )
+    state: dict[str, Any] = {"w": np.zeros(64, np.float32), "step": np.int64(0)}
+    if opts.get("rollback"):
+        state = mgr.restore(opts["step"], rollback=True)
+    elif opts.get("resume") and (newest := mgr.latest_step()) is not None:
+        state = mgr.restore(newest)
+    losses: dict[int, float] = {}
+    for step in range(int(state["step"]) + 1, opts["max_steps"] + 1):
+        noise = np.random.default_rng(step).standard_normal(64).astype(np.float32)
+        state = {"w": state["w"] * np.float32(0.9) + noise, "step": np.int64(step)}
+        losses[step] = float((state["w"] * state["w"]).sum())
+        if step == opts.get("preempt_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+        mgr.save(step, state)
+        after_save(opts, step)
+    if not opts.get("no_close"):  # else closed at exit
+        mgr.close()
     return losses
 
 
@@ -204,5 +256,5 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     which, raw = sys.argv[1], sys.argv[2]
     options = json.loads(Path(raw).read_text() if raw.endswith(".json") else raw)
-    runs = {"hf": run_hf, "accelerate": run_accelerate, "orbax": run_orbax}
+    runs = {"hf": run_hf, "accelerate": run_accelerate, "orbax": run_orbax, "manager": run_manager}
     print("LOSSES " + json.dumps(runs[which](options)))

@@ -255,6 +255,11 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
             for p in (checkpoints.iterdir() if checkpoints.is_dir() else ())
             if p.name.removeprefix("checkpoint_").isdigit()
         ]
+        if step is None and numbers and accelerator.is_main_process:
+            # loaded a checkpoint only this node holds (killed before its upload): upload it
+            newest_here = max(numbers)
+            where = checkpoints / f"checkpoint_{newest_here}"
+            mirror.adopt(where, newest_here, metadata={"library": "accelerate"})
         # the next save_state() is numbered after both this node's checkpoints and the store's
         config.iteration = max([*numbers, -1 if newest is None else newest]) + 1
         return loaded

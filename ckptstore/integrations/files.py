@@ -1017,6 +1017,30 @@ class TreeMirror:
                 f"{self.resume_advice}; or upload to a new root"
             )
 
+    def adopt(self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None) -> bool:
+        """Queue the upload of a step the library has just resumed from, if the store lacks
+        it and everything newer: its upload died with the process that saved it (a kill
+        right after the save), so only this node holds it. Call it once the library loaded
+        the directory (so it is whole enough to train from).
+
+        Returns:
+            Whether it was queued (``False``: the store holds this step or a newer one).
+        """
+        if not self._newest_known:
+            with opened(self.root, self._options) as store:
+                self._newest = background.run(latest_step(store))
+            self._newest_known = True
+        if self._newest is not None and step <= self._newest:
+            return False
+        _log.warning(
+            "step %d: resumed from %s, which never reached %s; uploading it now",
+            step,
+            directory,
+            self._where(),
+        )
+        self.submit(directory, step, metadata=metadata)
+        return True
+
     def rolled_back(self, step: int) -> None:
         """Take ``step`` as the root's newest from now on: after a roll-back to it, which
         set the newer steps aside (:func:`roll_back`).

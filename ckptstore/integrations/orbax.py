@@ -86,6 +86,9 @@ class OrbaxMirror:
         self._wait = manager.wait_until_finished
         self._all_steps = manager.all_steps
         self._close = manager.close
+        # a script that never closes the manager still gets its last step uploaded: that
+        # step is queued only once Orbax has finalized it, which wait_until_finished does
+        background.close_at_exit(self, "a step Orbax saved was not uploaded to the store")
 
     def local_directories(self) -> dict[int, Path]:
         """Orbax's finalized step directories on the local disk, by step."""
@@ -186,13 +189,22 @@ class OrbaxMirror:
                 )
         if rollback:
             self._roll_back(step)
-        if step not in self.local_directories():
+        local = self.local_directories()
+        if step not in local:
             if jax.process_index() == 0:
                 self._download(step)
             if jax.process_count() > 1:
                 ocp.multihost.sync_global_processes("ckptstore-orbax-download")
             self.manager.reload()
-        return self._restore(step, *args, **kwargs)
+        restored = self._restore(step, *args, **kwargs)
+        if step in local and jax.process_index() == 0:
+            # a step only this disk holds (killed before its upload): upload it now
+            where = local[step]
+            if self.mirror.adopt(
+                where, step, metadata={"library": "orbax", "directory": where.name}
+            ):
+                self._queued.add(step)
+        return restored
 
     def _roll_back(self, step: int) -> None:
         self.wait_until_finished()  # nothing newer may still be on its way
@@ -220,10 +232,14 @@ class OrbaxMirror:
     def close(self) -> None:
         """Wait for everything (:meth:`wait_until_finished`), then close the uploader (the
         Orbax manager stays open; close it yourself)."""
+        background.forget_at_exit(self)
         try:
             self.wait_until_finished()
         finally:
             self.mirror.close()
+
+    def __repr__(self) -> str:
+        return f"OrbaxMirror({self.manager.directory}, {self.mirror!r})"
 
 
 def mirror_manager(manager: ocp.CheckpointManager, root: Root, **store_options: Any) -> OrbaxMirror:

@@ -109,6 +109,19 @@ class StoreCallback(TrainerCallback):
         if self.rollback and step is not None:
             self.mirror.rolled_back(step)
 
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        **kwargs: Any,
+    ) -> None:
+        # resumed from a checkpoint only this node holds (killed before its upload): upload it
+        step = state.global_step
+        directory = Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{step}"
+        if step > 0 and state.is_world_process_zero and directory.is_dir():
+            self.mirror.adopt(directory, step, metadata={"library": "transformers"})
+
     def on_step_end(
         self,
         args: TrainingArguments,

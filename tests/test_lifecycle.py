@@ -1,0 +1,243 @@
+"""A training job's whole life, on every face that saves (issue 29): each scenario is a real
+training script in a child process (``tests/tree_adapters.py``), using the face's own calls:
+ckptstore's ``CheckpointManager``, the Hugging Face Trainer with ``StoreCallback``,
+Accelerate's ``save_state``/``load_state`` after ``mirror_states``, and Orbax's
+``CheckpointManager`` after ``mirror_manager``.
+
+Every job trains steps 1-8 and saves at 2, 4, 6 and 8. An uninterrupted run gives each
+step's loss; every scenario then checks that what it trains after an exit, a kill, a
+preemption, a restart or a roll-back has exactly those losses (bit for bit: the state,
+optimizer and RNG came back whole), and that the root ends with the newest step saved.
+
+ckptstore's own manager runs by default; the three library faces, a few seconds of import
+each per run, under ``--full``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+from tests.test_tree_adapters import _child, run, run_refused
+
+SAVES = [2, 4, 6, 8]
+
+
+@dataclass(frozen=True)
+class Face:
+    """How one face's job is told what to do, and which store step a training step is."""
+
+    name: str
+    #: the job's options for: root, local dir, last step, resume, roll back to (a training
+    #: step), close at the end
+    options: Callable[[str, Path, int, bool, int | None, bool], dict[str, Any]]
+    #: the store step a save at a training step commits
+    store_step: Callable[[int], int] = lambda step: step
+
+
+def _manager(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {"url": url, "store_options": {}, "max_steps": last}
+    opts.update(resume=resume, no_close=not close)
+    if back is not None:
+        opts.update(rollback=True, step=back)
+    return opts
+
+
+def _hf(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "upload_to": url,
+        "store_options": {},
+        "output_dir": str(local),
+        "max_steps": 8,
+        "stop_at": last,
+        "save_steps": 2,
+        "save_total_limit": 3,
+    }
+    if resume or back is not None:  # StoreCallback(resume=...) and resume_from_checkpoint
+        opts.update(native_resume=True, resume_step=True if back is None else back)
+        opts.update(rollback=back is not None, expect_checkpoint=back is not None)
+    return opts
+
+
+def _accelerate(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {
+        "url": url,
+        "store_options": {},
+        "local_dir": str(local),
+        "max_steps": last,
+        "save_at": SAVES,
+        "native": True,
+        "total_limit": 3,
+        "resume": resume,
+        "no_close": not close,
+    }
+    if back is not None:
+        opts.update(rollback=True, step=ACCELERATE.store_step(back))
+    return opts
+
+
+def _orbax(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {"url": url, "store_options": {}, "local_dir": str(local)}
+    opts.update(max_steps=last, save_at=SAVES, resume=resume, no_close=not close)
+    if back is not None:
+        opts.update(rollback=True, step=back)
+    return opts
+
+
+MANAGER = Face("manager", _manager)
+HF = Face("hf", _hf)
+#: automatic checkpoint naming numbers the saves 0, 1, 2...: the save at step 2 is step 0
+ACCELERATE = Face("accelerate", _accelerate, store_step=lambda step: step // 2 - 1)
+ORBAX = Face("orbax", _orbax)
+
+FACES = [
+    pytest.param(MANAGER, id="manager"),
+    pytest.param(HF, id="hf", marks=[pytest.mark.slow, pytest.mark.torch]),
+    pytest.param(ACCELERATE, id="accelerate", marks=[pytest.mark.slow, pytest.mark.torch]),
+    pytest.param(ORBAX, id="orbax", marks=[pytest.mark.slow, pytest.mark.jax]),
+]
+
+
+class Job:
+    """One face's job in one test: its root, and runs of it on named nodes."""
+
+    def __init__(self, face: Face, tmp_path: Path) -> None:
+        self.face = face
+        self.tmp = tmp_path
+        self.url = str(tmp_path / "root")
+
+    def node(self, name: str) -> Path:
+        return self.tmp / f"node-{name}"
+
+    def options(
+        self,
+        node: str,
+        last: int = 8,
+        *,
+        resume: bool = False,
+        back: int | None = None,
+        close: bool = True,
+    ) -> dict[str, Any]:
+        return self.face.options(self.url, self.node(node), last, resume, back, close)
+
+    def run(self, node: str, last: int = 8, **how: Any) -> dict[int, float]:
+        return run(self.face.name, self.options(node, last, **how))
+
+    def steps(self, *training_steps: int) -> list[int]:
+        return [self.face.store_step(s) for s in training_steps]
+
+
+_WHOLE: dict[str, dict[int, float]] = {}
+
+
+def uninterrupted(face: Face, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """Every step's loss in an uninterrupted run of the face's job (once per session)."""
+    if face.name not in _WHOLE:
+        job = Job(face, tmp_path_factory.mktemp(f"whole-{face.name}"))
+        losses = job.run("a")
+        assert sorted(losses) == list(range(1, 9))
+        assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]
+        _WHOLE[face.name] = losses
+    return _WHOLE[face.name]
+
+
+def _skip_missing(face: Face) -> None:
+    needs = {"hf": "transformers", "accelerate": "accelerate", "orbax": "orbax.checkpoint"}
+    if face.name in needs:
+        pytest.importorskip(needs[face.name])
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_exit_without_close_commits_every_save(face: Face, tmp_path: Path) -> None:
+    _skip_missing(face)
+    job = Job(face, tmp_path)
+    done = _child(face.name, job.options("a", close=False))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for noise in ("Task was destroyed", "was never awaited", "ckptstore: closing"):
+        assert noise not in done.stderr
+    assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]  # the last save too
+    shutil.rmtree(job.node("a"), ignore_errors=True)  # a new node finds it whole
+    # resumed from step 8 (the Trainer, resumed at its last step, runs one more)
+    assert all(step > 8 for step in job.run("b", 8, resume=True))
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_sigkill_then_restart_on_the_same_node_and_on_an_empty_one(
+    face: Face, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    _skip_missing(face)
+    whole = uninterrupted(face, tmp_path_factory)
+    job = Job(face, tmp_path)
+    killed = _child(face.name, {**job.options("a"), "kill_after_save": 6})
+    assert killed.returncode == -signal.SIGKILL
+    # uploads run in the background: the kill may have come before any of them committed,
+    # and the steps that did are whole (a save prefix, each loadable)
+    committed = ckptstore.list_steps(job.url)
+    assert committed == job.steps(*SAVES)[: len(committed)], committed
+    again = job.run("a", 7, resume=True)  # the same node, the same script
+    # it resumed from a save (its own local copy, or the store's), and trained on exactly
+    start = min(again) - 1
+    assert start in (0, 2, 4, 6), sorted(again)
+    assert again == {s: whole[s] for s in range(start + 1, 8)}
+    moved = job.run("empty", 8, resume=True)  # another node: nothing local
+    assert moved == {7: whole[7], 8: whole[8]}  # step 7 was trained, never saved
+    assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_rerun_in_the_same_root_is_refused_before_it_writes(face: Face, tmp_path: Path) -> None:
+    _skip_missing(face)
+    job = Job(face, tmp_path)
+    job.run("a", 4)
+    before = ckptstore.list_steps(job.url)
+    error = run_refused(face.name, job.options("b", 8))  # from scratch, not resuming
+    first = job.steps(2)[0]
+    assert f"step {first}" in error
+    assert f"the newest step of this root is {job.steps(4)[0]}" in error, error
+    assert "rollback" in error  # and how to resume or roll back
+    assert ckptstore.list_steps(job.url) == before
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_roll_back_two_saves_and_train_them_again(
+    face: Face, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    _skip_missing(face)
+    whole = uninterrupted(face, tmp_path_factory)
+    job = Job(face, tmp_path)
+    job.run("a")
+    replaced = {s: ckptstore.read_manifest(job.url, s).attempt for s in job.steps(6, 8)}
+    again = job.run("a", 8, back=4)
+    assert again == {s: whole[s] for s in range(5, 9)}
+    assert ckptstore.list_steps(job.url)[-3:] == job.steps(4, 6, 8)
+    for step, attempt in replaced.items():  # saved again, not the set-aside copies
+        assert ckptstore.read_manifest(job.url, step).attempt != attempt
+    # a new node rolls back to it once more: its copy downloaded, 6 and 8 set aside again
+    assert job.run("empty", 8, back=4) == {s: whole[s] for s in range(5, 9)}
+
+
+def test_sigterm_saves_that_step_and_a_restart_trains_on(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Preemption is the managers' (``preemption=True``); the library faces have no notice."""
+    whole = uninterrupted(MANAGER, tmp_path_factory)
+    job = Job(MANAGER, tmp_path)
+    stopped = _child("manager", {**job.options("a"), "preemption": True, "preempt_at": 5})
+    assert stopped.returncode == 143, stopped.stderr[-3000:]
+    assert ckptstore.list_steps(job.url) == [2, 4, 5]  # 5 is off the interval: on notice
+    assert job.run("b", 8, resume=True) == {s: whole[s] for s in range(6, 9)}
