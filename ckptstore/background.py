@@ -19,6 +19,8 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from ckptstore.threads import Pool
+
 __all__ = ["close_at_exit", "forget_at_exit", "loop", "run", "submit"]
 
 _T = TypeVar("_T")
@@ -33,6 +35,8 @@ def loop() -> asyncio.AbstractEventLoop:
     with _lock:
         if _loop is None or _thread is None or not _thread.is_alive():
             new_loop = asyncio.new_event_loop()
+            # asyncio.to_thread's pool, one that keeps working while the interpreter exits
+            new_loop.set_default_executor(Pool(min(32, (os.cpu_count() or 1) + 4), "ckptstore"))
             thread = threading.Thread(
                 target=new_loop.run_forever, name="ckptstore-loop", daemon=True
             )

@@ -1,15 +1,17 @@
 """A training job's whole life, on every face that saves (issue 29): each scenario is a real
 training script in a child process (``tests/tree_adapters.py``), using the face's own calls:
 ckptstore's ``CheckpointManager``, the Hugging Face Trainer with ``StoreCallback``,
-Accelerate's ``save_state``/``load_state`` after ``mirror_states``, and Orbax's
-``CheckpointManager`` after ``mirror_manager``.
+Accelerate's ``save_state``/``load_state`` after ``mirror_states``, Orbax's
+``CheckpointManager`` after ``mirror_manager``, and ``torch.distributed.checkpoint``'s
+``async_save``/``load`` with ckptstore's ``Writer``/``Reader`` (its roll-back is
+``ckptstore.rollback``). Lightning is not here yet.
 
 Every job trains steps 1-8 and saves at 2, 4, 6 and 8. An uninterrupted run gives each
 step's loss; every scenario then checks that what it trains after an exit, a kill, a
 preemption, a restart or a roll-back has exactly those losses (bit for bit: the state,
 optimizer and RNG came back whole), and that the root ends with the newest step saved.
 
-ckptstore's own manager runs by default; the three library faces, a few seconds of import
+ckptstore's own manager runs by default; the library faces, a few seconds of import
 each per run, under ``--full``.
 """
 
@@ -99,17 +101,27 @@ def _orbax(
     return opts
 
 
+def _dcp(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts = _orbax(url, local, last, resume, back, close)  # the same options; no local dir
+    del opts["local_dir"]
+    return opts
+
+
 MANAGER = Face("manager", _manager)
 HF = Face("hf", _hf)
 #: automatic checkpoint naming numbers the saves 0, 1, 2...: the save at step 2 is step 0
 ACCELERATE = Face("accelerate", _accelerate, store_step=lambda step: step // 2 - 1)
 ORBAX = Face("orbax", _orbax)
+DCP = Face("dcp", _dcp)
 
 FACES = [
     pytest.param(MANAGER, id="manager"),
     pytest.param(HF, id="hf", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(ACCELERATE, id="accelerate", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(ORBAX, id="orbax", marks=[pytest.mark.slow, pytest.mark.jax]),
+    pytest.param(DCP, id="dcp", marks=[pytest.mark.slow, pytest.mark.torch]),
 ]
 
 

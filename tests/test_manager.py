@@ -519,6 +519,43 @@ def test_a_manager_never_closed_still_commits_every_save_at_exit(tmp_path: Path)
         assert mgr.restore(4)["w"].tolist() == [4.0] * 1000
 
 
+_ASYNC_SAVED_NEVER_WAITED = textwrap.dedent(
+    """
+    import sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    import ckptstore.dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(512, 512)
+    # DCP runs the save in a pool that the interpreter joins at exit; the script never waits
+    dcp.async_save({"model": model.state_dict()}, storage_writer=ckptstore.dcp.Writer(sys.argv[1]))
+    """
+)
+
+
+@pytest.mark.torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_an_async_dcp_save_never_waited_for_is_committed_at_exit(tmp_path: Path) -> None:
+    """Once the main thread ends, every ThreadPoolExecutor refuses new work: the save that
+    ``dcp.async_save`` runs in its pool, joined at exit, failed in ckptstore's own pools,
+    unseen, and the step was lost. ckptstore's pools keep working until it is done."""
+    torch = pytest.importorskip("torch")
+    root = tmp_path / "run"
+    out = _run_script(_ASYNC_SAVED_NEVER_WAITED, root, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert ckptstore.list_steps(root) == [0]
+    import torch.distributed.checkpoint as dcp
+
+    from ckptstore.dcp import Reader
+
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(512, 512).state_dict()
+    loaded = {"model": {k: torch.zeros_like(v) for k, v in expected.items()}}
+    dcp.load(loaded, storage_reader=Reader(root))
+    assert all(torch.equal(loaded["model"][k], v) for k, v in expected.items())
+
+
 _FORKS_WHILE_SAVING = textwrap.dedent(
     """
     import os, sys

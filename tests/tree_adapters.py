@@ -252,9 +252,67 @@ def run_manager(opts: dict[str, Any]) -> dict[int, float]:
     return losses
 
 
+def run_dcp(opts: dict[str, Any]) -> dict[int, float]:
+    """``torch.distributed.checkpoint``'s own calls with ckptstore's Writer and Reader: the
+    model and Adam state through DCP's ``get_state_dict``/``set_state_dict``, saved with
+    ``dcp.async_save`` to ``<root>/<step>``, resumed from the root's newest step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import ckptstore
+    import ckptstore.dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    root = opts["url"]
+
+    def load(step: int) -> int:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state, "step": 0}
+        dcp.load(state, storage_reader=ckptstore.dcp.Reader(f"{root}/{step}"))
+        set_state_dict(
+            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        return int(state["step"])
+
+    start = 0
+    if opts.get("rollback"):
+        ckptstore.rollback(root, opts["step"])
+        start = load(opts["step"])
+    elif opts.get("resume") and (steps := ckptstore.list_steps(root)):
+        start = load(steps[-1])
+    losses: dict[int, float] = {}
+    pending: Any = None
+    for step in range(start + 1, opts["max_steps"] + 1):
+        data = torch.Generator().manual_seed(step)
+        x = torch.randn(16, 8, generator=data)
+        loss = ((model(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses[step] = loss.item()
+        if step in opts.get("save_at", []):
+            if pending is not None:
+                pending.result()  # one save at a time, as DCP's docs do
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            state = {"model": model_state, "optimizer": optimizer_state, "step": step}
+            pending = dcp.async_save(state, storage_writer=ckptstore.dcp.Writer(f"{root}/{step}"))
+            after_save(opts, step)
+    if pending is not None and not opts.get("no_close"):  # else DCP's executor, at exit
+        pending.result()
+    return losses
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     which, raw = sys.argv[1], sys.argv[2]
     options = json.loads(Path(raw).read_text() if raw.endswith(".json") else raw)
-    runs = {"hf": run_hf, "accelerate": run_accelerate, "orbax": run_orbax, "manager": run_manager}
+    runs = {
+        "hf": run_hf,
+        "accelerate": run_accelerate,
+        "orbax": run_orbax,
+        "manager": run_manager,
+        "dcp": run_dcp,
+    }
     print("LOSSES " + json.dumps(runs[which](options)))

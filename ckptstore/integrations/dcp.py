@@ -72,6 +72,7 @@ from ckptstore.integrations.dcp_manifest import (
     read_dcp_metadata,
 )
 from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, served
+from ckptstore.layout.commit import latest_step
 from ckptstore.layout.keys import manifest_key, step_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
@@ -201,20 +202,14 @@ class Writer(_AtCheckpoint, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # docstring inherited
-        store, step = self._target.store, self._target.step
         try:
-            attempt = background.run(save_path.begin(store, step))
-            self._begun = attempt  # it holds the attempt's lease; what ranks get does not
-        except BaseException as exc:
+            attempt = self._begin(self._target.store, self._target.step)
+        except BaseException:
             # DCP calls nothing more after a failed plan: the client opened for it closes
             # now, not as an "Unclosed client session" at exit
             self._target.handle.release()
-            if isinstance(exc, CommitConflictError):
-                raise AlreadyExistsError(
-                    f"{self.url} already holds a committed checkpoint (step {step} of "
-                    f"{store.url}); save to a new URL (checkpoints are immutable)"
-                ) from None
             raise
+        self._begun = attempt  # it holds the attempt's lease; what ranks get does not
         return [
             SavePlan(
                 items=plan.items,
@@ -224,6 +219,32 @@ class Writer(_AtCheckpoint, StorageWriter):
             )
             for rank, plan in enumerate(plans)
         ]
+
+    def _begin(self, store: Store, step: int) -> Attempt:
+        """Begin the attempt at ``step``, refusing a step the root holds or is past.
+
+        Raises:
+            CommitConflictError: ``step`` is below the root's newest step.
+            AlreadyExistsError: ``step`` is committed.
+        """
+        newest = background.run(latest_step(store))
+        if newest is not None and step < newest:
+            raise CommitConflictError(
+                f"{store.url}: cannot save step {step}: the newest step of this root is "
+                f"{newest}, and a step is saved once, in increasing order. To resume that "
+                "run, dcp.load from ckptstore.dcp.Reader('<root>/<newest>') "
+                "(ckptstore.list_steps(root)[-1]) and save the steps after it; to go back "
+                "to an older step and save the steps after it again, "
+                "ckptstore.rollback(root, step) sets the newer ones aside first; or save "
+                "to a new root"
+            )
+        try:
+            return background.run(save_path.begin(store, step))
+        except CommitConflictError:
+            raise AlreadyExistsError(
+                f"{self.url} already holds a committed checkpoint (step {step} of "
+                f"{store.url}); save to a new URL (checkpoints are immutable)"
+            ) from None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Plan, pack and write this rank's items with the one save pipeline

@@ -27,11 +27,12 @@ import base64
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import crc32c as _crc32c
 import numpy as np
+
+from ckptstore.threads import Pool
 
 __all__ = [
     "CHUNK",
@@ -97,7 +98,7 @@ def hash_threads() -> int:
     return max(1, min(4, (cpus or 2) // 2))
 
 
-_pool: ThreadPoolExecutor | None = None
+_pool: Pool | None = None
 _pool_lock = threading.Lock()
 
 
@@ -115,7 +116,7 @@ async def in_hash_thread(fn: Callable[..., _T], *args: Any) -> _T:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(hash_threads(), thread_name_prefix="ckptstore-hash")
+            _pool = Pool(hash_threads(), "ckptstore-hash")
         pool = _pool
     return await asyncio.get_running_loop().run_in_executor(pool, fn, *args)
 

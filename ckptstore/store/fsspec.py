@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import builtins
-import concurrent.futures
 import contextlib
 import datetime
 import functools
@@ -46,6 +45,7 @@ from ckptstore import errors
 from ckptstore.config import Settings
 from ckptstore.store import base, transport
 from ckptstore.store.options import parse_bool, split_settings
+from ckptstore.threads import Pool
 
 if TYPE_CHECKING:
     from ckptstore.store.base import Buffer
@@ -147,7 +147,7 @@ class FsspecStore(base.Store):
         self._async = bool(getattr(fs, "async_impl", False)) and bool(
             getattr(fs, "asynchronous", False)
         )
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._pool: Pool | None = None
         self._create_lock = asyncio.Lock()
         self._made_dirs: set[str] = set()
         self._session_ready = False
@@ -311,9 +311,7 @@ class FsspecStore(base.Store):
                 self._session_ready = True
             return await getattr(self.fs, "_" + name)(*args, **kwargs)
         if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(
-                self.settings.io_threads, thread_name_prefix=f"ckptstore-{self.protocol}"
-            )
+            self._pool = Pool(self.settings.io_threads, f"ckptstore-{self.protocol}")
         call: Callable[[], Any] = functools.partial(getattr(self.fs, name), *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 

@@ -46,7 +46,6 @@ import stat
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
@@ -71,6 +70,7 @@ from ckptstore.store.base import (
     validate_prefix,
 )
 from ckptstore.store.options import split_settings
+from ckptstore.threads import Pool
 
 __all__ = ["LocalStore", "temp_files"]
 
@@ -254,7 +254,7 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike[str], *, settings: Settings | None = None) -> None:
         super().__init__(settings=settings)
         self._root = os.path.abspath(os.fspath(root))
-        self._executor: ThreadPoolExecutor | None = None
+        self._executor: Pool | None = None
         self._running: set[concurrent.futures.Future[Any]] = set()
         self._direct_ok = True  # cleared when the filesystem refuses O_DIRECT
         self._dir_syncs = _DirectorySyncs()
@@ -309,9 +309,7 @@ class LocalStore(Store):
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(
-                self.settings.io_threads, thread_name_prefix="ckptstore-io"
-            )
+            self._executor = Pool(self.settings.io_threads, "ckptstore-io")
         # A thread's work goes on when its caller is cancelled: keep it for settle().
         work = self._executor.submit(functools.partial(fn, *args))
         self._running.add(work)

@@ -1,0 +1,102 @@
+"""ckptstore's worker threads: a pool that keeps working while the interpreter exits.
+
+When the main thread ends, Python joins the threads of every ``ThreadPoolExecutor`` and, from
+that moment, every such pool refuses new work (``cannot schedule new futures after
+interpreter shutdown``), its own and every other one's. A save that a library runs in one of
+those pools (``torch.distributed.checkpoint.async_save`` does) is joined there, but its
+writes, reads and checksums go through ckptstore's pools: with ``ThreadPoolExecutor`` they
+failed, and the script's last save was lost without a word. :class:`Pool` takes work until
+it is shut down itself, so work that is still being waited for at exit completes.
+
+Its threads are daemons: they never hold the interpreter open. Work nobody waits for is not
+ckptstore's: every save is waited for, by its caller or at exit
+(:func:`ckptstore.background.close_at_exit`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+__all__ = ["Pool"]
+
+_T = TypeVar("_T")
+_Item = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+
+class Pool(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool of at most ``max_workers`` daemon threads, started as work arrives.
+
+    It is a ``ThreadPoolExecutor`` by type (asyncio takes no other as a loop's default
+    executor), with its own queue and threads: none of the base class's machinery runs.
+
+    Args:
+        max_workers: the most threads it runs.
+        name: the threads' name prefix.
+    """
+
+    def __init__(self, max_workers: int, name: str) -> None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        super().__init__(max_workers, name)  # its state only; it never starts a thread here
+        self.max_workers = max_workers
+        self.name = name
+        self._work: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ]
+        self._work = queue.SimpleQueue()
+        self._idle = threading.Semaphore(0)
+        self._workers: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def submit(
+        self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future[_T]:
+        future: concurrent.futures.Future[_T] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"{self.name}: cannot take work after shutdown()")
+            self._work.put((future, lambda: fn(*args, **kwargs)))
+            if not self._idle.acquire(blocking=False) and len(self._workers) < self.max_workers:
+                thread = threading.Thread(
+                    target=self._serve, name=f"{self.name}_{len(self._workers)}", daemon=True
+                )
+                thread.start()
+                self._workers.append(thread)
+        return future
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            future, call = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = call()
+                except BaseException as exc:
+                    future.set_exception(exc)
+                else:
+                    future.set_result(result)
+            del item, future, call  # drop references before waiting for the next one
+            self._idle.release()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._workers)
+        if cancel_futures:
+            while True:
+                try:
+                    item = self._work.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+        for _ in threads:
+            self._work.put(None)
+        if wait:
+            for thread in threads:
+                if thread is not threading.current_thread():
+                    thread.join()
