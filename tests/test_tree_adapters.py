@@ -341,6 +341,22 @@ def test_orbax_steps_mirrored_to_seaweedfs_and_restored_after_local_deletion(
         assert manager.all_steps() == [1, 3]
         mirror.close()
 
+    # in one process: saved, rolled back to 1, and steps 2 and 3 saved and uploaded again
+    url = f"s3://{bucket}/same-process"
+    with ocp.CheckpointManager(tmp_path / "same", options=options) as manager:
+        mirror = OrbaxMirror(manager, url, **store)
+        for step in (1, 2, 3):
+            mirror.save(step, args=ocp.args.StandardSave(state(step)))
+        mirror.wait_until_finished()
+        first = ckptstore.read_manifest(url, 3, **store).attempt
+        mirror.restore(1, args=ocp.args.StandardRestore(abstract), rollback=True)
+        assert ckptstore.list_steps(url, **store) == [1]
+        for step in (2, 3):
+            mirror.save(step, args=ocp.args.StandardSave(state(10 * step)))
+        mirror.close()
+    assert ckptstore.list_steps(url, **store) == [1, 2, 3]
+    assert ckptstore.read_manifest(url, 3, **store).attempt != first
+
 
 @pytest.mark.s3
 @pytest.mark.jax

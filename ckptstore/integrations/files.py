@@ -1003,10 +1003,7 @@ class TreeMirror:
         Raises:
             CommitConflictError: naming the newest step and :attr:`resume_advice`.
         """
-        if not self._newest_known:
-            with opened(self.root, self._options) as store:
-                self._newest = background.run(latest_step(store))
-            self._newest_known = True
+        self._look_up_newest()
         with self._lock:  # an upload that failed does not count; one queued or done does
             queued = [s for f, s in self._queued.items() if not f.done() or not f.exception()]
         newest = max((s for s in (self._newest, *queued) if s is not None), default=None)
@@ -1017,6 +1014,13 @@ class TreeMirror:
                 f"{self.resume_advice}; or upload to a new root"
             )
 
+    def _look_up_newest(self) -> None:
+        """The store's newest step, read once (uploads done since are added as they end)."""
+        if not self._newest_known:
+            with opened(self.root, self._options) as store:
+                self._newest = background.run(latest_step(store))
+            self._newest_known = True
+
     def adopt(self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None) -> bool:
         """Queue the upload of a step the library has just resumed from, if the store lacks
         it and everything newer: its upload died with the process that saved it (a kill
@@ -1026,10 +1030,7 @@ class TreeMirror:
         Returns:
             Whether it was queued (``False``: the store holds this step or a newer one).
         """
-        if not self._newest_known:
-            with opened(self.root, self._options) as store:
-                self._newest = background.run(latest_step(store))
-            self._newest_known = True
+        self._look_up_newest()
         if self._newest is not None and step <= self._newest:
             return False
         _log.warning(

@@ -217,6 +217,7 @@ class OrbaxMirror:
         if jax.process_count() > 1:
             ocp.multihost.sync_global_processes("ckptstore-orbax-rollback")
         self.mirror.rolled_back(step)
+        self._queued = {s for s in self._queued if s <= step}  # the newer ones upload again
         self.manager.reload()
 
     def _download(self, step: int) -> None:

@@ -18,7 +18,7 @@ when the Trainer is built, verified (or reuses a copy already there), so the Tra
 step and train on from it, ``StoreCallback(url, resume=step, rollback=True)``: the newer
 steps are set aside in the store and their ``checkpoint-N`` directories in ``output_dir``
 moved aside, so the Trainer saves those steps again. A save of a step that is not after
-the store's newest is refused in ``on_save``, naming the newest step.
+the store's newest is refused before the Trainer writes it, naming the newest step.
 
 Only the main process (``state.is_world_process_zero``) uploads, so under several processes
 the checkpoint directory it sees must be complete (one node, or a shared filesystem), as
