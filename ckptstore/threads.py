@@ -44,10 +44,7 @@ class Pool(concurrent.futures.ThreadPoolExecutor):
         super().__init__(max_workers, name)  # its state only; it never starts a thread here
         self.max_workers = max_workers
         self.name = name
-        self._work: queue.SimpleQueue[
-            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
-        ]
-        self._work = queue.SimpleQueue()
+        self._work: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._idle = threading.Semaphore(0)
         self._workers: list[threading.Thread] = []
         self._lock = threading.Lock()
