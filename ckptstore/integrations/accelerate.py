@@ -30,7 +30,6 @@ from typing import Any
 
 from accelerate import Accelerator
 
-from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.integrations.files import (
     REPLACED_DIR,
@@ -39,8 +38,7 @@ from ckptstore.integrations.files import (
     numbered_after,
     roll_back,
 )
-from ckptstore.layout.commit import latest_step
-from ckptstore.pipeline.root import Root, opened
+from ckptstore.pipeline.root import Root
 
 __all__ = ["StoreStates", "mirror_states"]
 
@@ -127,8 +125,7 @@ class StoreStates:
                 )
             self.mirror.rolled_back(step)
         if step is None:
-            with opened(self.root, self._options) as store:
-                step = background.run(latest_step(store))
+            step = self.mirror.newest_step()  # read once: the first save checks against it
             if step is None:
                 return None
         directory = self.directory(step)
@@ -222,8 +219,7 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
             return load(input_dir, *args, **kwargs)
         if rollback and step is None:
             raise ValueError("rollback=True needs the step to go back to: load_state(step=...)")
-        with opened(root, store_options) as store:
-            newest = background.run(latest_step(store))
+        newest = mirror.newest_step()  # read once: adopt() below asks the same
         wanted = newest if step is None else step
         if wanted is not None and accelerator.is_main_process:
             if rollback:
@@ -250,11 +246,7 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
             loaded = load(None, *args, **kwargs)  # Accelerate's own: the newest in checkpoints/
         else:
             loaded = load(str(checkpoints / f"checkpoint_{step}"), *args, **kwargs)
-        numbers = [
-            int(p.name.removeprefix("checkpoint_"))
-            for p in (checkpoints.iterdir() if checkpoints.is_dir() else ())
-            if p.name.removeprefix("checkpoint_").isdigit()
-        ]
+        numbers = [_iteration(p) for p in numbered_after(checkpoints, "checkpoint_")(-1)]
         if step is None and numbers and accelerator.is_main_process:
             # loaded a checkpoint only this node holds (killed before its upload): upload it
             newest_here = max(numbers)

@@ -1003,7 +1003,7 @@ class TreeMirror:
         Raises:
             CommitConflictError: naming the newest step and :attr:`resume_advice`.
         """
-        self._look_up_newest()
+        self.newest_step()
         with self._lock:  # an upload that failed does not count; one queued or done does
             queued = [s for f, s in self._queued.items() if not f.done() or not f.exception()]
         newest = max((s for s in (self._newest, *queued) if s is not None), default=None)
@@ -1014,12 +1014,15 @@ class TreeMirror:
                 f"{self.resume_advice}; or upload to a new root"
             )
 
-    def _look_up_newest(self) -> None:
-        """The store's newest step, read once (uploads done since are added as they end)."""
+    def newest_step(self) -> int | None:
+        """The store's newest step: read once, with this mirror's uploads committed since."""
         if not self._newest_known:
             with opened(self.root, self._options) as store:
                 self._newest = background.run(latest_step(store))
             self._newest_known = True
+        with self._lock:
+            done = [s for f, s in self._queued.items() if f.done() and not f.exception()]
+        return max((s for s in (self._newest, *done) if s is not None), default=None)
 
     def adopt(self, directory: str | os.PathLike[str], step: int, *, metadata: Any = None) -> bool:
         """Queue the upload of a step the library has just resumed from, if the store lacks
@@ -1030,8 +1033,8 @@ class TreeMirror:
         Returns:
             Whether it was queued (``False``: the store holds this step or a newer one).
         """
-        self._look_up_newest()
-        if self._newest is not None and step <= self._newest:
+        newest = self.newest_step()
+        if newest is not None and step <= newest:
             return False
         _log.warning(
             "step %d: resumed from %s, which never reached %s; uploading it now",

@@ -134,9 +134,7 @@ class OrbaxMirror:
                 continue  # not kept by Orbax (already deleted by its retention)
             self._queued.add(step)
             if jax.process_index() == 0:
-                where = local[step]
-                metadata = {"library": "orbax", "directory": where.name}
-                self.mirror.submit(where, step, metadata=metadata)
+                self.mirror.submit(local[step], step, metadata=_metadata(local[step]))
 
     def wait_until_finished(self) -> None:
         """Wait for Orbax's saves, then for the upload of every step saved so far.
@@ -197,13 +195,13 @@ class OrbaxMirror:
                 ocp.multihost.sync_global_processes("ckptstore-orbax-download")
             self.manager.reload()
         restored = self._restore(step, *args, **kwargs)
-        if step in local and jax.process_index() == 0:
-            # a step only this disk holds (killed before its upload): upload it now
-            where = local[step]
-            if self.mirror.adopt(
-                where, step, metadata={"library": "orbax", "directory": where.name}
-            ):
-                self._queued.add(step)
+        # a step only this disk holds (killed before its upload): upload it now
+        if (
+            step in local
+            and jax.process_index() == 0
+            and self.mirror.adopt(local[step], step, metadata=_metadata(local[step]))
+        ):
+            self._queued.add(step)
         return restored
 
     def _roll_back(self, step: int) -> None:
@@ -241,6 +239,11 @@ class OrbaxMirror:
 
     def __repr__(self) -> str:
         return f"OrbaxMirror({self.manager.directory}, {self.mirror!r})"
+
+
+def _metadata(directory: Path) -> dict[str, str]:
+    """A step's manifest metadata: Orbax's name for its directory, where a download goes."""
+    return {"library": "orbax", "directory": directory.name}
 
 
 def mirror_manager(manager: ocp.CheckpointManager, root: Root, **store_options: Any) -> OrbaxMirror:
