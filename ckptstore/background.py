@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Coroutine
 from typing import Any, Protocol, TypeVar
 
+from ckptstore import threads
 from ckptstore.threads import Pool
 
 __all__ = ["close_at_exit", "forget_at_exit", "loop", "run", "submit"]
@@ -73,6 +74,7 @@ def run(coro: Coroutine[Any, Any, _T]) -> _T:
 
     future = submit(tracked())
     try:
+        threads.wait((future,))  # not future.result(): Ctrl-C must interrupt it
         return future.result()
     except BaseException:
         # Ctrl-C (or a SystemExit from a signal handler) in the caller: the work would run

@@ -18,13 +18,29 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-__all__ = ["Pool"]
+__all__ = ["Pool", "wait"]
 
 _T = TypeVar("_T")
 _Item = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
+
+#: How often a thread waiting in :func:`wait` wakes to act on a signal another thread took.
+SIGNAL_CHECK_SECONDS = 0.1
+
+
+def wait(futures: Iterable[concurrent.futures.Future[Any]]) -> None:
+    """Wait until every one of ``futures`` is done, and stay interruptible meanwhile.
+
+    The kernel hands a process's SIGINT to any thread that does not block it (the event
+    loop's, a pool's), and Python then only sets a flag that the main thread acts on between
+    bytecodes. An untimed wait on a lock never returns to check that flag, so Ctrl-C waited
+    for the whole save; this one wakes every :data:`SIGNAL_CHECK_SECONDS`.
+    """
+    pending = set(futures)
+    while pending:
+        pending = concurrent.futures.wait(pending, timeout=SIGNAL_CHECK_SECONDS).not_done
 
 
 class Pool(concurrent.futures.ThreadPoolExecutor):

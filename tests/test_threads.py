@@ -4,11 +4,19 @@ a child process: ``test_an_async_dcp_save_never_waited_for_is_committed_at_exit`
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
+from pathlib import Path
 
 import pytest
 
 from ckptstore.threads import Pool
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_runs_work_on_at_most_max_workers_threads_and_reports_errors() -> None:
@@ -49,3 +57,38 @@ def test_shutdown_can_cancel_what_has_not_started() -> None:
     assert all(f.cancelled() for f in queued)
     with pytest.raises(ValueError, match="max_workers"):
         Pool(0, "none")
+
+
+_WAIT = """
+import concurrent.futures, signal, sys, threading
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from ckptstore import threads
+threading.Thread(target=threading.Event().wait, daemon=True).start()
+# only the other thread can take the SIGINT now, as the loop's or a pool's thread may
+signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+print("waiting", flush=True)
+threads.wait([concurrent.futures.Future()])  # never done
+"""
+
+
+def test_wait_is_interrupted_by_a_sigint_another_thread_took() -> None:
+    """``concurrent.futures.wait`` without a timeout never returns to act on the flag a
+    signal handled on another thread sets: a saving caller ignored Ctrl-C until the save
+    ended (the Ctrl-C tests of test_interrupts.py hung on it)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WAIT],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline() == "waiting\n"
+    start = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=20)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in err, err
+    assert time.monotonic() - start < 20

@@ -63,7 +63,7 @@ from typing import Any, overload
 
 import numpy as np
 
-from ckptstore import background
+from ckptstore import background, threads
 from ckptstore.errors import (
     AlreadyExistsError,
     CheckpointFormatError,
@@ -1073,7 +1073,7 @@ class TreeMirror:
         with self._lock:
             pending = list(self._pending)
         if wait:
-            concurrent.futures.wait(pending)
+            threads.wait(pending)
         finished = [f for f in pending if f.done()]
         with self._lock:
             self._pending = [f for f in self._pending if f not in finished]

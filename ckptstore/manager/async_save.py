@@ -33,7 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from ckptstore import background
+from ckptstore import background, threads
 from ckptstore.stage import StagedState
 
 __all__ = ["AsyncSaver", "BackgroundWork", "SaveHandle", "SaveTiming"]
@@ -142,7 +142,7 @@ class BackgroundWork:
                 if len(self._in_flight) < limit:
                     return
                 oldest = self._in_flight[0]
-            concurrent.futures.wait([oldest[1]])
+            threads.wait((oldest[1],))
             self._ended(oldest)
 
     def raise_errors(self) -> None:
@@ -163,7 +163,7 @@ class BackgroundWork:
                 pending = list(self._in_flight)
             if not pending:
                 break
-            concurrent.futures.wait([future for _, future, _ in pending])
+            threads.wait(future for _, future, _ in pending)
             for entry in pending:
                 self._ended(entry)
         self.raise_errors()
