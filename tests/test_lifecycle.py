@@ -4,7 +4,8 @@ ckptstore's ``CheckpointManager``, the Hugging Face Trainer with ``StoreCallback
 Accelerate's ``save_state``/``load_state`` after ``mirror_states``, Orbax's
 ``CheckpointManager`` after ``mirror_manager``, and ``torch.distributed.checkpoint``'s
 ``async_save``/``load`` with ckptstore's ``Writer``/``Reader`` (its roll-back is
-``ckptstore.rollback``). Lightning is not here yet.
+``ckptstore.rollback``), and Lightning's ``Trainer.fit`` with ``StoreCheckpointIO`` (each
+checkpoint a root of its own under the dirpath: the face's steps are their global steps).
 
 Every job trains steps 1-8 and saves at 2, 4, 6 and 8. An uninterrupted run gives each
 step's loss; every scenario then checks that what it trains after an exit, a kill, a
@@ -42,6 +43,12 @@ class Face:
     options: Callable[[str, Path, int, bool, int | None, bool], dict[str, Any]]
     #: the store step a save at a training step commits
     store_step: Callable[[int], int] = lambda step: step
+    #: the steps the job's URL holds committed, ascending
+    committed: Callable[[str], list[int]] = ckptstore.list_steps
+    #: which save each committed step is (a step saved again is another one)
+    saves: Callable[[str], dict[int, str]] = lambda url: {
+        step: ckptstore.read_manifest(url, step).attempt for step in ckptstore.list_steps(url)
+    }
 
 
 def _manager(
@@ -109,12 +116,40 @@ def _dcp(
     return opts
 
 
+def _lightning(
+    url: str, local: Path, last: int, resume: bool, back: int | None, close: bool
+) -> dict[str, Any]:
+    opts: dict[str, Any] = {"url": url, "store_options": {}, "max_steps": last}
+    opts.update(resume=resume)  # fit ends by itself: nothing to leave unclosed
+    if back is not None:
+        opts.update(rollback=True, step=back)
+    return opts
+
+
+def _lightning_steps(url: str) -> list[int]:
+    """Each Lightning checkpoint is a root of its own under the dirpath: their global steps."""
+    from ckptstore.lightning import checkpoints
+
+    return sorted(set(checkpoints(url).values()))
+
+
+def _lightning_saves(url: str) -> dict[int, str]:
+    from ckptstore.lightning import checkpoints
+
+    return {
+        step: f"{name}/{ckptstore.read_manifest(f'{url}/{name}', 0).attempt}"
+        for name, step in checkpoints(url).items()
+        if not name.startswith("last")
+    }
+
+
 MANAGER = Face("manager", _manager)
 HF = Face("hf", _hf)
 #: automatic checkpoint naming numbers the saves 0, 1, 2...: the save at step 2 is step 0
 ACCELERATE = Face("accelerate", _accelerate, store_step=lambda step: step // 2 - 1)
 ORBAX = Face("orbax", _orbax)
 DCP = Face("dcp", _dcp)
+LIGHTNING = Face("lightning", _lightning, committed=_lightning_steps, saves=_lightning_saves)
 
 FACES = [
     pytest.param(MANAGER, id="manager"),
@@ -122,6 +157,7 @@ FACES = [
     pytest.param(ACCELERATE, id="accelerate", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(ORBAX, id="orbax", marks=[pytest.mark.slow, pytest.mark.jax]),
     pytest.param(DCP, id="dcp", marks=[pytest.mark.slow, pytest.mark.torch]),
+    pytest.param(LIGHTNING, id="lightning", marks=[pytest.mark.slow, pytest.mark.torch]),
 ]
 
 
@@ -150,6 +186,9 @@ class Job:
     def run(self, node: str, last: int = 8, **how: Any) -> dict[int, float]:
         return run(self.face.name, self.options(node, last, **how))
 
+    def committed(self) -> list[int]:
+        return self.face.committed(self.url)
+
     def steps(self, *training_steps: int) -> list[int]:
         return [self.face.store_step(s) for s in training_steps]
 
@@ -163,13 +202,18 @@ def uninterrupted(face: Face, tmp_path_factory: pytest.TempPathFactory) -> dict[
         job = Job(face, tmp_path_factory.mktemp(f"whole-{face.name}"))
         losses = job.run("a")
         assert sorted(losses) == list(range(1, 9))
-        assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]
+        assert job.committed()[-1] == job.steps(8)[0]
         _WHOLE[face.name] = losses
     return _WHOLE[face.name]
 
 
 def _skip_missing(face: Face) -> None:
-    needs = {"hf": "transformers", "accelerate": "accelerate", "orbax": "orbax.checkpoint"}
+    needs = {
+        "hf": "transformers",
+        "accelerate": "accelerate",
+        "orbax": "orbax.checkpoint",
+        "lightning": "lightning",
+    }
     if face.name in needs:
         pytest.importorskip(needs[face.name])
 
@@ -182,7 +226,7 @@ def test_exit_without_close_commits_every_save(face: Face, tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr[-3000:]
     for noise in ("Task was destroyed", "was never awaited", "ckptstore: closing"):
         assert noise not in done.stderr
-    assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]  # the last save too
+    assert job.committed()[-1] == job.steps(8)[0]  # the last save too
     shutil.rmtree(job.node("a"), ignore_errors=True)  # a new node finds it whole
     # resumed from step 8 (the Trainer, resumed at its last step, runs one more)
     assert all(step > 8 for step in job.run("b", 8, resume=True))
@@ -199,16 +243,19 @@ def test_sigkill_then_restart_on_the_same_node_and_on_an_empty_one(
     assert killed.returncode == -signal.SIGKILL
     # uploads run in the background: the kill may have come before any of them committed,
     # and the steps that did are whole (a save prefix, each loadable)
-    committed = ckptstore.list_steps(job.url)
+    committed = job.committed()
     assert committed == job.steps(*SAVES)[: len(committed)], committed
     again = job.run("a", 7, resume=True)  # the same node, the same script
     # it resumed from a save (its own local copy, or the store's), and trained on exactly
     start = min(again) - 1
     assert start in (0, 2, 4, 6), sorted(again)
     assert again == {s: whole[s] for s in range(start + 1, 8)}
+    # step 7 was trained and never saved; Lightning saves last.ckpt as fit ends
+    newest = job.committed()[-1]
+    assert newest == (7 if face is LIGHTNING else 6)
     moved = job.run("empty", 8, resume=True)  # another node: nothing local
-    assert moved == {7: whole[7], 8: whole[8]}  # step 7 was trained, never saved
-    assert ckptstore.list_steps(job.url)[-1] == job.steps(8)[0]
+    assert moved == {s: whole[s] for s in range(newest + 1, 9)}
+    assert job.committed()[-1] == job.steps(8)[0]
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -216,13 +263,13 @@ def test_rerun_in_the_same_root_is_refused_before_it_writes(face: Face, tmp_path
     _skip_missing(face)
     job = Job(face, tmp_path)
     job.run("a", 4)
-    before = ckptstore.list_steps(job.url)
+    before = job.committed()
     error = run_refused(face.name, job.options("b", 8))  # from scratch, not resuming
     first = job.steps(2)[0]
     assert f"step {first}" in error
     assert f"the newest step of this root is {job.steps(4)[0]}" in error, error
     assert "rollback" in error  # and how to resume or roll back
-    assert ckptstore.list_steps(job.url) == before
+    assert job.committed() == before
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -233,12 +280,13 @@ def test_roll_back_two_saves_and_train_them_again(
     whole = uninterrupted(face, tmp_path_factory)
     job = Job(face, tmp_path)
     job.run("a")
-    replaced = {s: ckptstore.read_manifest(job.url, s).attempt for s in job.steps(6, 8)}
+    replaced = {s: job.face.saves(job.url)[s] for s in job.steps(6, 8)}
     again = job.run("a", 8, back=4)
     assert again == {s: whole[s] for s in range(5, 9)}
-    assert ckptstore.list_steps(job.url)[-3:] == job.steps(4, 6, 8)
-    for step, attempt in replaced.items():  # saved again, not the set-aside copies
-        assert ckptstore.read_manifest(job.url, step).attempt != attempt
+    assert job.committed()[-3:] == job.steps(4, 6, 8)
+    saves = job.face.saves(job.url)
+    for step, save in replaced.items():  # saved again, not the set-aside copies
+        assert saves[step] != save
     # a new node rolls back to it once more: its copy downloaded, 6 and 8 set aside again
     assert job.run("empty", 8, back=4) == {s: whole[s] for s in range(5, 9)}
 
@@ -251,5 +299,5 @@ def test_sigterm_saves_that_step_and_a_restart_trains_on(
     job = Job(MANAGER, tmp_path)
     stopped = _child("manager", {**job.options("a"), "preemption": True, "preempt_at": 5})
     assert stopped.returncode == 143, stopped.stderr[-3000:]
-    assert ckptstore.list_steps(job.url) == [2, 4, 5]  # 5 is off the interval: on notice
+    assert job.committed() == [2, 4, 5]  # 5 is off the interval: on notice
     assert job.run("b", 8, resume=True) == {s: whole[s] for s in range(6, 9)}

@@ -396,3 +396,74 @@ def test_last_and_load_from_checkpoint_on_s3(moto_s3: Any, monkeypatch: pytest.M
         assert torch.equal(loaded.state_dict()[name], tensor), name
     overridden = load_from_checkpoint(WithHparams, last, store_options=options, note="changed")
     assert overridden.hparams.note == "changed"
+
+
+def every_second(base: str) -> ModelCheckpoint:
+    return ModelCheckpoint(
+        dirpath=base, every_n_train_steps=2, save_top_k=-1, save_last=True, filename="{step}"
+    )
+
+
+def rerun_and_roll_back(base: str, options: dict[str, Any]) -> None:
+    from ckptstore.lightning import checkpoints, last_checkpoint
+
+    trainer(StoreCheckpointIO(**options), 6, [every_second(base)]).fit(TinyModel(), loader())
+    first = checkpoints(base, **options)
+    assert first == {"last.ckpt": 6, "step=2.ckpt": 2, "step=4.ckpt": 4, "step=6.ckpt": 6}
+    assert last_checkpoint(base, **options) == f"{base}/last.ckpt"
+
+    # the same script from scratch: Lightning would write step=2-v1.ckpt beside the first
+    # run's; it is refused before anything is written
+    with pytest.raises(ckptstore.CommitConflictError) as refused:
+        trainer(StoreCheckpointIO(**options), 6, [every_second(base)]).fit(TinyModel(), loader())
+    assert "cannot save step 2: the newest step of this root is 6" in str(refused.value)
+    assert "last_checkpoint" in str(refused.value)
+    assert "rollback=True" in str(refused.value)
+    assert checkpoints(base, **options) == first
+    assert not any("-v" in key for key in committed(base, options) + list(first))
+
+    # resuming from step 4 without rollback= is refused at its first save (step 6 exists)
+    with pytest.raises(ckptstore.CommitConflictError, match="cannot save step 6"):
+        trainer(StoreCheckpointIO(**options), 8, [every_second(base)]).fit(
+            TinyModel(), loader(), ckpt_path=f"{base}/step=4.ckpt"
+        )
+
+    # rollback=True: loading step 4 sets step=6.ckpt and last.ckpt aside, and the run saves
+    # steps 6 and 8 again
+    start = RecordStart()
+    rolled = trainer(StoreCheckpointIO(rollback=True, **options), 8, [start, every_second(base)])
+    rolled.fit(TinyModel(), loader(), ckpt_path=f"{base}/step=4.ckpt")
+    assert start.step == 4
+    assert rolled.global_step == 8
+    now = checkpoints(base, **options)
+    assert sorted(now.values()) == [2, 4, 6, 8, 8]
+    assert "step=6.ckpt" not in now  # set aside; Lightning named the new one step=6-v1
+    assert last_checkpoint(base, **options) == f"{base}/last.ckpt"
+    assert StoreCheckpointIO(**options).load_checkpoint(f"{base}/last.ckpt")["global_step"] == 8
+    # the set-aside checkpoint is still recoverable, whole
+    ckptstore.recover_step(f"{base}/step=6.ckpt", 0, **options)
+    assert checkpoints(base, **options)["step=6.ckpt"] == 6
+
+
+def test_a_rerun_is_refused_and_a_rollback_trains_the_newer_steps_again(tmp_path: Path) -> None:
+    """Issue 29: a Lightning job run again from scratch in the same dirpath wrote its
+    checkpoints beside the first run's (``step=2-v1.ckpt``) and resumed from whichever was
+    written last; now the first save is refused, and ``StoreCheckpointIO(rollback=True)``
+    makes an older checkpoint the newest."""
+    rerun_and_roll_back(str(tmp_path / "run"), {})
+
+
+@pytest.mark.s3
+def test_a_rerun_is_refused_and_a_rollback_trains_the_newer_steps_again_on_s3(
+    moto_s3: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    monkeypatch.setitem(fsspec.config.conf, "s3", {"endpoint_url": moto_s3.endpoint})
+    rerun_and_roll_back(f"s3://{moto_s3.bucket}/lightning-rollback", moto_s3.options())
+
+
+def test_roll_back_refuses_a_checkpoint_that_is_not_there(tmp_path: Path) -> None:
+    from ckptstore.lightning import roll_back
+
+    with pytest.raises(ckptstore.NotFoundError, match=r"step=4\.ckpt"):
+        roll_back(tmp_path / "run" / "step=4.ckpt")

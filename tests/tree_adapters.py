@@ -304,6 +304,83 @@ def run_dcp(opts: dict[str, Any]) -> dict[int, float]:
     return losses
 
 
+def run_lightning(opts: dict[str, Any]) -> dict[int, float]:
+    """Lightning's own ``Trainer.fit`` with ``StoreCheckpointIO`` and a ``ModelCheckpoint``
+    saving ``step=N.ckpt`` every 2 steps and ``last.ckpt`` into the store URL ``url``.
+    Each step's batch comes from its global step, so a resume mid-epoch trains the same
+    batches; a resume is ``fit(ckpt_path=last_checkpoint(url))``, a roll-back
+    ``StoreCheckpointIO(rollback=True)`` and ``fit(ckpt_path=<url>/step=N.ckpt)``."""
+    import logging
+    import warnings
+
+    from lightning.pytorch import LightningModule, Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from ckptstore.lightning import StoreCheckpointIO, last_checkpoint
+
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="lightning")
+    losses: dict[int, float] = {}
+
+    class Steps(torch.utils.data.Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 1000
+
+        def __getitem__(self, index: int) -> torch.Tensor:
+            return torch.zeros(1)
+
+    class Fit(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)
+            )
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            step = self.global_step + 1
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(step))
+            loss = ((self.net(x) - x.sum(dim=1, keepdim=True)) ** 2).mean()
+            losses[step] = loss.item()
+            if step == opts.get("preempt_at"):
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+            return loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+    class Killing(StoreCheckpointIO):
+        def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+            super().save_checkpoint(checkpoint, path, storage_options)
+            if not str(path).split("?")[0].rstrip("/").split("/")[-1].startswith("last"):
+                after_save(opts, checkpoint["global_step"])
+
+    url = opts["url"]
+    every = ModelCheckpoint(
+        dirpath=url, filename="{step}", every_n_train_steps=2, save_top_k=-1, save_last=True
+    )
+    io = Killing(rollback=bool(opts.get("rollback")), **opts["store_options"])
+    trainer = Trainer(
+        max_steps=opts["max_steps"],
+        accelerator="cpu",
+        plugins=[io],
+        callbacks=[every],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+    )
+    if opts.get("rollback"):
+        ckpt_path = f"{url}/step={opts['step']}.ckpt"
+    elif opts.get("resume"):
+        ckpt_path = last_checkpoint(url, **opts["store_options"])
+    else:
+        ckpt_path = None
+    loader = torch.utils.data.DataLoader(Steps(), batch_size=1)
+    trainer.fit(Fit(), loader, ckpt_path=ckpt_path)
+    return losses
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     which, raw = sys.argv[1], sys.argv[2]
@@ -314,5 +391,6 @@ if __name__ == "__main__":
         "orbax": run_orbax,
         "manager": run_manager,
         "dcp": run_dcp,
+        "lightning": run_lightning,
     }
     print("LOSSES " + json.dumps(runs[which](options)))

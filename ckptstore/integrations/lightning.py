@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import json
+import logging
 import os
 import re
 import threading
@@ -54,11 +55,18 @@ import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 from ckptstore import background
-from ckptstore.errors import CorruptCheckpointError, NotFoundError
+from ckptstore.errors import (
+    CheckpointFormatError,
+    CommitConflictError,
+    CorruptCheckpointError,
+    NotFoundError,
+)
 from ckptstore.integrations.dcp_manifest import FORMAT as DCP_FORMAT
 from ckptstore.integrations.tensor_objects import CheckpointTarget
-from ckptstore.layout.commit import delete_step
+from ckptstore.layout.commit import delete_step, read_manifest
 from ckptstore.layout.keys import manifest_key
+from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.rollback import set_aside_step
 from ckptstore.layout.tree import map_leaves
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import Selection, read, rebuild, request
@@ -68,11 +76,20 @@ from ckptstore.stage.stager import rebuild_leaf
 from ckptstore.stage.torch import tensor_from_numpy
 from ckptstore.stage.tree import expand
 from ckptstore.store.base import Store
+from ckptstore.store.transport import redact_url
 
-__all__ = ["StoreCheckpointIO", "last_checkpoint", "load_from_checkpoint"]
+__all__ = [
+    "StoreCheckpointIO",
+    "checkpoints",
+    "last_checkpoint",
+    "load_from_checkpoint",
+    "roll_back",
+]
 
 #: Lightning's names for the ``save_last`` checkpoint: ``last.ckpt``, ``last-v1.ckpt``...
 _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
+
+_log = logging.getLogger("ckptstore.lightning")
 
 #: Marks a manifest's ``metadata`` as holding a Lightning checkpoint, and its version.
 FORMAT = "ckptstore.lightning/3"
@@ -81,27 +98,47 @@ FORMAT = "ckptstore.lightning/3"
 class StoreCheckpointIO(CheckpointIO):
     """A Lightning ``CheckpointIO`` that saves to, loads from and removes at ckptstore URLs.
 
+    A training step is saved once, in increasing order, as on every face: a save whose
+    ``global_step`` is below the newest committed checkpoint's in the same directory (a
+    script run again from scratch), or equal to it (unless it is a ``last*.ckpt``, or a
+    second checkpoint of a step this plugin saved), is refused before anything is written,
+    with a :class:`CommitConflictError` naming the newest step and how to resume or roll
+    back. Lightning would otherwise write the rerun's
+    checkpoints beside the first run's (``step=2-v1.ckpt``), and its ``"last"`` would
+    then be whichever was written last. Each directory is read once, at its first save.
+
     Args:
+        rollback: loading a checkpoint (``trainer.fit(ckpt_path=...)``) makes it the newest:
+            every committed checkpoint of its directory at a higher ``global_step``
+            (``last.ckpt`` included) is set aside first (:func:`roll_back`), so the run
+            saves those steps again.
         **options: store options and Settings fields (``pack_threshold``, ``part_size``...),
             as for :func:`ckptstore.open_store`, applied to every path.
     """
 
-    def __init__(self, **options: Any) -> None:
+    def __init__(self, *, rollback: bool = False, **options: Any) -> None:
         super().__init__()
         check_options(None, options)  # the Settings among them; a backend checks its own
         self.options = options
+        self.rollback = rollback
         self._guard = threading.Lock()
         self._busy: dict[str, threading.Lock] = {}
+        #: the newest committed global step of each directory saved to, once read
+        self._newest: dict[str, int | None] = {}
+        #: the global steps this plugin saved, by directory
+        self._saved: dict[str, set[int]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        del state["_guard"], state["_busy"]
+        del state["_guard"], state["_busy"], state["_newest"], state["_saved"]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._guard = threading.Lock()
         self._busy = {}
+        self._newest = {}
+        self._saved = {}
 
     @contextlib.contextmanager
     def _exclusive(self, path: str | os.PathLike[str]) -> Iterator[None]:
@@ -123,6 +160,10 @@ class StoreCheckpointIO(CheckpointIO):
         """
         if storage_options is not None:
             raise TypeError("StoreCheckpointIO takes store options in its constructor")
+        found = checkpoint.get("global_step")
+        step = found if isinstance(found, int) and not isinstance(found, bool) else None
+        if step is not None:
+            self._check_step(path, step)
         target = CheckpointTarget(path, None, dict(self.options))
         try:
             with self._exclusive(path):
@@ -131,6 +172,36 @@ class StoreCheckpointIO(CheckpointIO):
                 _save(target.store, target.step, checkpoint)
         finally:
             target.handle.close()
+        if step is not None:
+            directory = _split_name(path)[0]
+            with self._guard:
+                newest = self._newest.get(directory)
+                self._newest[directory] = step if newest is None else max(step, newest)
+                self._saved.setdefault(directory, set()).add(step)
+
+    def _check_step(self, path: str | os.PathLike[str], step: int) -> None:
+        directory, name = _split_name(path)
+        with self._guard:
+            known = directory in self._newest
+        if not known:
+            found = checkpoints(directory, **self.options)
+            with self._guard:
+                self._newest.setdefault(directory, max(found.values(), default=None))
+        with self._guard:
+            newest = self._newest[directory]
+            mine = step in self._saved.get(directory, ())
+        # A step is saved again only as last*.ckpt, or by this plugin (Lightning may save
+        # several checkpoints of one step: two ModelCheckpoints, an epoch's end)
+        if newest is None or step > newest or (step == newest and (_LAST.match(name) or mine)):
+            return
+        raise CommitConflictError(
+            f"{redact_url(os.fspath(path))}: cannot save step {step}: the newest step of this "
+            f"root is {newest} (a Lightning checkpoint in {redact_url(directory)}), and a step "
+            "is saved once, in increasing order. Resume with trainer.fit(..., "
+            "ckpt_path=ckptstore.lightning.last_checkpoint(dirpath)); to go back to an older "
+            "step, StoreCheckpointIO(rollback=True) and fit(..., ckpt_path=<its checkpoint>); "
+            "or save to a new dirpath"
+        )
 
     def load_checkpoint(
         self,
@@ -158,6 +229,11 @@ class StoreCheckpointIO(CheckpointIO):
             target.handle.close()
         if not isinstance(checkpoint, dict):
             raise CorruptCheckpointError(f"{path}: the checkpoint is not a dict")
+        if self.rollback:
+            roll_back(path, **self.options)
+            with self._guard:  # read again at the next save
+                self._newest.pop(_split_name(path)[0], None)
+                self._saved.pop(_split_name(path)[0], None)
         return checkpoint
 
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
@@ -334,15 +410,131 @@ def _decode_v2(value: Any, tensors: list[torch.Tensor]) -> Any:
     raise CorruptCheckpointError(f"unknown entry {value!r} in a Lightning checkpoint")
 
 
+# --------------------------------------------------------------- a directory's checkpoints
+
+
+def _split_name(path: str | os.PathLike[str]) -> tuple[str, str]:
+    """A checkpoint path's directory (with the path's query, if any) and name."""
+    base, mark, query = os.fspath(path).partition("?")
+    directory, _, name = base.rstrip("/").rpartition("/")
+    return directory + mark + query, name
+
+
+def _join(dirpath: str | os.PathLike[str], name: str) -> str:
+    base, mark, query = os.fspath(dirpath).partition("?")
+    return f"{base.rstrip('/')}/{name}{mark}{query}"
+
+
+def _global_step(manifest: Manifest) -> int | None:
+    """The ``global_step`` a Lightning checkpoint's tree holds as a plain value, if any."""
+    tree = manifest.tree
+    if not isinstance(tree, dict) or not isinstance(tree.get("d"), list):
+        return None
+    keys, children = tree["d"], tree.get("c")
+    if "global_step" not in keys or not isinstance(children, list):
+        return None
+    child = children[keys.index("global_step")] if len(children) == len(keys) else None
+    value = child.get("v") if isinstance(child, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+async def _acheckpoints(store: Store) -> dict[str, tuple[int, float]]:
+    """The committed Lightning checkpoints under ``store``: name -> (global step, when it
+    committed)."""
+    found: dict[str, tuple[int, float]] = {}
+    for prefix in await store.list_prefixes(""):
+        name = prefix.rstrip("/")
+        if not name.endswith(".ckpt"):
+            continue
+        try:
+            manifest = await read_manifest(store, 0, under=prefix)
+        except NotFoundError:
+            continue  # not committed: a save in flight, removed, or set aside
+        if (step := _global_step(manifest)) is not None:
+            found[name] = (step, manifest.created)
+    return found
+
+
+def _newest(found: dict[str, tuple[int, float]]) -> str | None:
+    """Of ``found``, the highest step; among equals a ``last*.ckpt``, then the latest."""
+    return max(
+        found, key=lambda n: (found[n][0], bool(_LAST.match(n)), found[n][1], n), default=None
+    )
+
+
+def checkpoints(dirpath: str | os.PathLike[str], **options: Any) -> dict[str, int]:
+    """The committed Lightning checkpoints directly under ``dirpath`` (a ``ModelCheckpoint``'s
+    ``dirpath``, on any backend), by name, with the ``global_step`` each holds. Checkpoints
+    set aside by :func:`roll_back` and saves still in flight are not among them.
+
+    Args:
+        **options: store options, as for :class:`StoreCheckpointIO`.
+    """
+
+    async def scan() -> dict[str, tuple[int, float]]:
+        async with aopened(os.fspath(dirpath), options) as store:
+            return await _acheckpoints(store)
+
+    return {name: step for name, (step, _) in sorted(background.run(scan()).items())}
+
+
+def roll_back(ckpt_path: str | os.PathLike[str], **options: Any) -> list[str]:
+    """Make the checkpoint at ``ckpt_path`` the newest of its directory: every committed
+    checkpoint there at a higher ``global_step`` (``last.ckpt`` included) is set aside,
+    newest first, as :func:`ckptstore.rollback` sets steps aside: invisible to every face and
+    to :func:`last_checkpoint`, its data kept until ``ckptstore gc`` removes it, and
+    recoverable with ``ckptstore.recover_step(f"{dirpath}/{name}", 0)``. Then
+    ``trainer.fit(model, ckpt_path=ckpt_path)`` trains the newer steps again.
+    (``StoreCheckpointIO(rollback=True)`` calls it when Lightning loads the checkpoint.)
+    Lightning names a new checkpoint ``step=6-v1.ckpt`` while the set-aside one's data is
+    still at ``step=6.ckpt``.
+
+    Returns:
+        The names set aside, newest step first.
+
+    Raises:
+        NotFoundError: nothing is committed at ``ckpt_path``; nothing is set aside.
+        CheckpointFormatError: the checkpoint holds no ``global_step``.
+    """
+    directory, name = _split_name(ckpt_path)
+
+    async def run() -> list[str]:
+        async with aopened(directory, options) as store:
+            found = {n: step for n, (step, _) in (await _acheckpoints(store)).items()}
+            if name not in found:
+                await read_manifest(store, 0, under=f"{name}/")  # NotFoundError if missing
+                raise CheckpointFormatError(
+                    f"{redact_url(os.fspath(ckpt_path))}: holds no global_step to roll back to"
+                )
+            newer = sorted(
+                (n for n, step in found.items() if step > found[name]),
+                key=lambda n: (found[n], n),
+                reverse=True,
+            )
+        for other in newer:  # newest first: a crash leaves a prefix of the run visible
+            async with aopened(_join(directory, other), options) as store:
+                await set_aside_step(store, 0)
+        return newer
+
+    aside = background.run(run())
+    if aside:
+        _log.warning(
+            "rolled %s back to %s: %s set aside", redact_url(directory), name, ", ".join(aside)
+        )
+    return aside
+
+
 def last_checkpoint(dirpath: str | os.PathLike[str], **options: Any) -> str | None:
-    """The checkpoint ``ckpt_path="last"`` means, under a ``ModelCheckpoint`` ``dirpath`` on
-    any backend: of the committed ``last*.ckpt`` checkpoints (``save_last=True``), the one
-    committed last; ``None`` when there is none (a first run).
+    """The checkpoint to resume from under a ``ModelCheckpoint`` ``dirpath``, on any backend:
+    the committed checkpoint with the highest ``global_step`` (among equals a ``last*.ckpt``,
+    then the one committed last); ``None`` when there is none (a first run).
 
     Pass it as ``trainer.fit(model, ckpt_path=last_checkpoint(dirpath))``. Lightning's own
     ``"last"`` lookup works on a local ``dirpath`` but not on ``s3://`` or ``gs://``: it lists
     the directory with fsspec, drops the scheme from what it lists, and then looks for
-    ``bucket/...`` on the local disk, so the run silently starts from step 0.
+    ``bucket/...`` on the local disk, so the run silently starts from step 0. It also only
+    knows ``last*.ckpt``, which lags a step checkpoint when a job is killed between the two
+    saves, and does not exist without ``save_last=True``.
 
     Args:
         dirpath: the ``ModelCheckpoint``'s ``dirpath``.
@@ -351,23 +543,10 @@ def last_checkpoint(dirpath: str | os.PathLike[str], **options: Any) -> str | No
 
     async def newest() -> str | None:
         async with aopened(os.fspath(dirpath), options) as store:
-            names = [
-                p.rstrip("/") for p in await store.list_prefixes("") if _LAST.match(p.rstrip("/"))
-            ]
-            when: dict[str, float] = {}
-            for name in names:
-                try:
-                    meta = await store.head(f"{name}/{manifest_key(0)}")
-                except NotFoundError:
-                    continue  # not committed (a save in flight, or removed meanwhile)
-                when[name] = meta.last_modified or 0.0
-        if not when:
-            return None
-        base = os.fspath(dirpath)
-        path, mark, query = base.partition("?")
-        return f"{path.rstrip('/')}/{max(when, key=lambda n: (when[n], n))}{mark}{query}"
+            return _newest(await _acheckpoints(store))
 
-    return background.run(newest())
+    name = background.run(newest())
+    return None if name is None else _join(dirpath, name)
 
 
 def load_from_checkpoint(

@@ -762,8 +762,12 @@ async def _read_existing_manifest(store: Store, step: int) -> Manifest:
 # ---------------------------------------------------------------------- reading the index
 
 
-async def read_manifest(store: Store, step: int) -> Manifest:
+async def read_manifest(store: Store, step: int, *, under: str = "") -> Manifest:
     """Read and validate the manifest of ``step``.
+
+    Args:
+        under: the prefix of a root inside ``store`` (``"name/"``), for a caller that reads
+            the manifests of many roots side by side (Lightning's checkpoints in a directory).
 
     Raises:
         NotFoundError: the step is not committed.
@@ -771,7 +775,7 @@ async def read_manifest(store: Store, step: int) -> Manifest:
             which is checked before reading it).
     """
     check_step(step)
-    key = manifest_key(step)
+    key = under + manifest_key(step)
     cap = store.settings.manifest_max_bytes
     try:
         meta = await store.head(key)

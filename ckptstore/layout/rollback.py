@@ -36,7 +36,7 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import check_references
 from ckptstore.store.base import Store
 
-__all__ = ["SET_ASIDE_NAME", "recover", "set_aside", "set_aside_steps"]
+__all__ = ["SET_ASIDE_NAME", "recover", "set_aside", "set_aside_step", "set_aside_steps"]
 
 #: The copy of a set-aside step's manifest, inside the attempt it commits.
 SET_ASIDE_NAME = "set-aside.json"
@@ -54,17 +54,27 @@ async def set_aside(store: Store, after: int) -> list[int]:
     """
     check_step(after)
     newer = [step for step in await committed_steps(store) if step > after]
-    done: list[int] = []
-    for step in reversed(newer):
-        try:
-            manifest = await read_manifest(store, step)
-        except NotFoundError:  # another process set it aside or deleted it meanwhile
-            continue
-        await store.put(attempt_prefix(step, manifest.attempt) + SET_ASIDE_NAME, manifest.encode())
-        with contextlib.suppress(NotFoundError):
-            await store.delete([manifest_key(step)])
-        done.append(step)
-    return done
+    return [step for step in reversed(newer) if await set_aside_step(store, step)]
+
+
+async def set_aside_step(store: Store, step: int) -> bool:
+    """Set aside committed step ``step``: its manifest copied into its attempt, then deleted.
+
+    Returns:
+        Whether it was set aside (``False``: not committed, as when another process set it
+        aside or deleted it meanwhile).
+
+    Raises:
+        CorruptCheckpointError: its manifest fails validation; it is left in place.
+    """
+    try:
+        manifest = await read_manifest(store, step)
+    except NotFoundError:
+        return False
+    await store.put(attempt_prefix(step, manifest.attempt) + SET_ASIDE_NAME, manifest.encode())
+    with contextlib.suppress(NotFoundError):
+        await store.delete([manifest_key(step)])
+    return True
 
 
 async def set_aside_steps(store: Store) -> dict[int, str]:
