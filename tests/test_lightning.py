@@ -467,3 +467,57 @@ def test_roll_back_refuses_a_checkpoint_that_is_not_there(tmp_path: Path) -> Non
 
     with pytest.raises(ckptstore.NotFoundError, match=r"step=4\.ckpt"):
         roll_back(tmp_path / "run" / "step=4.ckpt")
+
+
+class TermAt(TinyModel):
+    """SIGTERM during a training step, as a scheduler sends it."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    def training_step(self, batch: Any, batch_idx: int) -> Any:
+        if self.global_step + 1 == self.at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "async"])
+def test_save_on_preemption_saves_the_step_and_exits_143(tmp_path: Path, wrapped: bool) -> None:
+    """Lightning's own SIGTERM handling ends fit with status 0 and no save; with
+    SaveOnPreemption the step is saved (durable, under AsyncCheckpointIO too) and the
+    status is 143, and the restart resumes from that step."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from ckptstore.lightning import SaveOnPreemption, checkpoints, last_checkpoint
+
+    base = str(tmp_path / "run")
+    io: Any = AsyncCheckpointIO(StoreCheckpointIO()) if wrapped else StoreCheckpointIO()
+    stopped = trainer(io, 8, [every_second(base), SaveOnPreemption()])
+    with pytest.raises(SIGTERMException) as exit_:
+        stopped.fit(TermAt(5), loader())
+    assert exit_.value.code == 143
+    assert sorted(checkpoints(base).values()) == [2, 4, 4, 5]  # last.ckpt at 4; 5 on notice
+    assert last_checkpoint(base) == f"{base}/step=5.ckpt"  # named as the ModelCheckpoint does
+    start = RecordStart()
+    trainer(StoreCheckpointIO(), 6, [start, every_second(base)]).fit(
+        TinyModel(), loader(), ckpt_path=last_checkpoint(base)
+    )
+    assert start.step == 5
+
+
+def test_save_on_preemption_needs_the_store_plugin(tmp_path: Path) -> None:
+    from ckptstore.lightning import SaveOnPreemption
+
+    plain = Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[ModelCheckpoint(dirpath=str(tmp_path)), SaveOnPreemption()],
+        logger=False,
+        enable_progress_bar=False,
+    )
+    with pytest.raises(TypeError, match="needs StoreCheckpointIO"):
+        plain.fit(TinyModel(), loader())

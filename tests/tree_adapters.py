@@ -96,11 +96,22 @@ def run_hf(opts: dict[str, Any]) -> dict[int, float]:
         def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             after_save(opts, state.global_step)
 
+    class Notice(TrainerCallback):  # the scheduler's SIGTERM, during step ``preempt_at``
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step + 1 == opts.get("preempt_at"):
+                os.kill(os.getpid(), signal.SIGTERM)
+
     native = opts.get("native_resume", False)
     resume_step = opts.get("resume_step", native)  # an int: that step (rollback= allowed)
     rollback = opts.get("rollback", False)
-    callback = StoreCallback(opts["upload_to"], resume=resume_step, rollback=rollback, **store)
-    callbacks = [callback, Trained(), StopAt(), Killed()]
+    callback = StoreCallback(
+        opts["upload_to"],
+        resume=resume_step,
+        rollback=rollback,
+        preemption=opts.get("preemption", False),
+        **store,
+    )
+    callbacks = [callback, Trained(), StopAt(), Killed(), Notice()]
     trainer = Trainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), callbacks=callbacks)
     resume: Any = None
     if native:  # the Trainer's own resume, from what the callback put in output_dir
@@ -138,7 +149,12 @@ def run_accelerate(opts: dict[str, Any]) -> dict[int, float]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     if native:
-        mirror = mirror_states(accelerator, opts["url"], **opts["store_options"])
+        mirror = mirror_states(
+            accelerator,
+            opts["url"],
+            preemption=opts.get("preemption", False),
+            **opts["store_options"],
+        )
         start = 0
         if opts.get("rollback"):
             accelerator.load_state(step=opts["step"], rollback=True)
@@ -176,7 +192,11 @@ def _train(
         optimizer.zero_grad()
         accelerator.step = step
         losses[step] = loss.item()
-        if step in opts.get("save_at", []):
+        if step == opts.get("preempt_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+        # Accelerate's trigger, every step: True on every process once one had notice
+        stop = bool(opts.get("preemption")) and accelerator.check_trigger()
+        if stop or step in opts.get("save_at", []):
             save(step)
             after_save(opts, step)
     return losses
@@ -191,11 +211,12 @@ def run_orbax(opts: dict[str, Any]) -> dict[int, float]:
 
     from ckptstore.integrations.orbax import mirror_manager
 
+    preemption = opts.get("preemption", False)
     options = ocp.CheckpointManagerOptions(max_to_keep=3, step_prefix="ckpt")
     losses: dict[int, float] = {}
     manager = ocp.CheckpointManager(opts["local_dir"], options=options)
     with contextlib.nullcontext() if opts.get("no_close") else manager:  # else closed at exit
-        mirror_manager(manager, opts["url"], **opts["store_options"])
+        mirror_manager(manager, opts["url"], preemption=preemption, **opts["store_options"])
         state = {
             "w": jnp.zeros((4, 4), jnp.float32),
             "key": jax.random.key_data(jax.random.PRNGKey(0)),
@@ -211,7 +232,10 @@ def run_orbax(opts: dict[str, Any]) -> dict[int, float]:
             w = state["w"] * 0.9 + jax.random.normal(sub, (4, 4))
             state = {"w": w, "key": jax.random.key_data(key), "step": jnp.asarray(step)}
             losses[step] = float(jnp.sum(w * w))
-            if step in opts.get("save_at", []):
+            if step == opts.get("preempt_at"):
+                os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+            # Orbax's own idiom: reached_preemption() is True once the mirror had notice
+            if step in opts.get("save_at", []) or manager.reached_preemption(step):
                 manager.save(step, args=ocp.args.StandardSave(state))
                 after_save(opts, step)
         if not opts.get("no_close"):
@@ -261,7 +285,9 @@ def run_dcp(opts: dict[str, Any]) -> dict[int, float]:
 
     import ckptstore
     import ckptstore.dcp
+    from ckptstore.manager.preemption import Preempted, watch
 
+    notices = watch(opts.get("preemption", False), None)  # DCP has no manager: the loop's
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -292,13 +318,19 @@ def run_dcp(opts: dict[str, Any]) -> dict[int, float]:
         optimizer.step()
         optimizer.zero_grad()
         losses[step] = loss.item()
-        if step in opts.get("save_at", []):
+        if step == opts.get("preempt_at"):
+            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's notice
+        notice = None if notices is None else notices.notice()
+        if notice is not None or step in opts.get("save_at", []):
             if pending is not None:
                 pending.result()  # one save at a time, as DCP's docs do
             model_state, optimizer_state = get_state_dict(model, optimizer)
             state = {"model": model_state, "optimizer": optimizer_state, "step": step}
             pending = dcp.async_save(state, storage_writer=ckptstore.dcp.Writer(f"{root}/{step}"))
             after_save(opts, step)
+        if notice is not None:
+            pending.result()  # durable
+            raise Preempted(step, notice, root)
     if pending is not None and not opts.get("no_close"):  # else DCP's executor, at exit
         pending.result()
     return losses
@@ -316,7 +348,7 @@ def run_lightning(opts: dict[str, Any]) -> dict[int, float]:
     from lightning.pytorch import LightningModule, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
 
-    from ckptstore.lightning import StoreCheckpointIO, last_checkpoint
+    from ckptstore.lightning import SaveOnPreemption, StoreCheckpointIO, last_checkpoint
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="lightning")
@@ -364,7 +396,7 @@ def run_lightning(opts: dict[str, Any]) -> dict[int, float]:
         max_steps=opts["max_steps"],
         accelerator="cpu",
         plugins=[io],
-        callbacks=[every],
+        callbacks=[every, SaveOnPreemption()] if opts.get("preemption") else [every],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,

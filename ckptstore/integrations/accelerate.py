@@ -24,10 +24,16 @@ off: the step names the directory here. Importing this module imports accelerate
 
 from __future__ import annotations
 
+import datetime
+import logging
 import os
+import signal
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+import torch
 from accelerate import Accelerator
 
 from ckptstore.errors import NotFoundError
@@ -38,7 +44,17 @@ from ckptstore.integrations.files import (
     numbered_after,
     roll_back,
 )
+from ckptstore.manager.preemption import (
+    DEADLINE_STATUS,
+    Notice,
+    Preempted,
+    save_margin,
+    signals_of,
+    watch,
+)
 from ckptstore.pipeline.root import Root
+
+_log = logging.getLogger("ckptstore.preemption")
 
 __all__ = ["StoreStates", "mirror_states"]
 
@@ -154,7 +170,14 @@ class StoreStates:
         self.mirror.close()
 
 
-def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) -> TreeMirror:
+def mirror_states(
+    accelerator: Accelerator,
+    root: Root,
+    *,
+    preemption: bool | int | Iterable[int] = False,
+    save_before: float | datetime.datetime | None = None,
+    **store_options: Any,
+) -> TreeMirror:
     """Mirror the Accelerator's own ``save_state()`` and ``load_state()`` to a ckptstore root,
     so a training script keeps Accelerate's calls and gains the store.
 
@@ -174,8 +197,26 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
     Every process calls both, as Accelerate requires. The returned mirror's ``wait()``
     blocks until the uploads so far are committed; it is closed at exit (or by ``close()``).
 
+    With ``preemption=True`` (SIGTERM; or signal numbers) or ``save_before=`` (a wall-clock
+    limit), a termination notice is given through Accelerate's own trigger: call
+    ``accelerator.check_trigger()`` every step, and save when it says so. It returns ``True``
+    on every process once any process has had notice (one small all-reduce, beside the one
+    it already does for ``set_trigger()``), and the next ``accelerator.save_state()`` is the
+    last: saved, uploaded, then :class:`~ckptstore.manager.preemption.Preempted` is raised
+    (exit status 143 for SIGTERM) on every process::
+
+        for step in range(start + 1, end):
+            ...
+            if accelerator.check_trigger() or step % 500 == 0:
+                accelerator.save_state()
+
+    Args:
+        preemption: the signals that give notice (installed now, from the main thread).
+        save_before: notice once less time is left before this limit (seconds since the
+            epoch, or an aware ``datetime``) than twice the longest ``save_state()`` so far.
+
     Raises:
-        ValueError: automatic checkpoint naming is off.
+        ValueError: automatic checkpoint naming is off; a bad ``preemption``/``save_before``.
     """
     config = accelerator.project_configuration
     if not config.automatic_checkpoint_naming:
@@ -195,16 +236,45 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
         **store_options,
     )
     save, load = accelerator.save_state, accelerator.load_state
+    notices = watch(preemption, save_before)
+    save_seconds: list[float] = []
+    #: set by check_trigger() once any process has had notice: the next save is the last
+    stopping: list[Notice] = []
 
     def save_state(output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        began = time.monotonic()
         if output_dir is None and accelerator.is_main_process:
             mirror.check_step(config.iteration)  # before anything is written
         location = save(output_dir, *args, **kwargs)
         accelerator.wait_for_everyone()
+        where = Path(location)
         if accelerator.is_main_process:
-            where = Path(location)
             mirror.submit(where, _iteration(where), metadata={"library": "accelerate"})
+        save_seconds.append(time.monotonic() - began)
+        if stopping:
+            if accelerator.is_main_process:
+                mirror.wait()
+            accelerator.wait_for_everyone()
+            if notices is not None:
+                notices.close()
+            stop = Preempted(_iteration(where), stopping[0], mirror.where)
+            _log.warning("%s", stop)
+            raise stop
         return location
+
+    if notices is not None:
+        check = accelerator.check_trigger
+
+        def check_trigger() -> bool:
+            """Accelerate's, and ``True`` on every process once any has had notice."""
+            assert notices is not None
+            here = notices.notice(save_margin(save_seconds))
+            told = torch.tensor(0 if here is None else 1, device=accelerator.device)
+            if not stopping and accelerator.reduce(told, reduction="sum").item() >= 1:
+                stopping.append(here or _elsewhere(preemption))
+            return bool(check()) or bool(stopping)
+
+        accelerator.check_trigger = check_trigger
 
     def load_state(
         input_dir: str | None = None,
@@ -259,6 +329,16 @@ def mirror_states(accelerator: Accelerator, root: Root, **store_options: Any) ->
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     return mirror
+
+
+def _elsewhere(preemption: bool | int | Iterable[int]) -> Notice:
+    """The notice of a process told through the trigger: it cannot know which notice
+    another process had; the exit status is the first watched signal's."""
+    signals = signals_of(preemption)
+    if not signals:
+        return Notice("a notice on another process (save_before)", DEADLINE_STATUS)
+    first = signal.Signals(signals[0])
+    return Notice(f"a notice on another process ({first.name})", 128 + first)
 
 
 _STATES_ADVICE = (

@@ -1009,7 +1009,7 @@ class TreeMirror:
         newest = max((s for s in (self._newest, *queued) if s is not None), default=None)
         if newest is not None and step <= newest:
             raise CommitConflictError(
-                f"{self._where()}: cannot upload step {step}: the newest step of this root is "
+                f"{self.where}: cannot upload step {step}: the newest step of this root is "
                 f"{newest}, and a step is saved once, in increasing order. "
                 f"{self.resume_advice}; or upload to a new root"
             )
@@ -1040,7 +1040,7 @@ class TreeMirror:
             "step %d: resumed from %s, which never reached %s; uploading it now",
             step,
             directory,
-            self._where(),
+            self.where,
         )
         self.submit(directory, step, metadata=metadata)
         return True
@@ -1114,11 +1114,13 @@ class TreeMirror:
         finally:
             self._worker.shutdown(wait=True)
 
-    def _where(self) -> str:
+    @property
+    def where(self) -> str:
+        """The root, as messages name it (credentials in a URL's query redacted)."""
         return self.root.url if isinstance(self.root, Store) else redact_url(os.fspath(self.root))
 
     def __repr__(self) -> str:
-        return f"TreeMirror({self._where()!r})"
+        return f"TreeMirror({self.where!r})"
 
     def __enter__(self) -> TreeMirror:
         return self

@@ -53,6 +53,10 @@ from typing import Any
 import numpy as np
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.io import AsyncCheckpointIO
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 
 from ckptstore import background
 from ckptstore.errors import (
@@ -79,6 +83,7 @@ from ckptstore.store.base import Store
 from ckptstore.store.transport import redact_url
 
 __all__ = [
+    "SaveOnPreemption",
     "StoreCheckpointIO",
     "checkpoints",
     "last_checkpoint",
@@ -249,6 +254,72 @@ class StoreCheckpointIO(CheckpointIO):
                 background.run(delete_step(target.store, target.step))
         finally:
             target.handle.close()
+
+
+class SaveOnPreemption(Callback):
+    """A last checkpoint when the job is told to stop: Lightning's own SIGTERM handling,
+    made a save and a status a scheduler can act on.
+
+    On SIGTERM Lightning finishes the training step it is in and raises
+    ``SIGTERMException``, a ``SystemExit`` with status 0, without saving. With this callback
+    (beside a ``ModelCheckpoint`` whose ``dirpath`` is a ckptstore URL and
+    :class:`StoreCheckpointIO`), that step is saved as the ``ModelCheckpoint`` names it
+    (unless it saved that step already), waited for (``AsyncCheckpointIO`` included), and the
+    exit status becomes 143 (``128 + SIGTERM``, as for a process the signal killed), so the
+    restart (``ckpt_path=last_checkpoint(dirpath)``) resumes from that step. Lightning
+    broadcasts the notice to every rank, which all save.
+
+    Args:
+        status: the exit status to give the ``SIGTERMException``.
+    """
+
+    def __init__(self, status: int = 143) -> None:
+        self.status = status
+
+    @staticmethod
+    def _parts(trainer: Trainer) -> tuple[ModelCheckpoint, StoreCheckpointIO]:
+        found = trainer.checkpoint_callback
+        if not isinstance(found, ModelCheckpoint) or found.dirpath is None:
+            raise ValueError("SaveOnPreemption needs a ModelCheckpoint with a dirpath")
+        io = trainer.strategy.checkpoint_io
+        inner = io.checkpoint_io if isinstance(io, AsyncCheckpointIO) else io
+        if not isinstance(inner, StoreCheckpointIO):
+            raise TypeError(
+                "SaveOnPreemption needs StoreCheckpointIO (or AsyncCheckpointIO over it) as the "
+                f"Trainer's checkpoint plugin, not {type(inner).__name__}"
+            )
+        return found, inner
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self._parts(trainer)  # refused when fit starts, not at the notice
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        if not isinstance(exception, SIGTERMException):
+            return
+        found, inner = self._parts(trainer)
+        assert found.dirpath is not None
+        step = trainer.global_step
+        io = trainer.strategy.checkpoint_io
+        if step not in checkpoints(found.dirpath, **inner.options).values():
+            metrics = {
+                **trainer.callback_metrics,
+                "epoch": torch.tensor(trainer.current_epoch),
+                "step": torch.tensor(step),
+            }
+            path = found.format_checkpoint_name(metrics)
+            trainer.save_checkpoint(path)
+            if isinstance(io, AsyncCheckpointIO):
+                io.teardown()  # joins its thread: the save is committed, or raises here
+        exception.code = self.status
+        _log.warning(
+            "%s: step %d is durable; stopping on SIGTERM (exit status %d)",
+            redact_url(os.fspath(found.dirpath)),
+            step,
+            self.status,
+        )
 
 
 # --------------------------------------------------------------------------- save

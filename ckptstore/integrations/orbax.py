@@ -26,6 +26,15 @@ them again. A save of a step that is not after the store's newest is refused in
 ``manager.save`` itself. (:class:`OrbaxMirror` is the same without patching the manager:
 ``mirror.save``, ``mirror.restore``.)
 
+With ``preemption=True`` (SIGTERM; or signal numbers) or ``save_before=``, a termination
+notice makes the next ``manager.save(step, ...)`` save that step whatever the interval
+(``force=True``), wait for it and its upload, and raise
+:class:`~ckptstore.manager.preemption.Preempted` (exit status 143 for SIGTERM); Orbax's
+``manager.reached_preemption(step)`` is then ``True`` too, so Orbax's own idiom, checking it
+every step and saving when it is ``True``, works unchanged; so does calling ``manager.save``
+every step and letting ``save_interval_steps`` choose. On several hosts, every host must get
+the notice.
+
 When is a step finalized? Orbax saves in the background and finalizes a step (renames it
 into place) before it starts the next save, and ``wait_until_finished`` finalizes the last
 one. So each :meth:`OrbaxMirror.save` queues the uploads of the steps finalized before it,
@@ -38,9 +47,12 @@ Orbax looks for it. Importing this module imports orbax and JAX.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import logging
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -51,11 +63,14 @@ from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.integrations.files import TreeMirror, download, roll_back
 from ckptstore.layout.commit import committed_steps, read_manifest
+from ckptstore.manager.preemption import Notice, Preempted, save_margin, watch
 from ckptstore.pipeline.root import Root, opened
 
 __all__ = ["OrbaxMirror", "mirror_manager"]
 
 _T = TypeVar("_T")
+
+_log = logging.getLogger("ckptstore.preemption")
 
 _ADVICE = (
     "To resume that run, manager.restore(manager.latest_step(), ...) after mirror_manager "
@@ -70,10 +85,25 @@ class OrbaxMirror:
     Args:
         manager: an Orbax ``CheckpointManager`` over a local directory.
         root: where the steps go: a URL, a path or an open Store.
+        preemption: the signals that give notice (``True``: SIGTERM), installed now, from
+            the main thread: the next :meth:`save` is the last (see the module docstring).
+        save_before: notice once less time is left before this wall-clock limit (seconds
+            since the epoch, or an aware ``datetime``) than twice the longest :meth:`save`
+            call so far.
         store_options: store options, as on every face.
     """
 
-    def __init__(self, manager: ocp.CheckpointManager, root: Root, **store_options: Any) -> None:
+    def __init__(
+        self,
+        manager: ocp.CheckpointManager,
+        root: Root,
+        *,
+        preemption: bool | int | Iterable[int] = False,
+        save_before: float | datetime.datetime | None = None,
+        **store_options: Any,
+    ) -> None:
+        self._watch = watch(preemption, save_before)
+        self._save_seconds: list[float] = []
         self.manager = manager
         self.root = root
         self._options = store_options
@@ -110,10 +140,16 @@ class OrbaxMirror:
             CommitConflictError: ``step`` is not after the store's newest step (nothing is
                 written).
             CkptStoreError, OSError: an earlier upload failed.
+            Preempted: after a termination notice, once this step is saved and uploaded.
         """
+        notice = self.notice()
+        if notice is not None:
+            kwargs["force"] = True  # the last save, whatever the interval
         if jax.process_index() == 0:
             self.mirror.check_step(step)
+        began = time.monotonic()
         saved: bool = self._save(step, *args, **kwargs)
+        self._save_seconds.append(time.monotonic() - began)
         if saved:
             self._waiting.append(step)
         # Orbax finishes a save before it starts the next one: every step but one still in
@@ -122,7 +158,27 @@ class OrbaxMirror:
             self._queue(self._waiting)
         else:
             self._queue(self._waiting[:-1])
+        if notice is not None:
+            self.wait_until_finished()
+            self._close_watch()
+            stop = Preempted(step, notice, self.mirror.where)
+            _log.warning("%s", stop)
+            raise stop
         return saved
+
+    def notice(self) -> Notice | None:
+        """The termination notice received so far, if any (see ``preemption=``)."""
+        return None if self._watch is None else self._watch.notice(save_margin(self._save_seconds))
+
+    @property
+    def watching(self) -> bool:
+        """Whether ``preemption=`` or ``save_before=`` was given (and no notice acted on)."""
+        return self._watch is not None
+
+    def _close_watch(self) -> None:
+        if self._watch is not None:
+            self._watch.close()
+            self._watch = None
 
     def _queue(self, steps: list[int]) -> None:
         local = self.local_directories() if steps else {}
@@ -235,6 +291,7 @@ class OrbaxMirror:
         try:
             self.wait_until_finished()
         finally:
+            self._close_watch()
             self.mirror.close()
 
     def __repr__(self) -> str:
@@ -246,7 +303,14 @@ def _metadata(directory: Path) -> dict[str, str]:
     return {"library": "orbax", "directory": directory.name}
 
 
-def mirror_manager(manager: ocp.CheckpointManager, root: Root, **store_options: Any) -> OrbaxMirror:
+def mirror_manager(
+    manager: ocp.CheckpointManager,
+    root: Root,
+    *,
+    preemption: bool | int | Iterable[int] = False,
+    save_before: float | datetime.datetime | None = None,
+    **store_options: Any,
+) -> OrbaxMirror:
     """Mirror an Orbax ``CheckpointManager``'s own calls to a ckptstore root, so a training
     script keeps Orbax's API and gains the store.
 
@@ -259,10 +323,15 @@ def mirror_manager(manager: ocp.CheckpointManager, root: Root, **store_options: 
     on leaving the block). Orbax's own methods, calling each other, still get Orbax's: its
     ``save`` waits for its previous save, never for an upload.
 
+    ``preemption=`` and ``save_before=`` are :class:`OrbaxMirror`'s; with them,
+    ``manager.reached_preemption(step)`` is also ``True`` once notice is given.
+
     Returns:
         The mirror (its ``mirror.wait()`` waits for the uploads queued so far).
     """
-    mirror = OrbaxMirror(manager, root, **store_options)
+    mirror = OrbaxMirror(
+        manager, root, preemption=preemption, save_before=save_before, **store_options
+    )
     inside = threading.local()  # set while one of Orbax's own methods runs
 
     def orbax_call(method: Callable[..., _T], *args: Any, **kwargs: Any) -> _T:
@@ -298,4 +367,11 @@ def mirror_manager(manager: ocp.CheckpointManager, root: Root, **store_options: 
     manager.all_steps = user_or_orbax(mirror.all_steps, mirror._all_steps)
     manager.latest_step = user_or_orbax(mirror.latest_step, latest)
     manager.close = close
+    if mirror.watching:
+        reached = manager.reached_preemption
+
+        def reached_preemption(step: int) -> bool:
+            return mirror.notice() is not None or bool(reached(step))
+
+        manager.reached_preemption = reached_preemption
     return mirror

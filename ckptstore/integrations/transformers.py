@@ -20,6 +20,12 @@ steps are set aside in the store and their ``checkpoint-N`` directories in ``out
 moved aside, so the Trainer saves those steps again. A save of a step that is not after
 the store's newest is refused before the Trainer writes it, naming the newest step.
 
+With ``preemption=True`` (SIGTERM; or signal numbers) or ``save_before=``, a termination
+notice makes the Trainer save at the end of the step it is in and stop; ``train()`` then
+waits for that checkpoint's upload and raises
+:class:`~ckptstore.manager.preemption.Preempted` (exit status 143 for SIGTERM), and the
+restart resumes from it. Every process must get the signal (``torchrun`` passes it on).
+
 Only the main process (``state.is_world_process_zero``) uploads, so under several processes
 the checkpoint directory it sees must be complete (one node, or a shared filesystem), as
 the Trainer's own rotation already assumes. Importing this module imports transformers.
@@ -27,7 +33,10 @@ the Trainer's own rotation already assumes. Importing this module imports transf
 
 from __future__ import annotations
 
+import datetime
 import os
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +47,14 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ckptstore import background
 from ckptstore.integrations.files import TreeMirror, local_copy, numbered_after, roll_back
 from ckptstore.layout.commit import latest_step
+from ckptstore.manager.preemption import (
+    Notice,
+    Preempted,
+    PreemptionWatch,
+    save_margin,
+    signals_of,
+    watch,
+)
 from ckptstore.pipeline.root import Root, opened
 
 __all__ = ["StoreCallback", "resume_from_store"]
@@ -66,6 +83,11 @@ class StoreCallback(TrainerCallback):
             ``output_dir`` when the Trainer is built.
         rollback: with ``resume=<step>``: set the newer steps aside, so training saves them
             again.
+        preemption: on this signal (``True``: SIGTERM; or signal numbers), save at the end
+            of the current step, upload it, and raise ``Preempted`` from ``train()``.
+            Installed for each ``train()``, which must run in the main thread.
+        save_before: the same once less time is left before this wall-clock limit (seconds
+            since the epoch, or an aware ``datetime``) than twice the longest save so far.
         store_options: store options, as on every face.
 
     Raises:
@@ -78,6 +100,8 @@ class StoreCallback(TrainerCallback):
         *,
         resume: bool | int = False,
         rollback: bool = False,
+        preemption: bool | int | Iterable[int] = False,
+        save_before: float | datetime.datetime | None = None,
         **store_options: Any,
     ) -> None:
         if rollback and (resume is True or resume is False):
@@ -85,6 +109,13 @@ class StoreCallback(TrainerCallback):
                 "rollback=True needs the step to go back to: StoreCallback(url, resume=<step>, "
                 "rollback=True)"
             )
+        PreemptionWatch.check(signals_of(preemption), save_before)  # installed by train()
+        self._preemption, self._save_before = preemption, save_before
+        self._watch: PreemptionWatch | None = None
+        #: the step saved on a notice, and the notice
+        self._preempted: tuple[int, Notice] | None = None
+        self._save_began: float | None = None
+        self._save_seconds: list[float] = []
         self.mirror = TreeMirror(root, resume_advice=_RESUME_ADVICE, **store_options)
         self.root = root
         self.resume = resume
@@ -116,6 +147,8 @@ class StoreCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        self._watch = watch(self._preemption, self._save_before)
+        self._preempted = None
         # resumed from a checkpoint only this node holds (killed before its upload): upload it
         step = state.global_step
         directory = Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{step}"
@@ -129,10 +162,18 @@ class StoreCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        if self._watch is not None and self._preempted is None:
+            notice = self._watch.notice(save_margin(self._save_seconds))
+            if notice is not None:  # this step is the last: saved, then training stops
+                control.should_save = True
+                control.should_training_stop = True
+                self._preempted = (state.global_step, notice)
         # the Trainer is about to write checkpoint-<global_step>: refuse an old step before
         # it writes anything (on_save would refuse it only after)
-        if control.should_save and state.is_world_process_zero:
-            self.mirror.check_step(state.global_step)
+        if control.should_save:
+            self._save_began = time.monotonic()
+            if state.is_world_process_zero:
+                self.mirror.check_step(state.global_step)
 
     def on_save(
         self,
@@ -141,6 +182,9 @@ class StoreCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
+        if self._save_began is not None:
+            self._save_seconds.append(time.monotonic() - self._save_began)
+            self._save_began = None
         if state.is_world_process_zero:
             step = state.global_step
             directory = Path(args.output_dir or ".") / f"{PREFIX_CHECKPOINT_DIR}-{step}"
@@ -153,7 +197,15 @@ class StoreCallback(TrainerCallback):
         control: TrainerControl,
         **kwargs: Any,
     ) -> None:
-        self.mirror.wait()
+        try:
+            self.mirror.wait()
+        finally:
+            if self._watch is not None:
+                self._watch.close()
+                self._watch = None
+        if self._preempted is not None:
+            step, notice = self._preempted
+            raise Preempted(step, notice, self.mirror.where)
 
     def wait_until_finished(self) -> None:
         """Block until every checkpoint saved so far is committed in the store."""

@@ -46,7 +46,6 @@ import json
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -61,7 +60,13 @@ from ckptstore.layout.keys import attempt_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import delete_steps
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
-from ckptstore.manager.preemption import Notice, Preempted, PreemptionWatch, save_margin
+from ckptstore.manager.preemption import (
+    Notice,
+    Preempted,
+    PreemptionWatch,
+    save_margin,
+    signals_of,
+)
 from ckptstore.manager.snapshot import LazyFence
 from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
 from ckptstore.pipeline import save as save_path
@@ -189,13 +194,7 @@ class CheckpointManager:
                 )
             if local_max_to_keep is not None and local_max_to_keep < 1:
                 raise ValueError(f"local_max_to_keep must be >= 1 or None, got {local_max_to_keep}")
-        signals: list[int] = []
-        if isinstance(preemption, bool):
-            signals = [signal.SIGTERM] if preemption else []
-        elif isinstance(preemption, int):
-            signals = [preemption]
-        else:
-            signals = list(preemption)
+        signals = signals_of(preemption)
         PreemptionWatch.check(signals, save_before)  # refused before anything is opened
         if isinstance(keep_time_interval, datetime.timedelta):
             keep_time_interval = keep_time_interval.total_seconds()

@@ -28,7 +28,15 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
-__all__ = ["DEADLINE_STATUS", "Notice", "Preempted", "PreemptionWatch", "save_margin"]
+__all__ = [
+    "DEADLINE_STATUS",
+    "Notice",
+    "Preempted",
+    "PreemptionWatch",
+    "save_margin",
+    "signals_of",
+    "watch",
+]
 
 #: The exit status for a wall-clock limit (``timeout(1)``'s).
 DEADLINE_STATUS = 124
@@ -142,6 +150,30 @@ class PreemptionWatch:
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, previous)
         self._previous.clear()
+
+
+def signals_of(preemption: bool | int | Iterable[int]) -> list[int]:
+    """The signals a ``preemption=`` option names: ``True`` is SIGTERM, ``False`` none."""
+    if isinstance(preemption, bool):
+        return [signal.SIGTERM] if preemption else []
+    if isinstance(preemption, int):
+        return [preemption]
+    return list(preemption)
+
+
+def watch(
+    preemption: bool | int | Iterable[int], save_before: float | datetime.datetime | None
+) -> PreemptionWatch | None:
+    """The watch a face's ``preemption=`` and ``save_before=`` options ask for, installed;
+    ``None`` when they ask for none.
+
+    Raises:
+        ValueError: as :meth:`PreemptionWatch.check`.
+    """
+    signals = signals_of(preemption)
+    if not signals and save_before is None:
+        return None
+    return PreemptionWatch(signals, save_before)
 
 
 def save_margin(observed: list[float]) -> float:
