@@ -10,7 +10,8 @@ checkpoint a root of its own under the dirpath: the face's steps are their globa
 Every job trains steps 1-8 and saves at 2, 4, 6 and 8. An uninterrupted run gives each
 step's loss; every scenario then checks that what it trains after an exit, a kill, a
 preemption, a restart or a roll-back has exactly those losses (bit for bit: the state,
-optimizer and RNG came back whole), and that the root ends with the newest step saved.
+optimizer and RNG came back whole), that the root ends with the newest step saved, and
+that this step's weights are, bit for bit (their leaves' crc32c), the uninterrupted run's.
 
 ckptstore's own manager runs by default; the library faces, a few seconds of import
 each per run, under ``--full``.
@@ -49,6 +50,20 @@ class Face:
     saves: Callable[[str], dict[int, str]] = lambda url: {
         step: ckptstore.read_manifest(url, step).attempt for step in ckptstore.list_steps(url)
     }
+    #: which of a committed step's leaves hold the weights (compared by their crc32c with
+    #: the uninterrupted run's); ``None``: the face's losses are computed from the saved
+    #: state itself (Orbax's random walk), so they already compare it
+    weight_leaves: Callable[[str], bool] | None = lambda path: True
+
+    def weights(self, url: str, step: int) -> dict[str, int]:
+        """The crc32c of each weight leaf of a committed store step."""
+        assert self.weight_leaves is not None
+        manifest = ckptstore.read_manifest(url, step)
+        return {
+            path: crc
+            for path, crc in zip(manifest.paths, manifest.leaf_crc, strict=True)
+            if self.weight_leaves(path)
+        }
 
 
 def _manager(
@@ -143,13 +158,34 @@ def _lightning_saves(url: str) -> dict[int, str]:
     }
 
 
+class LightningFace(Face):
+    def weights(self, url: str, step: int) -> dict[str, int]:
+        """The state_dict leaves of the checkpoint of that global step (not last.ckpt)."""
+        from ckptstore.lightning import checkpoints
+
+        name = next(n for n, s in checkpoints(url).items() if s == step and "last" not in n)
+        manifest = ckptstore.read_manifest(f"{url}/{name}", 0)
+        return {
+            path: crc
+            for path, crc in zip(manifest.paths, manifest.leaf_crc, strict=True)
+            if path.startswith("state_dict/")
+        }
+
+
 MANAGER = Face("manager", _manager)
-HF = Face("hf", _hf)
+HF = Face("hf", _hf, weight_leaves=lambda path: path.endswith("model.safetensors"))
 #: automatic checkpoint naming numbers the saves 0, 1, 2...: the save at step 2 is step 0
-ACCELERATE = Face("accelerate", _accelerate, store_step=lambda step: step // 2 - 1)
-ORBAX = Face("orbax", _orbax)
-DCP = Face("dcp", _dcp)
-LIGHTNING = Face("lightning", _lightning, committed=_lightning_steps, saves=_lightning_saves)
+ACCELERATE = Face(
+    "accelerate",
+    _accelerate,
+    store_step=lambda step: step // 2 - 1,
+    weight_leaves=lambda path: path.endswith("model.safetensors"),
+)
+ORBAX = Face("orbax", _orbax, weight_leaves=None)
+DCP = Face("dcp", _dcp, weight_leaves=lambda path: path.startswith("model."))
+LIGHTNING = LightningFace(
+    "lightning", _lightning, committed=_lightning_steps, saves=_lightning_saves
+)
 
 FACES = [
     pytest.param(MANAGER, id="manager"),
@@ -194,6 +230,8 @@ class Job:
 
 
 _WHOLE: dict[str, dict[int, float]] = {}
+#: the uninterrupted run's weights at its last step, by face
+_WHOLE_WEIGHTS: dict[str, dict[str, int]] = {}
 
 
 def uninterrupted(face: Face, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
@@ -204,7 +242,19 @@ def uninterrupted(face: Face, tmp_path_factory: pytest.TempPathFactory) -> dict[
         assert sorted(losses) == list(range(1, 9))
         assert job.committed()[-1] == job.steps(8)[0]
         _WHOLE[face.name] = losses
+        if face.weight_leaves is not None:
+            _WHOLE_WEIGHTS[face.name] = face.weights(job.url, job.committed()[-1])
+            assert _WHOLE_WEIGHTS[face.name], "no weight leaf found"
     return _WHOLE[face.name]
+
+
+def assert_newest_is_the_uninterrupted_runs(job: Job) -> None:
+    """The job's step 8, loaded, holds bit for bit the weights the uninterrupted run saved at
+    step 8 (its losses after the event compared the state it trained with; this, the state
+    it left)."""
+    if job.face.weight_leaves is not None:  # the newest step is step 8's save
+        newest = job.committed()[-1]
+        assert job.face.weights(job.url, newest) == _WHOLE_WEIGHTS[job.face.name]
 
 
 def _skip_missing(face: Face) -> None:
@@ -256,6 +306,7 @@ def test_sigkill_then_restart_on_the_same_node_and_on_an_empty_one(
     moved = job.run("empty", 8, resume=True)  # another node: nothing local
     assert moved == {s: whole[s] for s in range(newest + 1, 9)}
     assert job.committed()[-1] == job.steps(8)[0]
+    assert_newest_is_the_uninterrupted_runs(job)
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -289,6 +340,7 @@ def test_roll_back_two_saves_and_train_them_again(
         assert saves[step] != save
     # a new node rolls back to it once more: its copy downloaded, 6 and 8 set aside again
     assert job.run("empty", 8, back=4) == {s: whole[s] for s in range(5, 9)}
+    assert_newest_is_the_uninterrupted_runs(job)
 
 
 @pytest.mark.parametrize("face", FACES)
@@ -310,3 +362,4 @@ def test_sigterm_saves_that_step_and_a_restart_trains_on(
     assert len(committed) == 3
     assert committed[2] > committed[1]
     assert job.run("b", 8, resume=True) == {s: whole[s] for s in range(6, 9)}
+    assert_newest_is_the_uninterrupted_runs(job)
