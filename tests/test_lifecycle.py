@@ -1,11 +1,12 @@
 """A training job's whole life, on every face that saves (issue 29): each scenario is a real
 training script in a child process (``tests/tree_adapters.py``), using the face's own calls:
-ckptstore's ``CheckpointManager``, the Hugging Face Trainer with ``StoreCallback``,
-Accelerate's ``save_state``/``load_state`` after ``mirror_states``, Orbax's
-``CheckpointManager`` after ``mirror_manager``, and ``torch.distributed.checkpoint``'s
-``async_save``/``load`` with ckptstore's ``Writer``/``Reader`` (its roll-back is
-``ckptstore.rollback``), and Lightning's ``Trainer.fit`` with ``StoreCheckpointIO`` (each
-checkpoint a root of its own under the dirpath: the face's steps are their global steps).
+ckptstore's ``CheckpointManager`` (and the multi-rank one, on 2 gloo processes), the Hugging
+Face Trainer with ``StoreCallback``, Accelerate's ``save_state``/``load_state`` after
+``mirror_states``, Orbax's ``CheckpointManager`` after ``mirror_manager``,
+``torch.distributed.checkpoint``'s ``async_save``/``load`` with ckptstore's
+``Writer``/``Reader`` (its roll-back is ``ckptstore.rollback``), and Lightning's
+``Trainer.fit`` with ``StoreCheckpointIO`` (each checkpoint a root of its own under the
+dirpath: the face's steps are their global steps).
 
 Every job trains steps 1-8 and saves at 2, 4, 6 and 8. An uninterrupted run gives each
 step's loss; every scenario then checks that what it trains after an exit, a kill, a
@@ -173,6 +174,8 @@ class LightningFace(Face):
 
 
 MANAGER = Face("manager", _manager)
+#: the multi-rank manager on 2 gloo processes (a launcher in the child)
+RANKS = Face("ranks", _manager)
 HF = Face("hf", _hf, weight_leaves=lambda path: path.endswith("model.safetensors"))
 #: automatic checkpoint naming numbers the saves 0, 1, 2...: the save at step 2 is step 0
 ACCELERATE = Face(
@@ -189,6 +192,7 @@ LIGHTNING = LightningFace(
 
 FACES = [
     pytest.param(MANAGER, id="manager"),
+    pytest.param(RANKS, id="ranks", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(HF, id="hf", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(ACCELERATE, id="accelerate", marks=[pytest.mark.slow, pytest.mark.torch]),
     pytest.param(ORBAX, id="orbax", marks=[pytest.mark.slow, pytest.mark.jax]),

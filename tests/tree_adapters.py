@@ -276,6 +276,92 @@ def run_manager(opts: dict[str, Any]) -> dict[int, float]:
     return losses
 
 
+def run_ranks(opts: dict[str, Any]) -> dict[int, Any]:
+    """The multi-rank ``ckptstore.distributed.CheckpointManager`` on 2 gloo processes: each
+    rank walks its own shard of the weights (its noise seeded by step and rank) and saves it
+    every 2 steps; a step's losses are both ranks'. This process launches the ranks (each is
+    this script again, ``ranks-worker``), and ends as they do: SIGKILLed if one was, else
+    with rank 0's status, printing rank 1's then rank 0's stderr."""
+    import socket
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    procs = []
+    for rank in range(2):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "GLOO_SOCKET_IFNAME": "lo",
+        }
+        command = [sys.executable, __file__, "ranks-worker", json.dumps(opts)]
+        procs.append(
+            subprocess.Popen(
+                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            )
+        )
+    outputs = [proc.communicate(timeout=300) for proc in procs]
+    if any(proc.returncode == -signal.SIGKILL for proc in procs):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if any(proc.returncode != 0 for proc in procs):
+        for _, err in reversed(outputs):
+            sys.stderr.write(err)
+        sys.stderr.flush()
+        os._exit(procs[0].returncode if procs[0].returncode > 0 else 1)
+    losses = [
+        json.loads(next(x for x in out.splitlines() if x.startswith("LOSSES ")).split(" ", 1)[1])
+        for out, _ in outputs
+    ]
+    return {int(step): [losses[0][step], losses[1][step]] for step in losses[0]}
+
+
+def run_ranks_worker(opts: dict[str, Any]) -> dict[int, float]:
+    """One rank of :func:`run_ranks`."""
+    from datetime import timedelta
+
+    import numpy as np
+    import torch.distributed as dist
+
+    import ckptstore.distributed
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    mgr = ckptstore.distributed.CheckpointManager(
+        opts["url"],
+        max_to_keep=3,
+        save_interval_steps=2,
+        timeout=60,
+        preemption=opts.get("preemption", False),
+        **opts["store_options"],
+    )
+    shard = f"shard{rank}"
+    state: dict[str, Any] = {"w": {shard: np.zeros(32, np.float32)}, "step": np.int64(0)}
+    like = {"w": {shard: np.zeros(32, np.float32)}, "step": np.int64(0)}
+    if opts.get("rollback"):
+        state = mgr.restore(opts["step"], target=like, rollback=True)
+    elif opts.get("resume") and mgr.latest_step() is not None:
+        state = mgr.restore(target=like)
+    losses: dict[int, float] = {}
+    for step in range(int(state["step"]) + 1, opts["max_steps"] + 1):
+        noise = np.random.default_rng([step, rank]).standard_normal(32).astype(np.float32)
+        w = state["w"][shard] * np.float32(0.9) + noise
+        state = {"w": {shard: w}, "step": np.int64(step)}
+        losses[step] = float((w * w).sum())
+        if step == opts.get("preempt_at") and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)  # one rank's notice: every rank must stop
+        mgr.save(step, state)
+        after_save(opts, step)
+    if not opts.get("no_close"):  # else closed at exit
+        mgr.close()
+        dist.destroy_process_group()
+    return losses
+
+
 def run_dcp(opts: dict[str, Any]) -> dict[int, float]:
     """``torch.distributed.checkpoint``'s own calls with ckptstore's Writer and Reader: the
     model and Adam state through DCP's ``get_state_dict``/``set_state_dict``, saved with
@@ -424,5 +510,7 @@ if __name__ == "__main__":
         "manager": run_manager,
         "dcp": run_dcp,
         "lightning": run_lightning,
+        "ranks": run_ranks,
+        "ranks-worker": run_ranks_worker,
     }
     print("LOSSES " + json.dumps(runs[which](options)))

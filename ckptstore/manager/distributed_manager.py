@@ -55,7 +55,6 @@ import datetime
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 from ckptstore import background
@@ -77,6 +76,7 @@ from ckptstore.manager.preemption import Notice, save_margin
 from ckptstore.pipeline import save as save_path
 from ckptstore.stage import StagedState, Stager
 from ckptstore.store.base import Store
+from ckptstore.threads import Pool
 
 __all__ = ["CheckpointManager"]
 
@@ -123,8 +123,9 @@ class CheckpointManager(_SingleProcessManager):
             ``preemption`` with ``comm`` but no ``preemption_comm``.
     """
 
-    # Its close() runs collectives; at interpreter exit they could wait on ranks that are
-    # gone, until the collectives have deadlines of their own (issue 30).
+    # Its close() runs collectives of its own, which at interpreter exit could pair with a
+    # peer's training that goes on: at exit, only the saves already accepted are finished
+    # (their collectives pair with the peers' same saves), by _FinishSaves.
     _closes_at_exit = False
 
     def __init__(
@@ -199,7 +200,13 @@ class CheckpointManager(_SingleProcessManager):
         self._comm = comm
         self.coordinator = coordinator
         # One thread: the background collectives of successive saves run in save order.
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="ckptstore-ranks")
+        # ckptstore's pool, which takes work while the interpreter exits: a save accepted
+        # just before the script's end reaches it after Python's own pools refuse work.
+        self._thread = Pool(1, "ckptstore-ranks")
+        self._finish_at_exit = _FinishSaves(self)
+        background.close_at_exit(
+            self._finish_at_exit, "a save this rank accepted was not committed"
+        )
 
     @property
     def rank(self) -> int:
@@ -442,6 +449,7 @@ class CheckpointManager(_SingleProcessManager):
         destroy the process group it created."""
         if self._closed:
             return
+        background.forget_at_exit(self._finish_at_exit)
         try:
             super().close()
         finally:
@@ -463,6 +471,22 @@ class CheckpointManager(_SingleProcessManager):
             f"ckptstore.distributed.CheckpointManager({self._store.url!r}, "
             f"rank={self.rank}, world={self._comm.world})"
         )
+
+
+class _FinishSaves:
+    """What a multi-rank manager left open does when the main thread ends: wait for the
+    saves it accepted (every rank accepted the same ones, so their collectives pair), and
+    nothing else; a failure is printed, naming the rank's error. A rank whose peer is gone
+    waits at most the group's ``timeout``."""
+
+    def __init__(self, manager: CheckpointManager) -> None:
+        self.manager = manager
+
+    def close(self) -> None:
+        self.manager._saver.wait_until_finished()
+
+    def __repr__(self) -> str:
+        return repr(self.manager)
 
 
 def _group_of_its_own(group: Any, timeout: float | None) -> tuple[Collectives, Any]:
