@@ -266,3 +266,21 @@ def test_a_tiered_manager_rolls_back_both_tiers(tmp_path: Path) -> None:
     assert_state(ckptstore.load(remote, 3), 103)
     assert listing.local == [0, 1, 2]
     assert listing.persistent == [0, 1, 2]
+
+
+def test_plain_save_of_a_committed_step_is_refused_before_it_writes(tmp_path: Path) -> None:
+    """``ckptstore.save`` of a step the root holds failed only at the commit's put-if-absent,
+    after every byte was written (and then removed), naming no way on; it is refused before
+    anything is written now, naming the newest step, and saved again after a roll-back."""
+    root = tmp_path / "run"
+    for step in (1, 2, 3):
+        ckptstore.save(root, state_at(step), step=step)
+    before = sorted(p.name for p in (root / "2").iterdir())
+    with pytest.raises(CommitConflictError, match="newest step of this root is 3") as refused:
+        ckptstore.save(root, state_at(5), step=2)
+    assert "ckptstore.rollback" in str(refused.value)
+    assert sorted(p.name for p in (root / "2").iterdir()) == before  # no attempt was begun
+    assert_state(ckptstore.load(root, 2), 2)
+    ckptstore.rollback(root, 1)
+    ckptstore.save(root, state_at(5), step=2)
+    assert_state(ckptstore.load(root, 2), 5)

@@ -20,10 +20,12 @@ from collections.abc import Iterable
 from typing import Any
 
 from ckptstore import background
+from ckptstore.errors import CommitConflictError
 from ckptstore.layout import commit as _commit
 from ckptstore.layout import rollback as _rollback
 from ckptstore.layout.commit import CommitInfo
 from ckptstore.layout.gc import GCReport, collect_garbage
+from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.pipeline import restore as _restore
 from ckptstore.pipeline import save as save_path
@@ -95,6 +97,7 @@ async def asave(
         staged = save_path.stage(stager, state, copy=False)
         try:
             async with aopened(root, store_options) as store:
+                await _refuse_committed(store, step)
                 return await save_path.save_staged(
                     store, staged, step=step, metadata=metadata, full=full
                 )
@@ -102,6 +105,19 @@ async def asave(
             staged.release()
     finally:
         stager.close()
+
+
+async def _refuse_committed(store: Store, step: int) -> None:
+    """Refuse a step the root already holds before anything is written (the commit's
+    put-if-absent would refuse it too, after every byte was written and then removed)."""
+    if await store.exists(manifest_key(step)):
+        newest = await _commit.latest_step(store)
+        raise CommitConflictError(
+            f"{store.url}: step {step} is already committed (the newest step of this root is "
+            f"{newest}), and a step is saved once. Save the steps after the newest; to save "
+            "this one again, go back to an older step with ckptstore.rollback(root, step) "
+            "(the newer steps are set aside, recoverably) first; or save to a new root"
+        )
 
 
 async def aread_manifest(root: Root, step: int | None = None, **store_options: Any) -> Manifest:
