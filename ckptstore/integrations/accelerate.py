@@ -27,7 +27,6 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import signal
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -45,11 +44,10 @@ from ckptstore.integrations.files import (
     roll_back,
 )
 from ckptstore.manager.preemption import (
-    DEADLINE_STATUS,
     Notice,
     Preempted,
+    notice_elsewhere,
     save_margin,
-    signals_of,
     watch,
 )
 from ckptstore.pipeline.root import Root
@@ -271,7 +269,7 @@ def mirror_states(
             here = notices.notice(save_margin(save_seconds))
             told = torch.tensor(0 if here is None else 1, device=accelerator.device)
             if not stopping and accelerator.reduce(told, reduction="sum").item() >= 1:
-                stopping.append(here or _elsewhere(preemption))
+                stopping.append(here or notice_elsewhere(preemption))
             return bool(check()) or bool(stopping)
 
         accelerator.check_trigger = check_trigger
@@ -329,16 +327,6 @@ def mirror_states(
     accelerator.save_state = save_state
     accelerator.load_state = load_state
     return mirror
-
-
-def _elsewhere(preemption: bool | int | Iterable[int]) -> Notice:
-    """The notice of a process told through the trigger: it cannot know which notice
-    another process had; the exit status is the first watched signal's."""
-    signals = signals_of(preemption)
-    if not signals:
-        return Notice("a notice on another process (save_before)", DEADLINE_STATUS)
-    first = signal.Signals(signals[0])
-    return Notice(f"a notice on another process ({first.name})", 128 + first)
 
 
 _STATES_ADVICE = (

@@ -24,7 +24,8 @@ With ``preemption=True`` (SIGTERM; or signal numbers) or ``save_before=``, a ter
 notice makes the Trainer save at the end of the step it is in and stop; ``train()`` then
 waits for that checkpoint's upload and raises
 :class:`~ckptstore.manager.preemption.Preempted` (exit status 143 for SIGTERM), and the
-restart resumes from it. Every process must get the signal (``torchrun`` passes it on).
+restart resumes from it. Under several processes they agree at each step (one small
+all-reduce) whether any of them had notice, so all save and stop at the same step.
 
 Only the main process (``state.is_world_process_zero``) uploads, so under several processes
 the checkpoint directory it sees must be complete (one node, or a shared filesystem), as
@@ -51,6 +52,7 @@ from ckptstore.manager.preemption import (
     Notice,
     Preempted,
     PreemptionWatch,
+    notice_elsewhere,
     save_margin,
     signals_of,
     watch,
@@ -164,10 +166,10 @@ class StoreCallback(TrainerCallback):
     ) -> None:
         if self._watch is not None and self._preempted is None:
             notice = self._watch.notice(save_margin(self._save_seconds))
-            if notice is not None:  # this step is the last: saved, then training stops
+            if _anywhere(notice is not None):  # the last step: saved, then training stops
                 control.should_save = True
                 control.should_training_stop = True
-                self._preempted = (state.global_step, notice)
+                self._preempted = (state.global_step, notice or notice_elsewhere(self._preemption))
         # the Trainer is about to write checkpoint-<global_step>: refuse an old step before
         # it writes anything (on_save would refuse it only after)
         if control.should_save:
@@ -210,6 +212,21 @@ class StoreCallback(TrainerCallback):
     def wait_until_finished(self) -> None:
         """Block until every checkpoint saved so far is committed in the store."""
         self.mirror.wait()
+
+
+def _anywhere(flag: bool) -> bool:
+    """Whether ``flag`` holds on any process of the run (one all-reduce under several): a
+    signal reaches the processes at slightly different times, and a process that saved a
+    step the others did not would wait for them in the Trainer's collectives."""
+    processes = PartialState()
+    if processes.num_processes == 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    told = torch.tensor(int(flag), device=processes.device)
+    dist.all_reduce(told, op=dist.ReduceOp.MAX)
+    return bool(told.item())
 
 
 _RESUME_ADVICE = (

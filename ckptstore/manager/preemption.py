@@ -31,6 +31,7 @@ from typing import Any
 __all__ = [
     "DEADLINE_STATUS",
     "Notice",
+    "notice_elsewhere",
     "Preempted",
     "PreemptionWatch",
     "save_margin",
@@ -174,6 +175,17 @@ def watch(
     if not signals and save_before is None:
         return None
     return PreemptionWatch(signals, save_before)
+
+
+def notice_elsewhere(preemption: bool | int | Iterable[int]) -> Notice:
+    """The notice of a process that learnt of another's through a collective: it cannot know
+    which notice that was; the exit status is the first watched signal's (the time limit's
+    when no signal is watched)."""
+    signals = signals_of(preemption)
+    if not signals:
+        return Notice("a notice on another process (save_before)", DEADLINE_STATUS)
+    first = signal.Signals(signals[0])
+    return Notice(f"a notice on another process ({first.name})", 128 + first)
 
 
 def save_margin(observed: list[float]) -> float:
