@@ -1,0 +1,69 @@
+"""Write one golden checkpoint with the ckptstore that is importable (tests/golden/README.md
+says which commit wrote each, and the command).
+
+    PYTHONPATH=<checkout of the commit>:<this repo>/tests \\
+        python tests/golden/make.py KIND OUT_DIR
+
+KIND: ``plain`` (one step, packed and whole leaves of every dtype), ``incremental`` (three
+steps, each referencing the one before), ``sharded`` (one leaf saved as chunks by 2 ranks).
+Only the calls every version since the first format has are used.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import golden_states
+
+import ckptstore
+
+#: small thresholds, so the golden checkpoints stay a few KiB and still hold both kinds of
+#: object: leaves under 4 KiB packed, larger ones objects of their own
+OPTIONS = {"pack_threshold": 4096, "pack_size": 1 << 16}
+
+
+def plain(out: Path) -> None:
+    ckptstore.save(ckptstore.open_store(str(out), **OPTIONS), golden_states.plain_state(), step=1)
+
+
+def incremental(out: Path) -> None:
+    store = ckptstore.open_store(str(out), **OPTIONS)
+    for step, state in enumerate(golden_states.incremental_states(), start=1):
+        ckptstore.save(store, state, step=step)
+
+
+def sharded(out: Path) -> None:
+    from ckptstore.distributed import LocalGroup, save
+
+    try:
+        from ckptstore.distributed import Shard
+    except ImportError:  # its first home
+        from ckptstore.stage.shards import Shard
+
+    full = golden_states.sharded_global()
+    group = LocalGroup(2, timeout=60)
+    rows = full.shape[0] // 2
+
+    def one(rank: int) -> object:
+        part = full[rank * rows : (rank + 1) * rows]
+        leaf = Shard(part, offsets=(rank * rows, 0), global_shape=full.shape)
+        state = {"w": leaf, "step": 7, "replicated": golden_states.values("int32", 4, 1)}
+        return save(str(out), state, step=7, comm=group.member(rank))
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(one, range(2)))
+
+
+if __name__ == "__main__":
+    kind, out = sys.argv[1], Path(sys.argv[2])
+    {"plain": plain, "incremental": incremental, "sharded": sharded}[kind](out)
+    root = Path(ckptstore.__file__).resolve().parent.parent
+    commit = subprocess.run(
+        ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    written = {"kind": kind, "commit": commit}
+    out.with_name(out.name + ".json").write_text(json.dumps(written) + "\n")

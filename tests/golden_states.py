@@ -1,0 +1,86 @@
+"""The states of the golden checkpoints under ``tests/golden/``, built from formulas (numpy
+only), so a test rebuilds exactly what each checkpoint must hold, and ``tests/golden/make.py``
+can write them with the ckptstore of any commit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: numpy dtypes every format version stores, both byte orders for two of them
+DTYPES = [
+    "bool",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    ">f4",
+    ">i8",
+]
+
+
+def values(dtype: str, count: int, seed: int) -> np.ndarray[Any, Any]:
+    """``count`` values of ``dtype`` that differ by ``seed``, with every byte position
+    used (negative numbers, fractions, large magnitudes)."""
+    base = (np.arange(count, dtype=np.float64) - count / 3) * (1.0 + seed / 7)
+    kind = np.dtype(dtype).kind
+    if kind == "b":
+        return ((np.arange(count) + seed) % 3 == 0).astype(dtype)
+    if kind in "iu":
+        info = np.iinfo(np.dtype(dtype))
+        spread = (np.arange(count, dtype=np.int64) * 7919 + seed * 104729) % 65521
+        return (info.min + spread * ((int(info.max) - int(info.min)) // 65521)).astype(dtype)
+    if kind == "c":
+        return (base * np.pi + 1j * (base / np.e)).astype(dtype)
+    return (base * np.pi).astype(dtype)
+
+
+def plain_state(seed: int = 0) -> dict[str, Any]:
+    """Packed and whole leaves of every dtype, nested dicts, lists and tuples, int keys, keys
+    with ``/`` and ``~``, 0-d and empty arrays, and plain values."""
+    arrays = {name.replace(">", "be_"): values(name, 5, seed) for name in DTYPES}
+    return {
+        "dtypes": arrays,
+        "model": {
+            "embed": values("float32", 64 * 48, seed).reshape(64, 48),  # 12 KiB: whole
+            "bias": values("float32", 48, seed),
+            "shapes": [
+                np.asarray(values("float64", 1, seed)[0]),  # 0-d
+                np.zeros((0, 3), np.float32),  # empty
+                values("int16", 24, seed).reshape(2, 3, 4),
+            ],
+        },
+        "optimizer": {0: {"step": 10 + seed, "lr": 0.5}, 1: (1, "two", None)},
+        "odd/key~": {"a/b": values("uint8", 3, seed)},
+        "plain": [True, 3, -2.5, "text", None, float("inf")],
+    }
+
+
+def incremental_states() -> list[dict[str, Any]]:
+    """Three steps of a run whose saves reference the earlier steps' objects: step 2 changes
+    one whole leaf, step 3 one packed leaf."""
+    first = plain_state(0)
+    second = plain_state(0)
+    second["model"]["embed"] = values("float32", 64 * 48, 2).reshape(64, 48)
+    third = plain_state(0)
+    third["model"]["embed"] = second["model"]["embed"]
+    third["model"]["bias"] = values("float32", 48, 3)
+    return [first, second, third]
+
+
+#: the global array of the sharded golden checkpoint, and each of its 2 ranks' rows
+SHARDED_SHAPE = (8, 6)
+
+
+def sharded_global() -> np.ndarray[Any, Any]:
+    return values("float32", 48, 5).reshape(SHARDED_SHAPE)

@@ -1,0 +1,140 @@
+"""Golden checkpoints (issue 32): small checkpoints of every manifest version, each written
+once by the commit that introduced that version (``tests/golden/<name>.json`` names it;
+``tests/golden/make.py`` and ``tests/golden/README.md`` say how), and loaded here through
+every face that reads a native checkpoint (``load``, the manager, the distributed load, the
+CLI's ``verify``) and by the stand-alone reader (``scripts/read_checkpoint.py``, in a
+process without ckptstore). A release that stops reading one fails here.
+
+- ``v1-plain``: version 1, written by 549d180 (the first format): packed and whole leaves
+  of every numpy dtype, both byte orders, 0-d and empty arrays, nested containers, int keys,
+  escaped keys, plain values.
+- ``v2-incremental``: version 2, written by f6970d7 (incremental saves): three steps, each
+  referencing objects of the one before.
+- ``v3-sharded``: version 3, written by 4d1e2e2 (sharded leaves): one leaf saved as chunks
+  by two ranks, beside a replicated one.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import ckptstore
+import ckptstore.distributed
+from ckptstore import CheckpointManager
+from ckptstore.errors import CorruptCheckpointError
+from ckptstore.layout import manifest as manifest_module
+from tests import golden_states
+from tests.test_standalone_reader import assert_same, read_in_child
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+ROOT = GOLDEN.parent.parent
+
+#: name -> (the commit that wrote it, its manifest version, {step: expected state})
+CASES: dict[str, tuple[str, int, dict[int, Any]]] = {
+    "v1-plain": ("549d180", 1, {1: golden_states.plain_state()}),
+    "v2-incremental": (
+        "f6970d7",
+        2,
+        dict(enumerate(golden_states.incremental_states(), start=1)),
+    ),
+    "v3-sharded": (
+        "4d1e2e2",
+        3,
+        {
+            7: {
+                "w": golden_states.sharded_global(),
+                "step": 7,
+                "replicated": golden_states.values("int32", 4, 1),
+            }
+        },
+    ),
+}
+
+
+@pytest.fixture(params=sorted(CASES))
+def golden(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
+    """A copy of one golden checkpoint (nothing a test does may touch the originals)."""
+    name = request.param
+    copy = tmp_path / name
+    shutil.copytree(GOLDEN / name, copy)
+    return name, copy
+
+
+def test_each_was_written_by_the_commit_named_and_holds_its_version(
+    golden: tuple[str, Path],
+) -> None:
+    name, root = golden
+    commit, version, steps = CASES[name]
+    written = json.loads((GOLDEN / f"{name}.json").read_text())
+    assert written["commit"].startswith(commit)
+    assert ckptstore.list_steps(root) == sorted(steps)
+    for step in steps:
+        envelope = (root / str(step) / "manifest.json").read_bytes()[:40]
+        assert envelope.startswith(b'{"format":"ckptstore","version":%d,' % version)
+    if name == "v2-incremental":  # each step references the one before
+        assert [ckptstore.read_manifest(root, s).references() != [] for s in steps] == [
+            False,
+            True,
+            True,
+        ]
+
+
+def test_ckptstore_load_and_the_manager_read_them_bit_exact(golden: tuple[str, Path]) -> None:
+    name, root = golden
+    for step, expected in CASES[name][2].items():
+        assert_same(ckptstore.load(root, step), expected)
+        with CheckpointManager(root) as mgr:
+            assert_same(mgr.restore(step), expected)
+
+
+def test_a_distributed_load_reads_them_bit_exact(golden: tuple[str, Path]) -> None:
+    name, root = golden
+    group = ckptstore.distributed.LocalGroup(1, timeout=60)
+    for step, expected in CASES[name][2].items():
+        got = ckptstore.distributed.load(root, step, comm=group.member(0))
+        assert_same(got, expected)
+
+
+def test_the_standalone_reader_reads_them_bit_exact_without_ckptstore(
+    golden: tuple[str, Path],
+) -> None:
+    name, root = golden
+    _, version, steps = CASES[name]
+    for step, expected in steps.items():
+        got, read_version = read_in_child(root, step)
+        assert read_version == version
+        assert_same(got, expected)
+
+
+def test_the_cli_verifies_every_step(golden: tuple[str, Path]) -> None:
+    _, root = golden
+    done = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "verify", "--all", "--no-progress", str(root)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_removing_a_versions_reader_fails_its_golden_checkpoint(
+    version: int, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The golden checkpoints are what keeps each version readable: without the version in
+    the readable set, its checkpoint is refused."""
+    name = next(n for n, case in CASES.items() if case[1] == version)
+    root = tmp_path / name
+    shutil.copytree(GOLDEN / name, root)
+    readable = tuple(v for v in manifest_module.READABLE_VERSIONS if v != version)
+    monkeypatch.setattr(manifest_module, "READABLE_VERSIONS", readable)
+    with pytest.raises(CorruptCheckpointError, match=f"format version {version}"):
+        ckptstore.load(root, max(CASES[name][2]))
