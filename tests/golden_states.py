@@ -84,3 +84,38 @@ SHARDED_SHAPE = (8, 6)
 
 def sharded_global() -> np.ndarray[Any, Any]:
     return values("float32", 48, 5).reshape(SHARDED_SHAPE)
+
+
+#: ml_dtypes types by name, as manifests name them (numpy-native ones are in DTYPES)
+ML_DTYPES = ["bfloat16", "float8_e4m3fn", "float8_e5m2", "int4", "uint4"]
+
+
+def ml_dtype_bytes(name: str, count: int) -> bytes:
+    """``count`` elements' bytes of an ml_dtypes type (one byte per element for the 4-bit
+    types, two for bfloat16), any bit pattern but NaN-free for the floats."""
+    width = 2 if name == "bfloat16" else 1
+    raw = (np.arange(count * width, dtype=np.uint16) * 37 % 113).astype(np.uint8)
+    if name in ("int4", "uint4"):
+        raw = raw % 16 if name == "uint4" else (raw % 16).astype(np.int8) - 8
+        return raw.astype(np.uint8).tobytes()
+    return raw.tobytes()
+
+
+#: the files of the golden directory tree (what an adapter uploads), path -> bytes
+def tree_files() -> dict[str, bytes]:
+    return {
+        "config.json": b'{"hidden": 8}\n',
+        "model.safetensors": bytes(range(256)) * 9,
+        "optimizer/state.bin": values("float32", 300, 4).tobytes(),
+        "optimizer/empty.bin": b"",
+        "nested/deeper/notes.txt": b"step 3, crc32c everywhere\n",
+    }
+
+
+def dcp_state() -> dict[str, Any]:
+    """A model's state dict as numpy arrays (the DCP golden saves them as torch tensors)."""
+    return {
+        "layer.weight": values("float32", 32, 6).reshape(4, 8),
+        "layer.bias": values("float32", 4, 7),
+        "steps": values("int64", 3, 8),
+    }

@@ -12,6 +12,9 @@ process without ckptstore). A release that stops reading one fails here.
   referencing objects of the one before.
 - ``v3-sharded``: version 3, written by 4d1e2e2 (sharded leaves): one leaf saved as chunks
   by two ranks, beside a replicated one.
+- ``dtypes`` (the ml_dtypes types), ``tree`` (a directory the file adapters uploaded) and
+  ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer): written by
+  aac4441, the code of this session, for the formats that have not changed since.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 import ckptstore
@@ -36,6 +40,19 @@ from tests.test_standalone_reader import assert_same, read_in_child
 GOLDEN = Path(__file__).resolve().parent / "golden"
 ROOT = GOLDEN.parent.parent
 
+
+def golden_states_dtypes() -> dict[str, Any]:
+    """What the ``dtypes`` golden checkpoint holds: the ml_dtypes types and every numpy one."""
+    import ml_dtypes
+
+    state: dict[str, Any] = {
+        name: np.frombuffer(golden_states.ml_dtype_bytes(name, 6), getattr(ml_dtypes, name))
+        for name in golden_states.ML_DTYPES
+    }
+    state["numpy"] = golden_states.plain_state(1)["dtypes"]
+    return state
+
+
 #: name -> (the commit that wrote it, its manifest version, {step: expected state})
 CASES: dict[str, tuple[str, int, dict[int, Any]]] = {
     "v1-plain": ("549d180", 1, {1: golden_states.plain_state()}),
@@ -44,6 +61,7 @@ CASES: dict[str, tuple[str, int, dict[int, Any]]] = {
         2,
         dict(enumerate(golden_states.incremental_states(), start=1)),
     ),
+    "dtypes": ("aac4441", 2, {2: golden_states_dtypes()}),
     "v3-sharded": (
         "4d1e2e2",
         3,
@@ -138,3 +156,41 @@ def test_removing_a_versions_reader_fails_its_golden_checkpoint(
     monkeypatch.setattr(manifest_module, "READABLE_VERSIONS", readable)
     with pytest.raises(CorruptCheckpointError, match=f"format version {version}"):
         ckptstore.load(root, max(CASES[name][2]))
+
+
+def test_the_golden_directory_tree_downloads_byte_for_byte(tmp_path: Path) -> None:
+    from ckptstore import files
+
+    root = tmp_path / "tree"
+    shutil.copytree(GOLDEN / "tree", root)
+    dest = files.download(root, tmp_path / "checkpoint-3", step=3)
+    found = {
+        str(path.relative_to(dest)): path.read_bytes() for path in dest.rglob("*") if path.is_file()
+    }
+    assert found == golden_states.tree_files()
+    got, version = read_in_child(root, 3)  # the stand-alone reader: the files as leaves
+    assert version == 1
+    assert got
+
+
+@pytest.mark.torch
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_the_golden_dcp_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore.dcp
+
+    root = tmp_path / "dcp"
+    shutil.copytree(GOLDEN / "dcp", root)
+    expected = golden_states.dcp_state()
+    state = {
+        "model": {
+            k: torch.zeros(v.shape, dtype=torch.from_numpy(v).dtype) for k, v in expected.items()
+        },
+        "step": 0,
+    }
+    dcp.load(state, storage_reader=ckptstore.dcp.Reader(f"{root}/4"))
+    assert state["step"] == 4
+    for key, value in expected.items():
+        assert state["model"][key].numpy().tobytes() == value.tobytes(), key

@@ -5,8 +5,10 @@ says which commit wrote each, and the command).
         python tests/golden/make.py KIND OUT_DIR
 
 KIND: ``plain`` (one step, packed and whole leaves of every dtype), ``incremental`` (three
-steps, each referencing the one before), ``sharded`` (one leaf saved as chunks by 2 ranks).
-Only the calls every version since the first format has are used.
+steps, each referencing the one before), ``sharded`` (one leaf saved as chunks by 2 ranks),
+``dtypes`` (the ml_dtypes types too), ``tree`` (a directory uploaded by the file
+adapters), ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer).
+Each kind uses only the calls of the commit that wrote it.
 """
 
 from __future__ import annotations
@@ -58,9 +60,46 @@ def sharded(out: Path) -> None:
         list(pool.map(one, range(2)))
 
 
+def dtypes(out: Path) -> None:
+    import ml_dtypes
+    import numpy as np
+
+    state = {
+        name: np.frombuffer(golden_states.ml_dtype_bytes(name, 6), getattr(ml_dtypes, name))
+        for name in golden_states.ML_DTYPES
+    }
+    state["numpy"] = golden_states.plain_state(1)["dtypes"]
+    ckptstore.save(ckptstore.open_store(str(out), **OPTIONS), state, step=2)
+
+
+def tree(out: Path) -> None:
+    import tempfile
+
+    from ckptstore import files
+
+    with tempfile.TemporaryDirectory() as scratch:
+        for name, data in golden_states.tree_files().items():
+            path = Path(scratch) / "checkpoint-3" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
+        files.upload(Path(scratch) / "checkpoint-3", str(out), step=3, **OPTIONS)
+
+
+def dcp(out: Path) -> None:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import ckptstore.dcp
+
+    state = {k: torch.from_numpy(v.copy()) for k, v in golden_states.dcp_state().items()}
+    dcp.save({"model": state, "step": 4}, storage_writer=ckptstore.dcp.Writer(f"{out}/4"))
+
+
 if __name__ == "__main__":
     kind, out = sys.argv[1], Path(sys.argv[2])
-    {"plain": plain, "incremental": incremental, "sharded": sharded}[kind](out)
+    kinds = {"plain": plain, "incremental": incremental, "sharded": sharded}
+    kinds.update(dtypes=dtypes, tree=tree, dcp=dcp)
+    kinds[kind](out)
     root = Path(ckptstore.__file__).resolve().parent.parent
     commit = subprocess.run(
         ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
