@@ -119,3 +119,36 @@ def dcp_state() -> dict[str, Any]:
         "layer.bias": values("float32", 4, 7),
         "steps": values("int64", 3, 8),
     }
+
+
+def lightning_checkpoint_arrays() -> dict[str, Any]:
+    """The tensors of the golden Lightning checkpoint, as numpy arrays."""
+    return {
+        "layer.weight": values("float32", 12, 9).reshape(3, 4),
+        "layer.bias": values("float32", 3, 10),
+        "norm.num_batches_tracked": np.asarray(values("int64", 1, 11)[0]),
+        "exp_avg": values("float32", 12, 12).reshape(3, 4),
+    }
+
+
+def lightning_dict() -> dict[str, object]:
+    """What the golden Lightning checkpoint holds (torch tensors, dtypes, devices and an
+    ``OrderedDict``, as Lightning's checkpoint dicts do); imports torch."""
+    from collections import OrderedDict
+
+    import torch
+
+    arrays = {k: torch.from_numpy(v.copy()) for k, v in lightning_checkpoint_arrays().items()}
+    return {
+        "epoch": 0,
+        "global_step": 3,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": OrderedDict(
+            (k, arrays[k]) for k in ("layer.weight", "layer.bias", "norm.num_batches_tracked")
+        ),
+        "optimizer_states": [
+            {"state": {0: {"exp_avg": arrays["exp_avg"]}}, "param_groups": [{"lr": 0.01}]}
+        ],
+        "hyper_parameters": {"dtype": torch.bfloat16, "device": torch.device("cpu")},
+        "loops": {"fit_loop": {"epoch_progress": {"current": {"ready": 1}}}},
+    }

@@ -12,9 +12,10 @@ process without ckptstore). A release that stops reading one fails here.
   referencing objects of the one before.
 - ``v3-sharded``: version 3, written by 4d1e2e2 (sharded leaves): one leaf saved as chunks
   by two ranks, beside a replicated one.
-- ``dtypes`` (the ml_dtypes types), ``tree`` (a directory the file adapters uploaded) and
-  ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer): written by
-  aac4441, the code of this session, for the formats that have not changed since.
+- ``dtypes`` (the ml_dtypes types), ``tree`` (a directory the file adapters uploaded),
+  ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer) and
+  ``lightning`` (a checkpoint dict saved by ``StoreCheckpointIO``): written by the code of
+  the session that added them (aac4441, bd15594), whose formats have not changed since.
 """
 
 from __future__ import annotations
@@ -194,3 +195,31 @@ def test_the_golden_dcp_checkpoint_loads_through_dcp(tmp_path: Path) -> None:
     assert state["step"] == 4
     for key, value in expected.items():
         assert state["model"][key].numpy().tobytes() == value.tobytes(), key
+
+
+@pytest.mark.torch
+def test_the_golden_lightning_checkpoint_loads_through_the_plugin(tmp_path: Path) -> None:
+    """``ckptstore.lightning/3``: tensors, torch dtypes and devices, an ``OrderedDict`` and
+    int keys come back as Lightning saved them."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("lightning")
+    from collections import OrderedDict
+
+    from ckptstore.lightning import StoreCheckpointIO, checkpoints, last_checkpoint
+
+    root = tmp_path / "lightning"
+    shutil.copytree(GOLDEN / "lightning", root)
+    assert checkpoints(root) == {"epoch=0-step=3.ckpt": 3}
+    path = last_checkpoint(root)
+    assert path == f"{root}/epoch=0-step=3.ckpt"
+    got = StoreCheckpointIO().load_checkpoint(path)
+    expected = golden_states.lightning_dict()
+    assert type(got["state_dict"]) is OrderedDict
+    for key, tensor in expected["state_dict"].items():  # type: ignore[attr-defined]
+        assert torch.equal(got["state_dict"][key], tensor), key
+        assert got["state_dict"][key].dtype == tensor.dtype, key
+    moments = got["optimizer_states"][0]["state"][0]["exp_avg"]
+    assert torch.equal(moments, expected["optimizer_states"][0]["state"][0]["exp_avg"])  # type: ignore[index]
+    assert got["hyper_parameters"] == expected["hyper_parameters"]
+    for key in ("epoch", "global_step", "pytorch-lightning_version", "loops"):
+        assert got[key] == expected[key], key

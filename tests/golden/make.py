@@ -7,7 +7,8 @@ says which commit wrote each, and the command).
 KIND: ``plain`` (one step, packed and whole leaves of every dtype), ``incremental`` (three
 steps, each referencing the one before), ``sharded`` (one leaf saved as chunks by 2 ranks),
 ``dtypes`` (the ml_dtypes types too), ``tree`` (a directory uploaded by the file
-adapters), ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer).
+adapters), ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer),
+``lightning`` (a checkpoint dict saved by ``StoreCheckpointIO``).
 Each kind uses only the calls of the commit that wrote it.
 """
 
@@ -95,10 +96,17 @@ def dcp(out: Path) -> None:
     dcp.save({"model": state, "step": 4}, storage_writer=ckptstore.dcp.Writer(f"{out}/4"))
 
 
+def lightning(out: Path) -> None:
+    from ckptstore.lightning import StoreCheckpointIO
+
+    path = f"{out}/epoch=0-step=3.ckpt"
+    StoreCheckpointIO(**OPTIONS).save_checkpoint(golden_states.lightning_dict(), path)
+
+
 if __name__ == "__main__":
     kind, out = sys.argv[1], Path(sys.argv[2])
     kinds = {"plain": plain, "incremental": incremental, "sharded": sharded}
-    kinds.update(dtypes=dtypes, tree=tree, dcp=dcp)
+    kinds.update(dtypes=dtypes, tree=tree, dcp=dcp, lightning=lightning)
     kinds[kind](out)
     root = Path(ckptstore.__file__).resolve().parent.parent
     commit = subprocess.run(
