@@ -25,7 +25,6 @@ off: the step names the directory here. Importing this module imports accelerate
 from __future__ import annotations
 
 import datetime
-import logging
 import os
 import time
 from collections.abc import Iterable
@@ -45,14 +44,12 @@ from ckptstore.integrations.files import (
 )
 from ckptstore.manager.preemption import (
     Notice,
-    Preempted,
     notice_elsewhere,
     save_margin,
+    stop,
     watch,
 )
 from ckptstore.pipeline.root import Root
-
-_log = logging.getLogger("ckptstore.preemption")
 
 __all__ = ["StoreStates", "mirror_states"]
 
@@ -255,9 +252,7 @@ def mirror_states(
             accelerator.wait_for_everyone()
             if notices is not None:
                 notices.close()
-            stop = Preempted(_iteration(where), stopping[0], mirror.where)
-            _log.warning("%s", stop)
-            raise stop
+            stop(_iteration(where), stopping[0], mirror.where)
         return location
 
     if notices is not None:

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -63,14 +62,12 @@ from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.integrations.files import TreeMirror, download, roll_back
 from ckptstore.layout.commit import committed_steps, read_manifest
-from ckptstore.manager.preemption import Notice, Preempted, save_margin, watch
+from ckptstore.manager.preemption import Notice, save_margin, stop, watch
 from ckptstore.pipeline.root import Root, opened
 
 __all__ = ["OrbaxMirror", "mirror_manager"]
 
 _T = TypeVar("_T")
-
-_log = logging.getLogger("ckptstore.preemption")
 
 _ADVICE = (
     "To resume that run, manager.restore(manager.latest_step(), ...) after mirror_manager "
@@ -161,9 +158,7 @@ class OrbaxMirror:
         if notice is not None:
             self.wait_until_finished()
             self._close_watch()
-            stop = Preempted(step, notice, self.mirror.where)
-            _log.warning("%s", stop)
-            raise stop
+            stop(step, notice, self.mirror.where)
         return saved
 
     def notice(self) -> Notice | None:

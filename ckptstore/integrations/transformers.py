@@ -50,11 +50,11 @@ from ckptstore.integrations.files import TreeMirror, local_copy, numbered_after,
 from ckptstore.layout.commit import latest_step
 from ckptstore.manager.preemption import (
     Notice,
-    Preempted,
     PreemptionWatch,
     notice_elsewhere,
     save_margin,
     signals_of,
+    stop,
     watch,
 )
 from ckptstore.pipeline.root import Root, opened
@@ -206,8 +206,7 @@ class StoreCallback(TrainerCallback):
                 self._watch.close()
                 self._watch = None
         if self._preempted is not None:
-            step, notice = self._preempted
-            raise Preempted(step, notice, self.mirror.where)
+            stop(*self._preempted, self.mirror.where)
 
     def wait_until_finished(self) -> None:
         """Block until every checkpoint saved so far is committed in the store."""

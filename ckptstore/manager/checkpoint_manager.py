@@ -43,7 +43,6 @@ from __future__ import annotations
 import concurrent.futures.thread  # noqa: F401  (its exit hook must be registered before ours)
 import datetime
 import json
-import logging
 import math
 import os
 import time
@@ -62,10 +61,11 @@ from ckptstore.layout.references import delete_steps
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.manager.preemption import (
     Notice,
-    Preempted,
     PreemptionWatch,
     save_margin,
     signals_of,
+    stop,
+    watch,
 )
 from ckptstore.manager.snapshot import LazyFence
 from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
@@ -77,7 +77,6 @@ from ckptstore.store.base import Store
 
 __all__ = ["CheckpointManager"]
 
-_log = logging.getLogger("ckptstore.preemption")
 
 #: Key of the manager's own entry in a manifest's metadata.
 _META_KEY = MANAGER_META_KEY
@@ -254,9 +253,7 @@ class CheckpointManager:
         self._newest_known = False
         self._clock: Callable[[], float] = time.time
         self.last_handle: SaveHandle | None = None
-        self._watch = (
-            PreemptionWatch(signals, save_before) if signals or save_before is not None else None
-        )
+        self._watch = watch(preemption, save_before)
         self._save_seconds: list[float] = []  # how long saves took, for save_before
         if self._closes_at_exit:
             background.close_at_exit(self, "a background save failed")
@@ -398,7 +395,7 @@ class CheckpointManager:
     ) -> NoReturn:
         """The last save after a preemption notice: this step, durable, then stop."""
         newest = self._newest_accepted()
-        watch, self._watch = self._watch, None  # the save below is an ordinary one
+        watching, self._watch = self._watch, None  # the save below is an ordinary one
         try:
             if newest is None or step > newest:
                 self.save(step, state, metadata=metadata, force=True, metrics=metrics)
@@ -406,11 +403,8 @@ class CheckpointManager:
                 step = newest  # saved already (or being saved): that one is the last
             self.wait_until_finished()
         finally:
-            self._watch = watch
-        where = self._store.url if self._tiers is None else self._tiers.local.url
-        stop = Preempted(step, notice, where)
-        _log.warning("%s", stop)
-        raise stop
+            self._watch = watching
+        stop(step, notice, self._store.url if self._tiers is None else self._tiers.local.url)
 
     def _check_after_newest(self, step: int) -> None:
         """Refuse, in the ``save`` call, a step that is not after the newest committed (or

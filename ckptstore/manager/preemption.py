@@ -20,13 +20,14 @@ Handlers can only be installed from the main thread.
 from __future__ import annotations
 
 import datetime
+import logging
 import signal
 import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "DEADLINE_STATUS",
@@ -36,8 +37,11 @@ __all__ = [
     "PreemptionWatch",
     "save_margin",
     "signals_of",
+    "stop",
     "watch",
 ]
+
+_log = logging.getLogger("ckptstore.preemption")
 
 #: The exit status for a wall-clock limit (``timeout(1)``'s).
 DEADLINE_STATUS = 124
@@ -151,6 +155,14 @@ class PreemptionWatch:
             if signal.getsignal(sig) == self._on_signal:
                 signal.signal(sig, previous)
         self._previous.clear()
+
+
+def stop(step: int, notice: Notice, where: str) -> NoReturn:
+    """End the job after its last save: log why (a WARNING on ``ckptstore.preemption``) and
+    raise :class:`Preempted`. What every face that saves on a notice calls last."""
+    stopped = Preempted(step, notice, where)
+    _log.warning("%s", stopped)
+    raise stopped
 
 
 def signals_of(preemption: bool | int | Iterable[int]) -> list[int]:
