@@ -280,42 +280,26 @@ def run_ranks(opts: dict[str, Any]) -> dict[int, Any]:
     """The multi-rank ``ckptstore.distributed.CheckpointManager`` on 2 gloo processes: each
     rank walks its own shard of the weights (its noise seeded by step and rank) and saves it
     every 2 steps; a step's losses are both ranks'. This process launches the ranks (each is
-    this script again, ``ranks-worker``), and ends as they do: SIGKILLed if one was, else
-    with rank 0's status, printing rank 1's then rank 0's stderr."""
-    import socket
-    import subprocess
+    this script again, ``ranks-worker``, started by ``tests/multirank.py``), and ends as they
+    do: SIGKILLed if one was, else with rank 0's status, printing rank 1's then rank 0's
+    output."""
+    import tempfile
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    procs = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "GLOO_SOCKET_IFNAME": "lo",
-        }
-        command = [sys.executable, __file__, "ranks-worker", json.dumps(opts)]
-        procs.append(
-            subprocess.Popen(
-                command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-            )
-        )
-    outputs = [proc.communicate(timeout=300) for proc in procs]
-    if any(proc.returncode == -signal.SIGKILL for proc in procs):
+    from multirank import run_ranks as launch
+
+    with tempfile.TemporaryDirectory() as logs:
+        outcomes = launch(Path(__file__), 2, "ranks-worker", json.dumps(opts), logs=Path(logs))
+    if any(outcome.returncode == -signal.SIGKILL for outcome in outcomes):
         os.kill(os.getpid(), signal.SIGKILL)
-    if any(proc.returncode != 0 for proc in procs):
-        for _, err in reversed(outputs):
-            sys.stderr.write(err)
+    if any(outcome.returncode != 0 for outcome in outcomes):
+        for outcome in reversed(outcomes):
+            sys.stderr.write(outcome.log)
         sys.stderr.flush()
-        os._exit(procs[0].returncode if procs[0].returncode > 0 else 1)
+        code = outcomes[0].returncode
+        os._exit(code if code > 0 else 1)
     losses = [
-        json.loads(next(x for x in out.splitlines() if x.startswith("LOSSES ")).split(" ", 1)[1])
-        for out, _ in outputs
+        json.loads(next(x for x in o.log.splitlines() if x.startswith("LOSSES ")).split(" ", 1)[1])
+        for o in outcomes
     ]
     return {int(step): [losses[0][step], losses[1][step]] for step in losses[0]}
 
