@@ -161,16 +161,11 @@ def _lightning_saves(url: str) -> dict[int, str]:
 
 class LightningFace(Face):
     def weights(self, url: str, step: int) -> dict[str, int]:
-        """The state_dict leaves of the checkpoint of that global step (not last.ckpt)."""
+        """The weight leaves of the checkpoint of that global step (not last.ckpt)."""
         from ckptstore.lightning import checkpoints
 
         name = next(n for n, s in checkpoints(url).items() if s == step and "last" not in n)
-        manifest = ckptstore.read_manifest(f"{url}/{name}", 0)
-        return {
-            path: crc
-            for path, crc in zip(manifest.paths, manifest.leaf_crc, strict=True)
-            if path.startswith("state_dict/")
-        }
+        return super().weights(f"{url}/{name}", 0)  # a root of its own: its step 0
 
 
 MANAGER = Face("manager", _manager)
@@ -187,7 +182,11 @@ ACCELERATE = Face(
 ORBAX = Face("orbax", _orbax, weight_leaves=None)
 DCP = Face("dcp", _dcp, weight_leaves=lambda path: path.startswith("model."))
 LIGHTNING = LightningFace(
-    "lightning", _lightning, committed=_lightning_steps, saves=_lightning_saves
+    "lightning",
+    _lightning,
+    committed=_lightning_steps,
+    saves=_lightning_saves,
+    weight_leaves=lambda path: path.startswith("state_dict/"),
 )
 
 FACES = [
