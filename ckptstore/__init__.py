@@ -53,6 +53,7 @@ from ckptstore.manager.functions import (
     rollback,
     save,
 )
+from ckptstore.pipeline.streaming import Pending, fence
 from ckptstore.store import ObjectMeta, Store, open_store, register_backend
 
 __version__ = "0.1.0"
@@ -68,6 +69,7 @@ __all__ = [
     "ExportInfo",
     "GCReport",
     "Manifest",
+    "Pending",
     "UnsupportedLeafError",
     "adelete_step",
     "aexport_safetensors",
@@ -79,6 +81,7 @@ __all__ = [
     "arollback",
     "asave",
     "delete_step",
+    "fence",
     "export_safetensors",
     "gc",
     "list_steps",

@@ -22,7 +22,7 @@ from typing import Any, Protocol, TypeVar
 from ckptstore import threads
 from ckptstore.threads import Pool
 
-__all__ = ["close_at_exit", "forget_at_exit", "loop", "run", "submit"]
+__all__ = ["close_at_exit", "forget_at_exit", "loop", "on_loop", "run", "submit"]
 
 _T = TypeVar("_T")
 _lock = threading.Lock()
@@ -48,6 +48,11 @@ def loop() -> asyncio.AbstractEventLoop:
 
 #: How long an interrupted :func:`run` waits for its work to clean up before re-raising.
 CLEANUP_SECONDS = 30.0
+
+
+def on_loop() -> bool:
+    """Whether the calling thread is the background loop's (where nothing may block)."""
+    return _thread is threading.current_thread()
 
 
 def submit(coro: Coroutine[Any, Any, _T]) -> concurrent.futures.Future[_T]:

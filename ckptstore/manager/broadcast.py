@@ -77,7 +77,7 @@ from ckptstore.layout.restore import empty_array
 from ckptstore.manager import segments
 from ckptstore.manager.distributed import Collectives, Message, _Failure, lost_rank
 from ckptstore.pipeline.deadline import bounded
-from ckptstore.pipeline.restore import Request, Selection, read_selected, rebuild, select_step
+from ckptstore.pipeline.restore import Request, Selection, read_selected, select_step
 from ckptstore.store.base import Store
 
 __all__ = ["ReadPlan", "Transfer", "load_shared", "plan_reads"]
@@ -197,8 +197,10 @@ class _Selected:
 
 def load_shared(
     store: Store, step: int, asked: Request, comm: Collectives, *, shared_memory: bool = True
-) -> Any:
-    """Load ``asked`` of ``step`` on every rank of ``comm``, each shared leaf read once.
+) -> Selection:
+    """Read ``asked`` of ``step`` on every rank of ``comm``, each shared leaf read once;
+    returns the selection with every array of its first part in place, for
+    :func:`~ckptstore.pipeline.restore.rebuild`.
 
     Every rank of the group calls it, with its own request (see the module docstring).
     ``shared_memory=False`` sends every transfer over ``comm``, between ranks of one host too.
@@ -223,7 +225,9 @@ def load_shared(
         # a leaf this rank wants in parts (its shard of a sharded leaf) it reads itself:
         # the ranks want different boxes of it, so there is nothing to share
         boxed = selection.boxes()
-        shared = [leaf for leaf in selection.leaves if leaf not in boxed]
+        # a streaming load's background part each rank reads itself (no collective may run
+        # beside the training loop's): only the first part is shared
+        shared = [leaf for leaf in selection.first() if leaf not in boxed]
         leaves = np.asarray(shared, np.int64).tobytes()
         mine = _Selected(selection.manifest.step, selection.manifest.attempt, leaves, host)
     except Exception as exc:
@@ -243,7 +247,7 @@ def load_shared(
     hosts = [c.host for c in chosen]
     with _Handover(rank, hosts) as handover:
         _read_and_transfer(store, step, selection, boxed, plan, comm, handover)
-    return rebuild(selection)
+    return selection
 
 
 def _read_and_transfer(

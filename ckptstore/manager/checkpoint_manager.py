@@ -70,6 +70,7 @@ from ckptstore.manager.preemption import (
 from ckptstore.manager.snapshot import LazyFence
 from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline import streaming
 from ckptstore.pipeline.restore import rebuild, request, restore
 from ckptstore.pipeline.root import Root, open_root
 from ckptstore.stage import StagedState, Stager
@@ -464,15 +465,19 @@ class CheckpointManager:
         await self._retain()
 
     def fence(self) -> bool:
-        """Wait until the state may change: whatever of a lazy snapshot's copy is left is
-        done (CUDA copies: ordered before the caller's later work on its stream). Call it
-        before changing saved tensors by hand; optimizer steps are fenced automatically.
-        Never raises a copy's error (the save does).
+        """Wait until the state may change and every restored value is in place: whatever of
+        a lazy snapshot's copy is left is done (CUDA copies: ordered before the caller's
+        later work on its stream), and so is the background part of every streaming restore
+        (``restore(..., stream=...)``). Call it before changing saved tensors by hand, or
+        before using what a streaming restore reads in the background; optimizer steps are
+        fenced automatically. Never raises a copy's error (the save does); raises a
+        streaming restore's (:mod:`ckptstore.pipeline.streaming`).
 
         Returns:
-            Whether there was a copy to wait for (never, with eager snapshots).
+            Whether there was a copy or a restore to wait for.
         """
-        return self._fence.wait()
+        copied = self._fence.wait()
+        return streaming.wait_all() or copied
 
     @contextmanager
     def fenced(self) -> Iterator[None]:
@@ -618,6 +623,7 @@ class CheckpointManager:
         keys: Any = None,
         *,
         rollback: bool = False,
+        stream: bool | str | Iterable[str] = False,
     ) -> Any:
         """Read a committed step back, verifying every byte.
 
@@ -644,6 +650,13 @@ class CheckpointManager:
                 (:mod:`ckptstore.layout.rollback`): invisible to every face, its data kept
                 until ``gc`` finds it abandoned, and recoverable until then with
                 :func:`ckptstore.recover_step`. :attr:`set_aside` lists them.
+            stream: return before the whole state is read (:mod:`ckptstore.pipeline.streaming`):
+                ``True`` once every leaf but the optimizer's state is in place, or once the
+                leaves under the keys given are (``stream=["model"]``); the rest is read and
+                verified in the background, into the arrays already returned (a JAX leaf:
+                a :class:`~ckptstore.pipeline.streaming.Pending` until
+                ``ckptstore.fence(state)``). A torch optimizer step, :meth:`fence`,
+                ``ckptstore.fence()`` and the next save wait for it, and raise its error.
 
         Raises:
             NotFoundError: no committed step, no such step, or a key (or leaf of a target)
@@ -657,7 +670,8 @@ class CheckpointManager:
         (:mod:`ckptstore.pipeline.restore`).
         """
         self._check_open()
-        asked = request(keys, target)
+        asked = request(keys, target, stream)
+        streaming.wait_all()  # a newer restore must not race an older one's background part
         if rollback:
             self.wait_until_finished()  # the copies too: no step above may land after
         if step is None:
@@ -676,7 +690,8 @@ class CheckpointManager:
             selection, self.last_restore = background.run(
                 read_nearest(self._tiers.local, self._store, step, asked)
             )
-            state = rebuild(selection)
+            source = self._tiers.local if self.last_restore.tier == "local" else self._store
+            state = rebuild(selection, store=source)
         if rollback:
             self._roll_back_to(step)
         return state
@@ -724,6 +739,7 @@ class CheckpointManager:
         if self._watch is not None:
             self._watch.close()
         try:
+            streaming.wait_all()  # a streaming restore may still read from the stores
             self._saver.wait_until_finished()
         finally:
             try:  # after a failed save too: no copy may run on to closed stores

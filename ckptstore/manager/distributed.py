@@ -63,7 +63,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,9 +78,10 @@ from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import FlatState, escape_key, join_path
 from ckptstore.manager import sharding
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline import streaming
 from ckptstore.pipeline.deadline import bounded
-from ckptstore.pipeline.restore import request, restore
-from ckptstore.pipeline.root import Root, opened
+from ckptstore.pipeline.restore import Request, read, rebuild, request
+from ckptstore.pipeline.root import Root, open_root, opened
 from ckptstore.pipeline.save import Attempt
 from ckptstore.stage import Stager
 from ckptstore.store.base import Store
@@ -935,6 +936,7 @@ def load(
     comm: Collectives | None = None,
     broadcast: bool | None = None,
     shared_memory: bool = True,
+    stream: bool | str | Iterable[str] = False,
     **store_options: Any,
 ) -> Any:
     """Load the part of a checkpoint this rank needs, verifying every byte read.
@@ -966,6 +968,13 @@ def load(
             leaves through memory segments (``/dev/shm``, or ``CKPTSTORE_SHM_DIR``) rather
             than over the group (:mod:`ckptstore.manager.segments`); ``False`` sends them
             over the group as between hosts.
+        stream: return once the first part is in place, as ``CheckpointManager.restore``'s
+            (``True``: every leaf but the optimizer's state; or the keys given), and read the
+            rest in the background (:mod:`ckptstore.pipeline.streaming`). The first part is
+            loaded as without it (shared leaves read once, with ``broadcast``); the rest each
+            rank reads from the store itself, so no collective runs beside the training
+            loop's. A torch optimizer step, ``ckptstore.fence()`` and the next save wait for
+            it, and raise its error, on the rank whose read failed.
         **store_options: options for a URL ``root``, as on every face
             (:mod:`ckptstore.pipeline.root`).
 
@@ -976,40 +985,68 @@ def load(
             every rank, whichever rank read it).
         CkptStoreError: with ``broadcast``, another rank failed or died.
     """
-    asked = request(keys, target)  # bad arguments fail here, before any collective
-    with opened(root, store_options) as store:
-        if comm is None and (step is None or (broadcast is not False and _group_running())):
-            comm = default_collectives(group)
-        if broadcast is None:
-            broadcast = bool(getattr(comm, "broadcast_by_default", True))
-        if step is None:
-            assert comm is not None
-            found: Any = None
-            if comm.rank == coordinator:
-                try:
-                    found = background.run(latest_step(store))
-                except Exception as exc:
-                    found = _Failure.of(coordinator, exc)
-            found = comm.broadcast(found, coordinator)
-            if isinstance(found, _Failure):
-                raise CkptStoreError(
-                    f"{store.url}: finding the latest step failed on {found.describe()}"
-                )
-            if found is None:
-                raise NotFoundError(f"{store.url}: no committed checkpoint")
-            step = int(found)
-        if broadcast and comm is not None and comm.world > 1:
-            if not callable(getattr(comm, "exchange", None)):
-                raise TypeError(
-                    f"{type(comm).__name__} has no exchange(), which a load with "
-                    "broadcast=True sends shared leaves with; add it (see Collectives) or "
-                    "pass broadcast=False"
-                )
-            # imported here: the broadcast module builds on this one's collectives
-            from ckptstore.manager.broadcast import load_shared
+    asked = request(keys, target, stream)  # bad arguments fail here, before any collective
+    streaming.wait_all()
+    store, owned = open_root(root, store_options)
+    handed = False  # the background part of a streaming load closes the store
+    try:
+        state, handed = _load(
+            store, owned, step, asked, group, coordinator, comm, broadcast, shared_memory
+        )
+        return state
+    finally:
+        if owned and not handed:
+            background.run(store.close())
 
-            return load_shared(store, step, asked, comm, shared_memory=shared_memory)
-        return restore(store, step, asked)
+
+def _load(
+    store: Store,
+    owned: bool,
+    step: int | None,
+    asked: Request,
+    group: Any,
+    coordinator: int,
+    comm: Collectives | None,
+    broadcast: bool | None,
+    shared_memory: bool,
+) -> tuple[Any, bool]:
+    """:func:`load` on an open store; returns the state and whether a streaming load's
+    background part took the store over."""
+    if comm is None and (step is None or (broadcast is not False and _group_running())):
+        comm = default_collectives(group)
+    if broadcast is None:
+        broadcast = bool(getattr(comm, "broadcast_by_default", True))
+    if step is None:
+        assert comm is not None
+        found: Any = None
+        if comm.rank == coordinator:
+            try:
+                found = background.run(latest_step(store))
+            except Exception as exc:
+                found = _Failure.of(coordinator, exc)
+        found = comm.broadcast(found, coordinator)
+        if isinstance(found, _Failure):
+            raise CkptStoreError(
+                f"{store.url}: finding the latest step failed on {found.describe()}"
+            )
+        if found is None:
+            raise NotFoundError(f"{store.url}: no committed checkpoint")
+        step = int(found)
+    if broadcast and comm is not None and comm.world > 1:
+        if not callable(getattr(comm, "exchange", None)):
+            raise TypeError(
+                f"{type(comm).__name__} has no exchange(), which a load with "
+                "broadcast=True sends shared leaves with; add it (see Collectives) or "
+                "pass broadcast=False"
+            )
+        # imported here: the broadcast module builds on this one's collectives
+        from ckptstore.manager.broadcast import load_shared
+
+        selection = load_shared(store, step, asked, comm, shared_memory=shared_memory)
+    else:
+        selection = background.run(read(store, step, asked))
+    state = rebuild(selection, store=store, owned=owned)
+    return state, selection.stream is not None
 
 
 def _group_running() -> bool:

@@ -387,6 +387,7 @@ class CheckpointManager(_SingleProcessManager):
         shared_memory: bool = True,
         *,
         rollback: bool = False,
+        stream: bool | str | Iterable[str] = False,
     ) -> Any:
         """Read what this rank needs of a committed step, verifying every byte; every rank
         calls it.
@@ -400,7 +401,8 @@ class CheckpointManager(_SingleProcessManager):
         ``broadcast`` is false (``None``: as the collectives prefer, see ``load``). Args
         and raises otherwise as :meth:`ckptstore.CheckpointManager.restore`; with
         ``rollback``, the coordinator sets the newer steps aside once every rank has read
-        its part, and every rank raises if that failed.
+        its part, and every rank raises if that failed. With ``stream``, the first part is
+        loaded this way and the rest each rank reads in the background (see ``load``).
         """
         self._check_open()
         self.wait_until_finished()
@@ -413,6 +415,7 @@ class CheckpointManager(_SingleProcessManager):
             coordinator=self.coordinator,
             broadcast=broadcast,
             shared_memory=shared_memory,
+            stream=stream,
         )
         if rollback:
             if step is None:  # the newest: nothing above it to set aside

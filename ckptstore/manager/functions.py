@@ -29,8 +29,9 @@ from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.pipeline import restore as _restore
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline import streaming as _streaming
 from ckptstore.pipeline.restore import LeafRestore
-from ckptstore.pipeline.root import Root, aopened
+from ckptstore.pipeline.root import Root, aopened, open_root
 from ckptstore.stage import Stager
 from ckptstore.store.base import Store
 
@@ -167,9 +168,16 @@ async def aload(
     return _restore.rebuild(await _aread(root, step, asked, into, store_options))
 
 
-def _asked(keys: str | Iterable[str] | None, target: Any, into: Any) -> _restore.Request:
+def _asked(
+    keys: str | Iterable[str] | None,
+    target: Any,
+    into: Any,
+    stream: bool | str | Iterable[str] = False,
+) -> _restore.Request:
     # The arrays of ``into`` are numpy arrays and come back as themselves.
-    return _restore.request(keys, "numpy" if into is not None and target is None else target)
+    return _restore.request(
+        keys, "numpy" if into is not None and target is None else target, stream
+    )
 
 
 async def _aread(
@@ -258,6 +266,7 @@ def save(
     **store_options: Any,
 ) -> CommitInfo:
     """Blocking :func:`asave`."""
+    _streaming.wait_all()  # here: the save's staging runs on the loop, which must not block
     return background.run(
         asave(root, state, step=step, metadata=metadata, full=full, **store_options)
     )
@@ -270,12 +279,29 @@ def load(
     into: Any = None,
     *,
     target: Any = None,
+    stream: bool | str | Iterable[str] = False,
     **store_options: Any,
 ) -> Any:
     """Blocking :func:`aload`: the reads run on the background loop, the arrays are built
-    (on their device) in the calling thread."""
-    asked = _asked(keys, target, into)
-    return _restore.rebuild(background.run(_aread(root, step, asked, into, store_options)))
+    (on their device) in the calling thread.
+
+    ``stream`` returns before the whole state is read, as ``CheckpointManager.restore``'s:
+    ``True`` once every leaf but the optimizer's state is in place, or once the leaves under
+    the keys given are; the rest is read in the background, and a torch optimizer step,
+    ``ckptstore.fence()`` and the next save wait for it (:mod:`ckptstore.pipeline.streaming`).
+    """
+    asked = _asked(keys, target, into, stream)
+    if not asked.stream:
+        return _restore.rebuild(background.run(_aread(root, step, asked, into, store_options)))
+    _streaming.wait_all()
+    store, owned = open_root(root, store_options)
+    selection: _restore.Selection | None = None
+    try:
+        selection = background.run(_restore.read(store, step, asked, into=into))
+        return _restore.rebuild(selection, store=store, owned=owned)
+    finally:
+        if owned and (selection is None or selection.stream is None):
+            background.run(store.close())
 
 
 def read_manifest(root: Root, step: int | None = None, **store_options: Any) -> Manifest:

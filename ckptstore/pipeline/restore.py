@@ -57,9 +57,10 @@ from ckptstore.errors import CheckpointFormatError, NotFoundError
 from ckptstore.layout.chunks import Box
 from ckptstore.layout.commit import latest_step, read_manifest
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.restore import Pieces, read_leaves
+from ckptstore.layout.restore import Pieces, empty_array, read_leaves
 from ckptstore.layout.tree import flatten, iter_leaves, select_paths, unflatten
 from ckptstore.pipeline.deadline import bounded
+from ckptstore.pipeline.streaming import Reader, Streamed, is_optimizer_path
 from ckptstore.stage.shards import rebuild_pieces, wanted_boxes
 from ckptstore.stage.stager import (
     ArrayKind,
@@ -116,6 +117,10 @@ class Selection:
         accept: the path predicate of the selection (``None``: everything).
         arrays: the verified host arrays by leaf index, once :func:`read` has run (for a
             leaf a target asked for in parts, its :class:`~ckptstore.layout.restore.Pieces`).
+        later: with a streaming request, the selected leaves read in the background after
+            the state is returned (:mod:`ckptstore.pipeline.streaming`); the others are
+            :meth:`first`.
+        stream: the background part, once :func:`rebuild` has started it.
     """
 
     manifest: Manifest
@@ -124,6 +129,15 @@ class Selection:
     leaves: list[int]
     accept: Callable[[str], bool] | None = None
     arrays: dict[int, Any] = field(default_factory=dict)
+    later: list[int] = field(default_factory=list)
+    stream: Streamed | None = None
+
+    def first(self) -> list[int]:
+        """The selected leaves read before the restore returns (all, unless it streams)."""
+        if not self.later:
+            return self.leaves
+        later = set(self.later)
+        return [leaf for leaf in self.leaves if leaf not in later]
 
     def boxes(self) -> dict[int, list[Box]]:
         """By leaf index, the boxes a target asks for of the leaves it wants in parts (its
@@ -189,6 +203,10 @@ class Request:
         like: the target state the result is built in, or ``None``.
         likes: target leaves by path, when a state target gives types but ``keys`` select.
         boxes: by path, the boxes of the leaves a target asks for in parts (its shards).
+        stream: a streaming restore (:mod:`ckptstore.pipeline.streaming`): the call returns
+            once the first part is read, and the rest is read in the background.
+        first: with ``stream``, the keys of the first part (``None``: every leaf but the
+            optimizer's state).
     """
 
     keys: list[str] | None = None
@@ -196,17 +214,35 @@ class Request:
     like: Any = None
     likes: dict[str, Any] = field(default_factory=dict)
     boxes: dict[str, list[Box]] = field(default_factory=dict)
+    stream: bool = False
+    first: list[str] | None = None
 
 
-def request(keys: str | Iterable[str] | None = None, target: Any = None) -> Request:
-    """Check ``keys`` and ``target`` (see the module docstring for the rule), before any I/O.
+def request(
+    keys: str | Iterable[str] | None = None,
+    target: Any = None,
+    stream: bool | str | Iterable[str] = False,
+) -> Request:
+    """Check ``keys``, ``target`` and ``stream`` (see the module docstring for the rule, and
+    :mod:`ckptstore.pipeline.streaming` for ``stream``), before any I/O.
 
     Raises:
-        ValueError: ``keys`` is empty, a target state holds no leaves, or an unknown
-            framework name.
-        TypeError: a key that is not a string.
+        ValueError: ``keys`` or ``stream`` is empty, a target state holds no leaves, or an
+            unknown framework name.
+        TypeError: a key that is not a string, or a ``stream`` that is neither a bool nor keys.
     """
     asked = Request()
+    if stream is True:
+        asked.stream = True
+    elif isinstance(stream, str) or (
+        stream is not False and stream is not None and isinstance(stream, Iterable)
+    ):
+        asked.stream, asked.first = True, _as_keys(stream)
+    elif stream is not False and stream is not None:
+        raise TypeError(
+            f"stream is True (every leaf but the optimizer's state first), False, or the keys "
+            f"to read before returning, not {stream!r}"
+        )
     if isinstance(target, str):
         asked.kind = kind_named(target)
     elif target is not None:
@@ -256,7 +292,29 @@ def select(manifest: Manifest, where: str, asked: Request) -> Selection:
         accept = select_paths(asked.keys)
         selection.accept = accept
         selection.leaves = [i for i, path in enumerate(manifest.paths) if accept(path)]
+    if asked.stream:
+        selection.later = _later(selection)
     return selection
+
+
+def _later(selection: Selection) -> list[int]:
+    """The leaves a streaming request reads in the background (see
+    :mod:`ckptstore.pipeline.streaming` for the rule)."""
+    manifest, asked = selection.manifest, selection.asked
+    paths = manifest.paths
+    if asked.first is not None:
+        missing = _missing(manifest, asked.first)
+        if missing:
+            raise NotFoundError(
+                f"{selection.where}: step {manifest.step} has no leaf "
+                f"{', '.join(repr(key) for key in missing[:5])} to read first (stream=)"
+            )
+        first = select_paths(asked.first)
+        later = [i for i in selection.leaves if not first(paths[i])]
+    else:
+        later = [i for i in selection.leaves if is_optimizer_path(paths[i])]
+    boxed = selection.boxes()  # a target's shards: rebuilt from their pieces at once
+    return [i for i in later if i not in boxed and len(manifest.shapes[i]) > 0]
 
 
 async def read(store: Store, step: int | None, asked: Request, *, into: Any = None) -> Selection:
@@ -297,20 +355,35 @@ async def _read(store: Store, step: int | None, asked: Request, into: Any) -> Se
                     f"{store.url}: step {manifest.step} has no array leaf {path!r} to fill into"
                 )
             fill[index[path]] = array
+    for leaf in selection.later:  # the background part reads into the caller's arrays too
+        if leaf in fill:
+            have, shape = fill[leaf], tuple(manifest.shapes[leaf])
+            if have.dtype != manifest.dtype(leaf) or have.shape != shape:
+                raise ValueError(
+                    f"into[{manifest.paths[leaf]!r}] is {have.dtype}{list(have.shape)}, but "
+                    f"the checkpoint holds {manifest.dtype(leaf)}{list(shape)}"
+                )
+            selection.arrays[leaf] = have
     await read_selected(store, selection, into=fill)
     if _log.isEnabledFor(logging.INFO):
         seconds = time.monotonic() - began
-        nbytes = sum(int(a.nbytes) for a in selection.arrays.values() if hasattr(a, "nbytes"))
+        later = set(selection.later)
+        nbytes = sum(
+            int(a.nbytes)
+            for i, a in selection.arrays.items()
+            if i not in later and hasattr(a, "nbytes")
+        )
         _log.info(
             "restored step %d from %s: %d of %d leaves, %.1f MiB read and verified in %.2f s, "
-            "%.1f MiB/s",
+            "%.1f MiB/s%s",
             manifest.step,
             store.url,
-            len(selection.leaves),
+            len(selection.leaves) - len(selection.later),
             len(manifest.paths),
             nbytes / 2**20,
             seconds,
             nbytes / 2**20 / max(seconds, 1e-6),
+            f"; {len(selection.later)} more in the background" if selection.later else "",
         )
     return selection
 
@@ -340,13 +413,14 @@ async def read_selected(
     Args:
         store: the store the selection's manifest came from.
         selection: what :func:`select` chose.
-        leaves: the leaf indices to read, a subset of ``selection.leaves``.
+        leaves: the leaf indices to read, a subset of ``selection.leaves`` (default: its
+            :meth:`~Selection.first` part).
         into: arrays to read into, by leaf index (dtype and shape as the checkpoint's).
 
     Raises:
         CorruptCheckpointError: anything read fails verification.
     """
-    wanted = selection.leaves if leaves is None else leaves
+    wanted = selection.first() if leaves is None else leaves
     boxes = selection.boxes()
     selection.arrays.update(
         await read_leaves(
@@ -359,23 +433,53 @@ async def read_selected(
     )
 
 
-def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
+def rebuild(
+    selection: Selection,
+    *,
+    leaf: LeafRestore | None = None,
+    store: Store | None = None,
+    owned: bool = False,
+) -> Any:
     """Stage 3: the state :func:`read` read, its arrays as asked, in the asked structure.
+
+    For a streaming request it also starts the background part
+    (:mod:`ckptstore.pipeline.streaming`): its leaves are built around the host arrays they
+    will be read into, and read from ``store`` once the state is built.
 
     Args:
         selection: what :func:`read` returned.
         leaf: the face's own rebuild of each array leaf (replaces the target's rule).
+        store: where a streaming request's background part is read from.
+        owned: the face opened ``store`` for this restore: the background part closes it
+            when it ends (``selection.stream`` is set when it took the store over).
 
     Raises:
         ValueError: a target leaf's shape differs from the checkpoint's (named by path).
     """
     manifest, asked = selection.manifest, selection.asked
     paths, attrs = manifest.paths, manifest.attrs
+    later: Streamed | None = None
+    if selection.later:
+        if store is None:
+            raise ValueError("a streaming restore's rebuild needs the store it reads from")
+        later = Streamed(selection.where, manifest.step, paths)
+        for index in selection.later:
+            if index not in selection.arrays:
+                shape = tuple(manifest.shapes[index])
+                selection.arrays[index] = empty_array(shape, manifest.dtype(index))
+    deferred = set(selection.later)
 
     kinds: dict[str, ArrayKind] = {}  # by saved framework; a restore runs this per leaf
 
     def restore_leaf(array: Any, index: int, like: Any) -> Any:
         if leaf is not None:
+            if later is not None and index in deferred:
+                return later.hold(
+                    index,
+                    array,
+                    lambda host: leaf(host, paths[index], attrs[index]),
+                    immutable=False,
+                )
             return leaf(array, paths[index], attrs[index])
         if like is None and asked.likes:
             like = asked.likes.get(paths[index])
@@ -384,17 +488,67 @@ def rebuild(selection: Selection, *, leaf: LeafRestore | None = None) -> Any:
             if isinstance(array, Pieces):
                 return rebuild_pieces(array, leaf_attrs, like)
             if like is not None and asked.kind is None:
-                return rebuild_leaf(array, leaf_attrs, None, like)
-            kind = asked.kind
-            if kind is None:  # as saved
-                name = leaf_attrs.get("framework", "numpy")
-                known = kinds.get(name) if isinstance(name, str) else None
-                kind = known or kinds.setdefault(str(name), saved_kind(leaf_attrs))
-            return kind.rebuild(array, leaf_attrs, None)
+                kind: ArrayKind | None = None
+                immutable = _is_jax(target_kind(like))
+            else:
+                kind = asked.kind
+                if kind is None:  # as saved
+                    name = leaf_attrs.get("framework", "numpy")
+                    known = kinds.get(name) if isinstance(name, str) else None
+                    kind = known or kinds.setdefault(str(name), saved_kind(leaf_attrs))
+                immutable = _is_jax(kind)
+
+            def build(host: Any) -> Any:
+                if kind is None:
+                    return rebuild_leaf(host, leaf_attrs, None, like)
+                return kind.rebuild(host, leaf_attrs, None)
+
+            if later is not None and index in deferred:
+                if like is not None:  # a placeholder is built later: check its shape now
+                    _check_shape(like, array)
+                return later.hold(index, array, build, immutable=immutable)
+            return build(array)
         except ValueError as exc:  # a damaged checkpoint's error stays a CorruptCheckpointError
             where = f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}"
             raise leaf_error(exc, where) from None
 
+    state = _unflatten(selection, restore_leaf)
+    if later is not None and store is not None:
+        later.start(_background_reader(store, selection), close=store.close if owned else None)
+        selection.stream = later
+    return state
+
+
+def _is_jax(kind: ArrayKind | None) -> bool:
+    return kind is not None and kind.name == "jax"
+
+
+def _check_shape(like: Any, array: Any) -> None:
+    like_shape = getattr(like, "shape", None)
+    if like_shape is not None and tuple(like_shape) != tuple(array.shape):
+        raise ValueError(
+            f"the restore target has shape {tuple(like_shape)}, the checkpoint {array.shape}"
+        )
+
+
+def _background_reader(store: Store, selection: Selection) -> Reader:
+    """How a streaming restore's background part reads its leaves (bounded by the restore
+    deadline, as the first part is)."""
+    manifest = selection.manifest
+
+    async def read_later(leaves: list[int], into: dict[int, np.ndarray[Any, Any]]) -> None:
+        await bounded(
+            read_leaves(store, manifest, leaves, into),
+            seconds=store.settings.restore_deadline,
+            what=f"background part of the restore of step {manifest.step} from {store.url}",
+            setting="restore_deadline",
+        )
+
+    return read_later
+
+
+def _unflatten(selection: Selection, restore_leaf: Callable[[Any, int, Any], Any]) -> Any:
+    manifest, asked = selection.manifest, selection.asked
     if asked.like is not None:
         return unflatten(
             manifest.tree,
@@ -424,5 +578,6 @@ async def arestore(
 
 def restore(store: Store, step: int | None, asked: Request) -> Any:
     """The whole restore path for a synchronous caller: the reads on the background loop,
-    the rebuild in the calling thread."""
-    return rebuild(background.run(read(store, step, asked)))
+    the rebuild in the calling thread (and, for a streaming request, the background part on
+    a thread of its own, reading from ``store``)."""
+    return rebuild(background.run(read(store, step, asked)), store=store)

@@ -64,6 +64,7 @@ from ckptstore.layout.commit import (
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
+from ckptstore.pipeline import streaming
 from ckptstore.pipeline.deadline import bounded
 from ckptstore.stage.stager import StagedState, Stager
 from ckptstore.store.base import Store
@@ -104,9 +105,14 @@ def stage(stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False) 
             :mod:`ckptstore.stage.lazy`); :func:`save_staged` waits for them, so the bytes,
             layout and commit are the eager ones.
 
+    The background part of every streaming restore of the process is waited for first
+    (:mod:`ckptstore.pipeline.streaming`): a state holding arrays it still fills is never
+    staged, and its failure is raised here.
+
     Raises:
         TypeError, UnsupportedLeafError: a leaf that cannot be stored, named by its path.
     """
+    streaming.wait_all()
     staged = stager.stage(state, copy=copy, lazy=lazy)
     try:
         staged.flat()
