@@ -182,7 +182,36 @@ def scenario_die(root: str, step: str, when: str = "sending") -> dict[str, Any]:
     return {"error": None}
 
 
-SCENARIOS = {"load": scenario_load, "corrupt": scenario_corrupt, "die": scenario_die}
+def scenario_stream(root: str, step: str) -> dict[str, Any]:
+    """A streaming load: the embedding first (shared between the ranks), the rest (the
+    blocks, norms and this rank's shard) read by each rank itself in the background; the
+    training loop's own collective runs while it reads."""
+    import ckptstore
+    from ckptstore.pipeline import streaming
+
+    rank = dist.get_rank()
+    like = {"model": model(), "shards": {f"r{rank}": torch.empty(SHARD)}, "step": 0}
+    counting = CountingStore(open_store(root, **OPTIONS))
+    comm = CountingCollectives()
+    got = cd.load(counting, int(step), target=like, comm=comm, stream=["model/embed", "step"])
+    background_part = len(streaming.pending())
+    dist.barrier()  # a collective of the loop's own, beside the background reads
+    ckptstore.fence()
+    background.run(counting.close())
+    expected = {"model": model(), "shards": {f"r{rank}": shard(rank)}, "step": 5}
+    return {
+        "exact": equal(got, expected),
+        "background_part": background_part,
+        "bytes_read": counting.bytes["read"],
+    }
+
+
+SCENARIOS = {
+    "load": scenario_load,
+    "corrupt": scenario_corrupt,
+    "die": scenario_die,
+    "stream": scenario_stream,
+}
 
 
 if __name__ == "__main__":

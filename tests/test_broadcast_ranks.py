@@ -192,3 +192,31 @@ def test_a_rank_dying_mid_load_fails_the_others_without_a_hang_or_a_leftover_seg
         assert failed in result["message"], result
         assert "another rank died" in result["message"], result
     assert list(segment_dir.iterdir()) == []
+
+
+def test_a_streaming_load_shares_its_first_part_and_reads_the_rest_per_rank(
+    tmp_path: Path, segment_dir: Path
+) -> None:
+    """Two gloo ranks: the embedding is read once and shared; every rank reads its own rest
+    after the load returned, and the loaded state is exact on every rank."""
+    target = Target(str(tmp_path / "root"), {})
+    world = 2
+    ckptstore.save(target.base, worker.state(world), step=1, **target.options)
+    results = assert_all_ok(
+        run_ranks(
+            WORKER,
+            world,
+            "stream",
+            target.base,
+            "1",
+            logs=tmp_path / "logs",
+            env=_env(target, segment_dir),
+        )
+    )
+    assert [result["exact"] for result in results] == [True] * world
+    assert [result["background_part"] for result in results] == [1] * world
+    embed = 512 * 1024 * 4
+    rest = worker.nbytes(worker.model()) - embed + worker.SHARD * 4
+    reads = sorted(result["bytes_read"] for result in results)
+    # the embedding once over both ranks; each rank its own rest
+    assert world * rest + embed <= sum(reads) <= world * rest + embed + SLACK

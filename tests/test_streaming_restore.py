@@ -414,3 +414,31 @@ def test_the_distributed_load_streams_on_every_rank(tmp_path: Path) -> None:
             assert torch.equal(results[r]["model"][name], tensor)
         for name, tensor in saved["optim"]["state"][0].items():
             assert torch.equal(results[r]["optim"]["state"][0][name], tensor)
+
+
+def test_the_multi_rank_manager_streams_each_ranks_rest(tmp_path: Path) -> None:
+    import ckptstore.distributed
+    from tests.test_distributed import run_ranks
+
+    saved = _save(tmp_path)
+    optimizer_keys = _optimizer_only_keys(tmp_path)
+    gates = [ReadGate(open_store(str(tmp_path)), optimizer_keys) for _ in range(2)]
+
+    def rank_body(rank: int, comm: Any) -> dict[str, Any]:
+        with ckptstore.distributed.CheckpointManager(gates[rank], comm=comm) as mgr:
+            # returns while this rank's optimizer reads are held (a restore that waited for
+            # them would fail when the gate times out)
+            state = mgr.restore(3, stream=True)
+            gates[rank].release()
+            mgr.fence()
+            return {"state": state}
+
+    results = run_ranks(2, rank_body)
+    for result in results:
+        assert not isinstance(result, BaseException), repr(result)
+        state = result["state"]
+        for name, tensor in saved["model"].items():
+            assert torch.equal(state["model"][name], tensor)
+        for index, moments in saved["optim"]["state"].items():
+            for name, tensor in moments.items():
+                assert torch.equal(state["optim"]["state"][index][name], tensor)
