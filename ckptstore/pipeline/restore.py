@@ -487,27 +487,27 @@ def rebuild(
         try:
             if isinstance(array, Pieces):
                 return rebuild_pieces(array, leaf_attrs, like)
-            if like is not None and asked.kind is None:
-                kind: ArrayKind | None = None
-                immutable = _is_jax(target_kind(like))
-            else:
+            kind: ArrayKind | None = None
+            if like is None or asked.kind is not None:
                 kind = asked.kind
                 if kind is None:  # as saved
                     name = leaf_attrs.get("framework", "numpy")
                     known = kinds.get(name) if isinstance(name, str) else None
                     kind = known or kinds.setdefault(str(name), saved_kind(leaf_attrs))
-                immutable = _is_jax(kind)
+            if later is None or index not in deferred:
+                if kind is None:
+                    return rebuild_leaf(array, leaf_attrs, None, like)
+                return kind.rebuild(array, leaf_attrs, None)
 
             def build(host: Any) -> Any:
                 if kind is None:
                     return rebuild_leaf(host, leaf_attrs, None, like)
                 return kind.rebuild(host, leaf_attrs, None)
 
-            if later is not None and index in deferred:
-                if like is not None:  # a placeholder is built later: check its shape now
-                    _check_shape(like, array)
-                return later.hold(index, array, build, immutable=immutable)
-            return build(array)
+            if like is not None:  # a placeholder is built later: check its shape now
+                _check_shape(like, array)
+            immutable = _is_jax(kind if kind is not None else target_kind(like))
+            return later.hold(index, array, build, immutable=immutable)
         except ValueError as exc:  # a damaged checkpoint's error stays a CorruptCheckpointError
             where = f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}"
             raise leaf_error(exc, where) from None
