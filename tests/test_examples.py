@@ -36,6 +36,22 @@ def test_torch_main_job_checkpoints_restores_and_resumes(tmp_path: Path) -> None
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from step 11" in second.stdout
     assert "OK: step 23 restored bit-exact" in second.stdout
+    # the resumed run (a streaming restore) trained exactly as one run of 24 steps does
+    import torch
+
+    import ckptstore
+
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    once = run("ckptstore.examples.train", "--steps", "24", *small[2:], cwd=whole)
+    assert once.returncode == 0, once.stdout + once.stderr
+    resumed = ckptstore.load(tmp_path / "checkpoints", 23)
+    uninterrupted = ckptstore.load(whole / "checkpoints", 23)
+    for name, tensor in uninterrupted["model"].items():
+        assert torch.equal(resumed["model"][name], tensor), name
+    for index, moments in uninterrupted["optim"]["state"].items():
+        for name, tensor in moments.items():
+            assert torch.equal(resumed["optim"]["state"][index][name], tensor), (index, name)
 
 
 @pytest.mark.torch

@@ -9,7 +9,8 @@ A ~2.3M-parameter MLP learns a fixed random "teacher" network with Adam on the C
 copied into pooled host buffers, and the write and commit overlap the next training steps.
 Each save prints how long it blocked and how long its background write took.
 
-If the URL already holds checkpoints of this job, training resumes from the latest one. At the
+If the URL already holds checkpoints of this job, training resumes from the latest one (a
+streaming restore: the first step starts before the optimizer's state is read). At the
 end the latest checkpoint is restored and checked bit-exact against the live model and
 optimizer, then loaded into a fresh model and optimizer, and one more training step on both
 must give identical parameters. Any mismatch or error exits non-zero.
@@ -115,7 +116,10 @@ def train(args: argparse.Namespace) -> int:
         start = 0
         latest = mgr.latest_step()
         if latest is not None:
-            state = mgr.restore(latest)
+            # stream=True: the call returns once the model is read; Adam's moments are read
+            # while the first forward and backward pass run, and the first opt.step() waits
+            # for them (docs/lifecycle.md, "Resuming before the restore ends")
+            state = mgr.restore(latest, stream=True)
             model.load_state_dict(state["model"])
             opt.load_state_dict(state["optim"])
             start = int(state["step"]) + 1
