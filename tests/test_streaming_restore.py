@@ -442,3 +442,24 @@ def test_the_multi_rank_manager_streams_each_ranks_rest(tmp_path: Path) -> None:
         for index, moments in saved["optim"]["state"].items():
             for name, tensor in moments.items():
                 assert torch.equal(state["optim"]["state"][index][name], tensor)
+
+
+def test_a_failed_background_part_raised_by_close_still_lets_its_saves_commit(
+    tmp_path: Path,
+) -> None:
+    saved = _save(tmp_path / "old")
+    _corrupt_optimizer_leaf(tmp_path / "old")
+    gate = ReadGate(open_store(str(tmp_path / "old")), _optimizer_only_keys(tmp_path / "old"))
+    from tests.gated_store import Gate
+
+    writes = Gate(open_store(str(tmp_path / "new")))
+    writes.hold()
+    mgr = CheckpointManager(writes)
+    mgr.save(5, {"model": saved["model"]})  # its writes held while the restore streams
+    ckptstore.load(gate, 3, stream=True)
+    gate.release()
+    threading.Timer(0.5, writes.release).start()
+    with pytest.raises(CorruptCheckpointError):
+        mgr.close()  # raises the restore's error only once the save has committed
+    again = ckptstore.load(tmp_path / "new", 5)
+    assert torch.equal(again["model"]["0.weight"], saved["model"]["0.weight"])

@@ -739,8 +739,10 @@ class CheckpointManager:
         if self._watch is not None:
             self._watch.close()
         try:
-            streaming.wait_all()  # a streaming restore may still read from the stores
-            self._saver.wait_until_finished()
+            try:
+                streaming.wait_all()  # a streaming restore may still read from the stores
+            finally:
+                self._saver.wait_until_finished()
         finally:
             try:  # after a failed save too: no copy may run on to closed stores
                 if self._tiers is not None:
