@@ -30,8 +30,10 @@ What the caller holds for a leaf of the later part, and what makes it safe to us
   restored state keeps the restored tensors themselves (same dtype and device), so the step
   sees their final values;
 * **explicitly** with :func:`fence` (``ckptstore.fence()``, or a manager's ``fence()``), and
-  before any save: a save stages its state only after the pending restores are complete, so
-  an unfilled tensor is never written to a checkpoint.
+  before any save through ckptstore's own calls (``ckptstore.save``, the managers,
+  ``ckptstore.distributed.save``, the Lightning plug-in: :func:`ckptstore.pipeline.save.stage`
+  stages a state only after the pending restores are complete), so an unfilled tensor is
+  never written to a checkpoint. A DCP save is not fenced: DCP reads the state itself.
 * a **JAX array**: JAX arrays are immutable, so the state holds a :class:`Pending`
   placeholder at its place (its ``shape``, ``dtype`` and ``path``), and
   ``state = ckptstore.fence(state)`` returns the state with every placeholder replaced by its
