@@ -163,7 +163,8 @@ class Streamed:
 
     def __init__(self, where: str, step: int, paths: list[str]) -> None:
         self.where, self.step, self._paths = where, step, paths
-        self.leaves: dict[int, np.ndarray[Any, Any]] = {}  # later leaf -> its host array
+        #: later leaf -> the host array it is read into (emptied once the reads end)
+        self.leaves: dict[int, np.ndarray[Any, Any]] = {}
         self._copies: list[tuple[Any, np.ndarray[Any, Any]]] = []  # (result, host) to copy
         self._placeholders: list[Pending] = []
         self._results: list[Any] = []  # every array handed out for the later part
@@ -221,6 +222,7 @@ class Streamed:
 
     def _run(self, read: Reader, close: Callable[[], Coroutine[Any, Any, None]] | None) -> None:
         began = time.monotonic()
+        count, nbytes = len(self.leaves), sum(int(a.nbytes) for a in self.leaves.values())
         try:
             background.run(read(sorted(self.leaves), self.leaves))
             for result, host in self._copies:
@@ -243,15 +245,16 @@ class Streamed:
                 except Exception as exc:  # the restore's outcome stands
                     _log.warning("closing the store of %s after a restore: %r", self.where, exc)
             self.seconds = time.monotonic() - began
+            # the host arrays of copied leaves are garbage now; the others are the caller's
+            self.leaves, self._copies, self._results = {}, [], []
             self._done.set()
         if self._error is None and _log.isEnabledFor(logging.INFO):
-            nbytes = sum(int(a.nbytes) for a in self.leaves.values())
             _log.info(
                 "restored the background part of step %d from %s: %d leaves, %.1f MiB read "
                 "and verified in %.2f s",
                 self.step,
                 self.where,
-                len(self.leaves),
+                count,
                 nbytes / 2**20,
                 self.seconds,
             )
