@@ -299,6 +299,25 @@ def test_a_tiered_manager_streams_from_the_tier_it_read(tmp_path: Path) -> None:
         assert torch.equal(state["optim"]["state"][0][name], tensor)
 
 
+def test_a_tiered_background_part_falls_back_to_the_persistent_tier(tmp_path: Path) -> None:
+    model, opt = _trained()
+    with CheckpointManager(tmp_path / "remote", local=tmp_path / "local") as mgr:
+        mgr.save(3, {"model": model.state_dict(), "optim": opt.state_dict()})
+        mgr.wait_until_finished()
+    damaged = _corrupt_optimizer_leaf(tmp_path / "local")  # only the local copy
+    with CheckpointManager(tmp_path / "remote", local=tmp_path / "local") as mgr:
+        state = mgr.restore(3, stream=True)
+        assert mgr.last_restore is not None
+        assert mgr.last_restore.tier == "local"  # its first part is intact
+        mgr.fence()  # the rest came from the persistent tier, verified
+    _, moment, name = damaged.rsplit("/", 2)
+    expected = opt.state_dict()["state"][int(moment)][name]
+    assert torch.equal(state["optim"]["state"][int(moment)][name], expected)
+    for index, moments in opt.state_dict()["state"].items():
+        for key, tensor in moments.items():
+            assert torch.equal(state["optim"]["state"][index][key], tensor)
+
+
 def test_the_background_part_is_bounded_by_the_restore_deadline(tmp_path: Path) -> None:
     _save(tmp_path)
     inner = open_store(str(tmp_path), restore_deadline=1.0)

@@ -68,7 +68,14 @@ from ckptstore.manager.preemption import (
     watch,
 )
 from ckptstore.manager.snapshot import LazyFence
-from ckptstore.manager.tiers import MANAGER_META_KEY, RestoreInfo, TierListing, Tiers, read_nearest
+from ckptstore.manager.tiers import (
+    MANAGER_META_KEY,
+    RestoreInfo,
+    TierListing,
+    Tiers,
+    read_later_nearest,
+    read_nearest,
+)
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline import streaming
 from ckptstore.pipeline.restore import rebuild, request, restore
@@ -690,8 +697,8 @@ class CheckpointManager:
             selection, self.last_restore = background.run(
                 read_nearest(self._tiers.local, self._store, step, asked)
             )
-            source = self._tiers.local if self.last_restore.tier == "local" else self._store
-            state = rebuild(selection, store=source)
+            later = read_later_nearest(self._tiers.local, self._store, selection, self.last_restore)
+            state = rebuild(selection, store=self._store, reader=later)
         if rollback:
             self._roll_back_to(step)
         return state

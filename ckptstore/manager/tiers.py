@@ -52,8 +52,10 @@ from ckptstore.layout.commit import committed_steps, delete_step, gather_all, re
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.maintenance import CopyReport, copy_step
 from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.restore import read_leaves
 from ckptstore.manager.async_save import BackgroundWork
-from ckptstore.pipeline.restore import Request, Selection, read
+from ckptstore.pipeline.restore import Request, Selection, later_reader, read
+from ckptstore.pipeline.streaming import Reader
 from ckptstore.store.base import Store
 
 __all__ = [
@@ -64,6 +66,7 @@ __all__ = [
     "Tiers",
     "list_tiers",
     "marked_persistent",
+    "read_later_nearest",
     "read_nearest",
 ]
 
@@ -271,6 +274,46 @@ async def read_nearest(
         raise
     _log.info("step %d restored from the persistent tier %s", step, persistent.url)
     return selection, RestoreInfo(step, "persistent", persistent.url, fallback)
+
+
+def read_later_nearest(
+    local: Store, persistent: Store, selection: Selection, info: RestoreInfo
+) -> Reader:
+    """How a streaming restore's background part reads from the tier its first part came
+    from (:func:`read_nearest`), and from the persistent tier when the local copy fails then
+    (the nearest verified copy wins, as for the first part).
+
+    The persistent copy of a step may lay its objects out differently; its leaves are matched
+    to the local manifest's by path, and read into the same host arrays.
+    """
+    manifest = selection.manifest
+    first = later_reader(local if info.tier == "local" else persistent, selection)
+    if info.tier != "local":
+        return first
+
+    async def read_later(leaves: list[int], into: dict[int, Any]) -> None:
+        try:
+            await first(leaves, into)
+        except _LOCAL_DAMAGE as exc:
+            fallback = f"the local copy at {local.url} failed: {exc}"
+        else:
+            return
+        _log.warning(
+            "step %d: %s; reading the rest of the restore from the persistent tier %s",
+            manifest.step,
+            fallback,
+            persistent.url,
+        )
+        other = await read_manifest(persistent, manifest.step)
+        index = {path: i for i, path in enumerate(other.paths)}
+        try:
+            mapped = {index[manifest.paths[leaf]]: into[leaf] for leaf in leaves}
+            await read_leaves(persistent, other, sorted(mapped), mapped)
+        except (KeyError, NotFoundError, CorruptCheckpointError) as exc:
+            exc.add_note(f"(tried first: {fallback})")
+            raise
+
+    return read_later
 
 
 # ----------------------------------------------------------------- the manager's two tiers

@@ -83,6 +83,7 @@ __all__ = [
     "Selection",
     "arestore",
     "find_manifest",
+    "later_reader",
     "read",
     "read_selected",
     "rebuild",
@@ -439,6 +440,7 @@ def rebuild(
     leaf: LeafRestore | None = None,
     store: Store | None = None,
     owned: bool = False,
+    reader: Reader | None = None,
 ) -> Any:
     """Stage 3: the state :func:`read` read, its arrays as asked, in the asked structure.
 
@@ -452,6 +454,8 @@ def rebuild(
         store: where a streaming request's background part is read from.
         owned: the face opened ``store`` for this restore: the background part closes it
             when it ends (``selection.stream`` is set when it took the store over).
+        reader: how the background part reads (default: :func:`later_reader` of ``store``);
+            a tiered manager's falls back to its persistent tier.
 
     Raises:
         ValueError: a target leaf's shape differs from the checkpoint's (named by path).
@@ -514,7 +518,8 @@ def rebuild(
 
     state = _unflatten(selection, restore_leaf)
     if later is not None and store is not None:
-        later.start(_background_reader(store, selection), close=store.close if owned else None)
+        read_later = reader if reader is not None else later_reader(store, selection)
+        later.start(read_later, close=store.close if owned else None)
         selection.stream = later
     return state
 
@@ -531,7 +536,7 @@ def _check_shape(like: Any, array: Any) -> None:
         )
 
 
-def _background_reader(store: Store, selection: Selection) -> Reader:
+def later_reader(store: Store, selection: Selection) -> Reader:
     """How a streaming restore's background part reads its leaves (bounded by the restore
     deadline, as the first part is)."""
     manifest = selection.manifest
