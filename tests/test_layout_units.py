@@ -15,7 +15,13 @@ import ckptstore
 from ckptstore.config import Settings
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
 from ckptstore.layout.plan import PackPlan
-from ckptstore.layout.tree import MAX_DEPTH, UnsupportedLeafError, flatten, unflatten
+from ckptstore.layout.tree import (
+    MAX_DEPTH,
+    UnsupportedLeafError,
+    flatten,
+    select_paths,
+    unflatten,
+)
 from ckptstore.store.base import Capabilities
 from ckptstore.store.buffers import PAGE, BufferPool
 from ckptstore.testing import assert_same_state
@@ -63,6 +69,18 @@ def test_unflatten_with_selection_prunes() -> None:
     flat = flatten(state)
     out = unflatten(flat.tree, flat.arrays, selected=lambda p: p in {"m/w", "l/1"})
     assert_same_state(out, {"m": {"w": np.zeros(2)}, "l": [None, 5]})
+
+
+def test_unflatten_with_selection_drops_empty_containers_it_did_not_select() -> None:
+    """An empty container (an optax ``EmptyState``, an empty dict of hyper-parameters) came
+    back from every selection, so ``load(url, keys=["model"])`` returned other top-level keys
+    too; it is kept only under a selected path, like a plain value."""
+    state = {"m": {"w": np.zeros(2)}, "opt": ((), {"lr": {}}), "e": [], "keep": {"x": {}}}
+    flat = flatten(state)
+    only_m = unflatten(flat.tree, flat.arrays, selected=select_paths(["m"]))
+    assert_same_state(only_m, {"m": {"w": np.zeros(2)}})
+    with_keep = unflatten(flat.tree, flat.arrays, selected=select_paths(["m", "keep"]))
+    assert_same_state(with_keep, {"m": {"w": np.zeros(2)}, "keep": {"x": {}}})
 
 
 def test_convert_hook_supplies_arrays_and_attrs() -> None:

@@ -533,7 +533,8 @@ def unflatten(
         leaves: the value of each array leaf, by index; a mapping may omit unselected ones.
         selected: if given, keep only leaves whose path it accepts: dicts drop unselected
             entries, lists and tuples keep their length with ``None`` in unselected places,
-            and containers left with nothing selected are dropped.
+            and containers left with nothing selected are dropped, as is an empty container
+            whose own path is not selected.
         restore: called as ``restore(array, index, like_leaf)`` for each array leaf (not
             numpy scalars), with the leaf of ``like`` at its place (``None`` if none); its
             result takes the array's place. Stagers turn arrays back into tensors here, using
@@ -567,14 +568,16 @@ def unflatten(
                 value = build(child, join_path(path, escape_key(key), depth), depth + 1, None)
                 if value is not missing:
                     out[key] = value
-            if selected is not None and not out and node["d"]:
+            # an empty container is selected by its own path only, like a plain value
+            if selected is not None and not out and (node["d"] or not selected(path)):
                 return missing
             return out
         items = node["l"] if "l" in node else node["t"]
         values = [
             build(c, join_path(path, str(i), depth), depth + 1, None) for i, c in enumerate(items)
         ]
-        if selected is not None and items and all(v is missing for v in values):
+        unselected = selected is not None and (items or not selected(path))
+        if unselected and all(v is missing for v in values):
             return missing
         values = [None if v is missing else v for v in values]
         return tuple(values) if "t" in node else values
