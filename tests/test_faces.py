@@ -39,6 +39,7 @@ from ckptstore import CheckpointManager  # noqa: E402
 from ckptstore.errors import CheckpointFormatError, NotFoundError  # noqa: E402
 from ckptstore.lightning import StoreCheckpointIO  # noqa: E402
 from ckptstore.stage.torch import numpy_dtype  # noqa: E402
+from ckptstore.testing.faces import dcp_template as template  # noqa: E402
 
 pytestmark = [
     pytest.mark.torch,
@@ -82,17 +83,6 @@ def make_state(extended: bool) -> dict[str, Any]:
         )
         state["model"]["e8m0"] = torch.tensor([1.0, 2.0, 0.5]).to(torch.float8_e8m0fnu)
     return state
-
-
-def template(value: Any) -> Any:
-    """What ``dcp.load`` fills in place: zero tensors of each dtype and shape, placeholders."""
-    if isinstance(value, dict):
-        return {k: template(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [template(v) for v in value]
-    if isinstance(value, torch.Tensor):
-        return torch.zeros(value.shape, dtype=value.dtype)
-    return None
 
 
 def described(value: Any) -> tuple[str, Any, tuple[int, ...], bytes]:

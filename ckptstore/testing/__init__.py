@@ -1,5 +1,6 @@
-"""Test support shipped with ckptstore: the backend conformance suite, the checkpoint suite and
-the incremental-save suite,
+"""Test support shipped with ckptstore: the backend conformance suite, the checkpoint suite,
+the incremental-save suite and the faces conformance suite (every face that saves against
+every face that restores, :mod:`~ckptstore.testing.faces`),
 and what they run against: real servers (:mod:`~ckptstore.testing.servers`,
 :mod:`~ckptstore.testing.fakegcs`) and an HTTP fault proxy for S3 and GCS
 (:mod:`~ckptstore.testing.proxy`).
@@ -15,7 +16,14 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["BAD_KEYS", "CheckpointTests", "IncrementalTests", "StoreTests", "assert_same_state"]
+__all__ = [
+    "BAD_KEYS",
+    "CheckpointTests",
+    "FaceTests",
+    "IncrementalTests",
+    "StoreTests",
+    "assert_same_state",
+]
 
 #: Where each public name lives.
 _SUITES = {
@@ -24,6 +32,7 @@ _SUITES = {
     "CheckpointTests": "ckptstore.testing.checkpoint_tests",
     "assert_same_state": "ckptstore.testing.checkpoint_tests",
     "IncrementalTests": "ckptstore.testing.incremental_tests",
+    "FaceTests": "ckptstore.testing.face_tests",
 }
 
 
