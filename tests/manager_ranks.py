@@ -140,6 +140,78 @@ def scenario_stall(root: str) -> dict[str, Any]:
     os._exit(0)  # the group is broken: skip close()'s and destroy_process_group's collectives
 
 
+def frozen_part(rank: int, seed: int) -> dict[str, Any]:
+    """A fine-tuning state: a 1 MiB frozen shard per rank and a frozen replicated weight
+    (the same at every step), small tensors and the step that change."""
+    return {
+        "model": {
+            f"frozen{rank}": torch.arange(SHARD, dtype=torch.float32) + rank,
+            "replicated": torch.arange(4096, dtype=torch.bfloat16),
+        },
+        "small": {f"r{rank}-{i}": torch.full((16,), float(seed * 1000 + i)) for i in range(30)},
+        "step": seed,
+    }
+
+
+def frozen_exact(got: dict[str, Any], rank: int, seed: int) -> bool:
+    """Whether ``got`` holds rank ``rank``'s :func:`frozen_part` at ``seed``, bit for bit."""
+    want = frozen_part(rank, seed)
+    return (
+        got["step"] == seed
+        and all(torch.equal(got["model"][k], v) for k, v in want["model"].items())
+        and all(torch.equal(got["small"][k], v) for k, v in want["small"].items())
+    )
+
+
+def scenario_incremental(root: str) -> dict[str, Any]:
+    """Steps 1-2 of a fine-tuning state with ``max_to_keep=1``: step 2 writes only what
+    changed on every rank and references step 1's objects for the rest, and loads bit-exact
+    after step 1 is retired; step 3 with ``full=True`` writes everything again."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    with ckptstore.distributed.CheckpointManager(
+        opened(root), max_to_keep=1, timeout=GROUP_TIMEOUT
+    ) as mgr:
+        for step in (1, 2):
+            mgr.save(step, frozen_part(rank, step))
+            mgr.wait_until_finished()
+        out["steps after 2"] = mgr.all_steps()
+        out["exact 2"] = frozen_exact(mgr.restore(2), rank, 2)
+        mgr.save(3, frozen_part(rank, 3), full=True)
+        mgr.wait_until_finished()
+        out["exact 3"] = frozen_exact(mgr.restore(3), rank, 3)
+    return out
+
+
+def scenario_incremental_sigkill(root: str) -> dict[str, Any]:
+    """Step 1 of a fine-tuning state; then step 2, incremental, during whose background
+    write the test SIGKILLs the failing rank; the survivors' ``wait_until_finished`` reports
+    it."""
+    rank = dist.get_rank()
+    gate = Gate(opened(root))
+    out: dict[str, Any] = {}
+    mgr = ckptstore.distributed.CheckpointManager(gate, timeout=GROUP_TIMEOUT)
+    mgr.save(1, frozen_part(rank, 1))
+    mgr.wait_until_finished()
+    if rank == FAILING_RANK:
+        gate.mode = "kill"
+    out["returned"] = mgr.save(2, frozen_part(rank, 2))
+    print("RESULT " + json.dumps(out), flush=True)
+    out["killed"] = outcome_of(mgr.wait_until_finished)
+    out["close"] = outcome_of(mgr.close)
+    return out
+
+
+def scenario_incremental_again(root: str) -> dict[str, Any]:
+    """After the SIGKILL: a new world saves step 2 again, incrementally over step 1, and
+    loads it bit-exact."""
+    rank = dist.get_rank()
+    with ckptstore.distributed.CheckpointManager(opened(root), timeout=GROUP_TIMEOUT) as mgr:
+        mgr.save(2, frozen_part(rank, 2))
+        mgr.wait_until_finished()
+        return {"exact 2": frozen_exact(mgr.restore(2), rank, 2)}
+
+
 #: the step at whose start the preempted rank gets SIGTERM, and the save interval
 PREEMPT_AT, INTERVAL = 13, 5
 
@@ -182,6 +254,9 @@ SCENARIOS = {
     "sigkill": scenario_sigkill,
     "stall": scenario_stall,
     "preempt": scenario_preempt,
+    "incremental": scenario_incremental,
+    "incremental_sigkill": scenario_incremental_sigkill,
+    "incremental_again": scenario_incremental_again,
 }
 
 

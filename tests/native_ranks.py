@@ -58,6 +58,16 @@ def scenario_save(root: str, step: str) -> dict[str, Any]:
     return {"attempt": info.attempt, "objects": info.objects}
 
 
+def scenario_frozen(root: str, step: str) -> dict[str, Any]:
+    """``ckptstore.distributed.save`` of tests/manager_ranks.py's fine-tuning part."""
+    from tests.manager_ranks import frozen_part
+
+    store = opened(root)
+    info = cd.save(store, frozen_part(dist.get_rank(), int(step)), step=int(step))
+    background.run(store.close())
+    return {"attempt": info.attempt, "objects": info.objects}
+
+
 def scenario_load(root: str, step: str, saved_world: str) -> dict[str, Any]:
     """Load on this (smaller) world: rank r takes the shards r, r + world, ... of the saved
     world, the replicated weight and the step, and reads nothing else."""
@@ -194,6 +204,7 @@ def scenario_stall(root: str, what: str) -> dict[str, Any]:
 
 SCENARIOS = {
     "save": scenario_save,
+    "frozen": scenario_frozen,
     "load": scenario_load,
     "failures": scenario_failures,
     "sigkill": scenario_sigkill,

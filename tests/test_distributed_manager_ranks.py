@@ -29,6 +29,7 @@ pytestmark = pytest.mark.torch
 WORKER = Path(__file__).with_name("manager_ranks.py")
 LOADER = Path(__file__).with_name("native_ranks.py")
 FAILING_RANK = 1  # manager_ranks.FAILING_RANK
+SHARD = 256 * 1024  # native_ranks.SHARD: float32 elements, 1 MiB
 
 _ON_S3 = [pytest.mark.s3, pytest.mark.slow]
 #: ``(target, world)``: local disk on 2 ranks by default, on 4 and 8 in the slow suite;
@@ -109,6 +110,81 @@ def test_rank_sigkilled_during_the_background_write_leaves_no_step(
         run_ranks(LOADER, world, "load", target.base, "1", str(world), logs=logs, env=env)
     )
     assert [(result["exact"], result["shards"]) for result in loaded] == [(True, 1)] * world
+
+
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_incremental_saves_on_ranks_write_only_what_changed(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """Issue 28 item 6: each rank hashes the leaves it writes and leaves out those unchanged
+    since the newest step; the step references the earlier objects, survives the earlier
+    step's retirement, and ``full=True`` writes everything again."""
+    from tests.manager_ranks import frozen_exact
+
+    logs, env = tmp_path / "logs", target.env()
+    results = assert_all_ok(
+        run_ranks(WORKER, world, "incremental", target.base, logs=logs, env=env)
+    )
+    for rank, out in enumerate(results):
+        assert out["steps after 2"] == [2], f"rank {rank}"  # step 1 retired (max_to_keep=1)
+        assert out["exact 2"] is True, f"rank {rank}"
+        assert out["exact 3"] is True, f"rank {rank}"
+    assert target.steps() == [3]
+    step3 = ckptstore.read_manifest(target.base, 3, **target.options)
+    assert step3.references() == []  # full: every byte its own
+    assert step3.own_bytes >= world * 4 * SHARD  # every rank's 1 MiB frozen shard again
+    got = ckptstore.load(target.base, 3, target="torch", **target.options)
+    assert all(frozen_exact(got, rank, 3) for rank in range(world))
+
+
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_an_incremental_step_references_its_base_and_loads_after_the_base_is_retired(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """The same state through ``ckptstore.distributed.save`` on every rank (tests/
+    native_ranks.py's ``frozen`` scenario): step 2 writes under a tenth of step 1's bytes,
+    its manifest references step 1's objects, and it loads bit-exact with step 1 deleted and
+    garbage collected."""
+    from tests.manager_ranks import frozen_exact
+
+    logs, env = tmp_path / "logs", target.env()
+    for step in ("1", "2"):
+        assert_all_ok(run_ranks(LOADER, world, "frozen", target.base, step, logs=logs, env=env))
+    first, second = (ckptstore.read_manifest(target.base, s, **target.options) for s in (1, 2))
+    assert second.own_bytes < 0.1 * first.own_bytes, (second.own_bytes, first.own_bytes)
+    assert {second.object_step(i) for i in second.references()} == {1}
+    assert len(second.leaf_hash or []) == len(second.paths)
+    ckptstore.delete_step(target.base, 1, **target.options)
+    report = ckptstore.gc(target.base, grace=0, **target.options)  # keeps what 2 references
+    assert report.kept_referenced, report
+    got = ckptstore.load(target.base, 2, target="torch", **target.options)
+    assert all(frozen_exact(got, rank, 2) for rank in range(world))
+
+
+@pytest.mark.parametrize(("target", "world"), SIGKILL_TARGETS_AND_WORLDS, indirect=["target"])
+def test_rank_sigkilled_during_an_incremental_save_leaves_no_step_and_the_next_save_works(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """A rank SIGKILLed while it writes its changed leaves of incremental step 2: no step 2,
+    a clear error on the survivors, step 1 intact; a new world then saves step 2 again over
+    step 1 and it loads bit-exact."""
+    from tests.manager_ranks import frozen_exact
+
+    logs, env = tmp_path / "logs", target.env()
+    errors = run_and_sigkill(
+        WORKER, world, "incremental_sigkill", target.base, victim=FAILING_RANK, logs=logs, env=env
+    )
+    for error in errors:
+        assert "step 2 was not saved" in error, error
+    assert target.steps() == [1]
+    again = assert_all_ok(
+        run_ranks(WORKER, world, "incremental_again", target.base, logs=logs, env=env)
+    )
+    assert [out["exact 2"] for out in again] == [True] * world
+    second = ckptstore.read_manifest(target.base, 2, **target.options)
+    assert {second.object_step(i) for i in second.references()} == {1}
+    got = ckptstore.load(target.base, 2, target="torch", **target.options)
+    assert all(frozen_exact(got, rank, 2) for rank in range(world))
 
 
 def test_a_stalled_rank_fails_every_other_rank_within_the_collective_deadline(

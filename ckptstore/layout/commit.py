@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,7 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
-from ckptstore.layout.incremental import Reuse, leaf_hashes, plan_reuse
+from ckptstore.layout.incremental import CHANGED, Reuse, leaf_hashes, plan_reuse
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     MANIFEST_NAME,
@@ -71,6 +71,8 @@ __all__ = [
     "ObjectWriter",
     "Written",
     "abandon_attempt",
+    "add_references",
+    "base_manifest",
     "begin_attempt",
     "check_metadata",
     "commit_attempt",
@@ -78,7 +80,10 @@ __all__ = [
     "committed_steps",
     "delete_step",
     "gather_all",
+    "hashes_in_turns",
+    "hold_base",
     "latest_step",
+    "plan_changed",
     "read_manifest",
     "remove_objects",
     "remove_settled",
@@ -261,10 +266,10 @@ async def write_checkpoint(
         # there is no base to compare with (the first save, a full one), while the data is
         # written: they are needed only for the manifest then. Awaited first, they added
         # their whole time (~0.1 s a GiB) to every save. They take the hashing pool in
-        # turns (_hashes_in_turns), so the writes' checksums are not queued behind them.
-        hashing = asyncio.ensure_future(_hashes_in_turns(flat.arrays))
+        # turns (hashes_in_turns), so the writes' checksums are not queued behind them.
+        hashing = asyncio.ensure_future(hashes_in_turns(flat.arrays))
         try:
-            base = None if full else await _base_manifest(store, step)
+            base = None if full else await base_manifest(store, step)
             if base is not None:
                 # shielded: a cancelled save must not stop waiting for the hashing thread,
                 # which goes on reading the arrays (_settled waits for it)
@@ -334,12 +339,12 @@ async def write_checkpoint(
     return await commit_attempt(store, attempt, manifest)
 
 
-#: Bytes of leaves one turn of :func:`_hashes_in_turns` hashes before it lets the writes'
+#: Bytes of leaves one turn of :func:`hashes_in_turns` hashes before it lets the writes'
 #: checksums have the hashing pool (one thread on a machine of up to 3 CPUs).
 HASH_TURN_BYTES = 64 << 20
 
 
-async def _hashes_in_turns(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
+async def hashes_in_turns(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
     """:func:`leaf_hashes` of ``arrays`` on the hashing pool, about :data:`HASH_TURN_BYTES` at a
     time: the pool is first come, first served, and submitted as one job the hashes of a
     whole state held every pack build and checksum of the write behind them, so the writes
@@ -361,7 +366,7 @@ async def _settled(work: asyncio.Future[Any] | None) -> None:
         await asyncio.gather(work, return_exceptions=True)
 
 
-async def _base_manifest(store: Store, step: int) -> Manifest | None:
+async def base_manifest(store: Store, step: int) -> Manifest | None:
     """The newest committed step other than ``step``, the base of an incremental save, or
     ``None`` (nothing committed, or its manifest fails validation: then save in full)."""
     for candidate in reversed(await committed_steps(store)):
@@ -375,14 +380,7 @@ async def _base_manifest(store: Store, step: int) -> Manifest | None:
 
 
 def _plan(store: Store, flat: FlatState, reuse: Reuse | None) -> PackPlan:
-    """The plan of the leaves to write: all, or those ``reuse`` does not take from the base,
-    kept apart by group."""
-    if reuse is None:
-        return PackPlan.for_store(flat.nbytes, store.settings, store.capabilities, flat.paths)
-    lengths = [0 if j >= 0 else n for j, n in zip(reuse.leaf_source, flat.nbytes, strict=True)]
-    return PackPlan.for_store(
-        lengths, store.settings, store.capabilities, flat.paths, groups=reuse.groups
-    )
+    return plan_changed(store, flat.nbytes, flat.paths, reuse)
 
 
 def _reference_columns(reuse: Reuse) -> tuple[list[int], list[str], list[int], list[int]]:
@@ -424,20 +422,66 @@ def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
 def _add_references(manifest: Manifest, reuse: Reuse) -> None:
     """Append the referenced objects to ``manifest``'s object table and point the reused
     leaves at them, with the base's offsets and crc32c."""
-    steps, keys, lengths, crcs = _reference_columns(reuse)
-    own = len(manifest.object_keys)
-    position = {obj: own + k for k, obj in enumerate(reuse.objects)}
-    base = reuse.base
-    manifest.object_keys.extend(keys)
-    manifest.object_lengths.extend(lengths)
-    manifest.object_crcs.extend(crcs)
+    add_references(manifest, reuse.base, enumerate(reuse.leaf_source))
+
+
+def add_references(manifest: Manifest, base: Manifest, sources: Iterable[tuple[int, int]]) -> None:
+    """Point leaves of ``manifest`` at the bytes of ``base`` leaves: for each ``(leaf, j)``
+    with ``j >= 0``, leaf ``leaf`` takes base leaf ``j``'s object (appended to the object
+    table once, as the base names it, so references stay flat), offset and crc32c.
+
+    The caller holds the referenced objects first (:func:`hold_base` or
+    :func:`~ckptstore.layout.references.hold_references`)."""
     assert manifest.object_steps is not None  # one per own object
-    manifest.object_steps.extend(steps)
-    for leaf, j in enumerate(reuse.leaf_source):
-        if j >= 0:
-            manifest.leaf_object[leaf] = position[base.leaf_object[j]]
-            manifest.leaf_offset[leaf] = base.leaf_offset[j]
-            manifest.leaf_crc[leaf] = base.leaf_crc[j]
+    reused = [(leaf, j) for leaf, j in sources if j >= 0]
+    position: dict[int, int] = {}
+    for obj in sorted({base.leaf_object[j] for _, j in reused}):
+        position[obj] = len(manifest.object_keys)
+        manifest.object_keys.append(base.object_keys[obj])
+        manifest.object_lengths.append(base.object_lengths[obj])
+        manifest.object_crcs.append(base.object_crcs[obj])
+        manifest.object_steps.append(base.object_step(obj))
+    for leaf, j in reused:
+        obj = base.leaf_object[j]
+        manifest.leaf_object[leaf] = position[obj]
+        manifest.leaf_offset[leaf] = base.leaf_offset[j]
+        manifest.leaf_crc[leaf] = base.leaf_crc[j]
+
+
+async def hold_base(store: Store, attempt: Attempt, base: Manifest) -> bool:
+    """Hold every object of ``base`` (its own and those it references) for ``attempt``
+    before any of its data is written, for a save whose writers decide what they reuse
+    only later (the ranks of a multi-rank save): they may then reference any of them.
+
+    Returns:
+        ``False`` if the base is being deleted meanwhile: the save then writes everything.
+    """
+    every = Reuse(base, [], list(range(len(base.object_keys))), [])
+    from ckptstore.layout.references import hold_references  # builds on this module
+
+    assert attempt.lease is not None
+    try:
+        await hold_references(store, attempt.lease, _references_of(attempt, every))
+    except BrokenReferenceError:
+        return False
+    return True
+
+
+def plan_changed(
+    store: Store, lengths: Sequence[int], paths: Sequence[str], reuse: Reuse | None
+) -> PackPlan:
+    """The plan of the leaves of ``lengths`` to write: all, or those ``reuse`` does not take
+    from the base, the unchanged ones and the changed ones kept apart (by group). Leaves
+    past the end of ``reuse`` (a rank's chunks of sharded leaves) are written, as changed."""
+    if reuse is None:
+        return PackPlan.for_store(lengths, store.settings, store.capabilities, paths)
+    extra = len(lengths) - len(reuse.leaf_source)
+    if extra < 0:
+        raise ValueError("the reuse was decided for more leaves than are planned")
+    source = [*reuse.leaf_source, *([-1] * extra)]
+    groups = [*reuse.groups, *([CHANGED] * extra)]
+    kept = [0 if j >= 0 else n for j, n in zip(source, lengths, strict=True)]
+    return PackPlan.for_store(kept, store.settings, store.capabilities, paths, groups=groups)
 
 
 async def write_objects(

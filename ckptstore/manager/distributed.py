@@ -72,7 +72,7 @@ import numpy as np
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
 from ckptstore.layout.chunks import block_size_for
-from ckptstore.layout.commit import CommitInfo, latest_step
+from ckptstore.layout.commit import CommitInfo, latest_step, read_manifest
 from ckptstore.layout.keys import check_step, step_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.tree import FlatState, escape_key, join_path
@@ -304,6 +304,8 @@ class _Part:
     attempt: str | None = None  # the coordinator's only
     started: float = 0.0
     chunks: dict[int, list[Any]] = field(default_factory=dict)  # sharded leaf -> its boxes
+    hashing: bool = False  # the coordinator's only: whether ranks hash their leaves
+    base: int | None = None  # the coordinator's only: the held base step of the save
 
 
 @dataclass(frozen=True)
@@ -314,6 +316,9 @@ class _Written:
     leaves: list[tuple[int, int, int, int]]  # global leaf, object (rank-local, -1), offset, crc
     chunks: list[sharding.ChunkRow] = field(default_factory=list)  # object rank-local
     block_size: int = 0  # the chunks' checksummed block
+    hashes: list[tuple[int, str | None]] = field(default_factory=list)  # global leaf, hash
+    reused: list[tuple[int, int]] = field(default_factory=list)  # global leaf, base leaf
+    base_attempt: str | None = None  # the base manifest the rank compared with
 
 
 @dataclass(frozen=True)
@@ -499,6 +504,7 @@ def save(
     *,
     step: int,
     metadata: Any = None,
+    full: bool = False,
     group: Any = None,
     coordinator: int = 0,
     comm: Collectives | None = None,
@@ -506,12 +512,18 @@ def save(
 ) -> CommitInfo:
     """Save this rank's part of a state as step ``step``; every rank of the group calls it.
 
+    With ``Settings.incremental`` (the default; the coordinator's), each rank hashes the
+    leaves it writes and leaves out those unchanged since the newest committed step, whose
+    objects the manifest references instead, as ``ckptstore.save`` does (docs/format.md,
+    "Incremental saves").
+
     Args:
         root: URL, path or Store of the run's checkpoint root (the same root on every rank).
         state: this rank's part: nested dicts/lists/tuples of torch tensors, JAX or numpy
             arrays and plain values, merged with the other ranks' parts by dict key.
         step: the step number, the same on every rank.
         metadata: JSON stored in the manifest (the coordinator's is used).
+        full: write every leaf and reference no earlier step (the coordinator's is used).
         group: a ``torch.distributed`` process group (default: the whole world).
         coordinator: the rank (within the group) that commits.
         comm: collectives to use; by default ``torch.distributed``'s if it is initialised,
@@ -553,7 +565,9 @@ def save(
                 shards = sharding.RankShards.of(flat.paths, sharded, pieces.flat().arrays)
         except Exception as exc:
             error = exc
-        return commit_parts(comm, store, flat, error, step, metadata, coordinator, shards=shards)
+        return commit_parts(
+            comm, store, flat, error, step, metadata, coordinator, shards=shards, full=full
+        )
 
 
 def default_collectives(group: Any = None) -> Collectives:
@@ -588,6 +602,7 @@ def commit_parts(
     coordinator: int,
     *,
     shards: sharding.RankShards | None = None,
+    full: bool = False,
 ) -> CommitInfo:
     """Everything of a multi-rank save after this rank's part is staged: the collectives,
     this rank's writes and the coordinator's commit (:func:`save` runs it in the caller's
@@ -601,6 +616,8 @@ def commit_parts(
             others learn of it instead of waiting, and then raises ``error`` itself.
         shards: this rank's staged chunks of sharded leaves (:mod:`ckptstore.manager.
             sharding`), whose placeholders are in ``flat``.
+        full: with incremental saves (``Settings.incremental``, the coordinator's), record
+            the leaves' hashes but reference nothing.
 
     Returns and raises as :func:`save`.
     """
@@ -609,6 +626,7 @@ def commit_parts(
     with contextlib.ExitStack() as later:
         # 1. share every rank's part; the coordinator adds the attempt
         begun: Attempt | None = None
+        base: Manifest | None = None  # the coordinator's, held for the attempt
         shared: Any = None if error is None else _Failure.of(rank, error)
         if flat is not None and error is None:
             try:
@@ -619,7 +637,16 @@ def commit_parts(
                 if rank == coordinator:
                     begun = background.run(save_path.begin(store, step, metadata))
                     later.callback(_release_lease, begun)  # committed or not, at the end
-                    part = dataclasses.replace(part, attempt=begun.id, started=begun.started)
+                    hashing = store.settings.incremental
+                    if hashing and not full:
+                        base = background.run(_held_base(store, begun))
+                    part = dataclasses.replace(
+                        part,
+                        attempt=begun.id,
+                        started=begun.started,
+                        hashing=hashing,
+                        base=None if base is None else base.step,
+                    )
                 shared = part
             except Exception as exc:
                 error, shared = exc, _Failure.of(rank, exc)
@@ -642,7 +669,7 @@ def commit_parts(
         try:
             written: Any = background.run(
                 bounded(
-                    _write_own(store, flat, leaves, rank, prefix, shards),
+                    _write_own(store, flat, leaves, rank, prefix, shards, parts[coordinator], base),
                     seconds=store.settings.save_deadline,
                     what=f"rank {rank}'s writes of step {step} to {store.url}",
                     setting="save_deadline",
@@ -660,7 +687,18 @@ def commit_parts(
         outcome: _Outcome | None = None
         if reports is not None:
             try:
-                outcome = background.run(_commit(store, reports, tree, leaves, attempt, metadata))
+                outcome = background.run(
+                    _commit(
+                        store,
+                        reports,
+                        tree,
+                        leaves,
+                        attempt,
+                        metadata,
+                        base,
+                        parts[coordinator].hashing,
+                    )
+                )
             except Exception as exc:  # unforeseen: keep the data, the manifest may exist
                 outcome = _Outcome(None, _Failure.of(rank, exc), remove=False)
         # 3. every rank learns the outcome. If this fails the coordinator may have committed
@@ -688,6 +726,15 @@ def commit_parts(
         if failure.kind == CommitConflictError.__name__:
             raise CommitConflictError(failure.message)
         raise CkptStoreError(f"{store.url}: step {step} was not saved: {failure.describe()}")
+
+
+async def _held_base(store: Store, attempt: Attempt) -> Manifest | None:
+    """The base of an incremental multi-rank save, every object of it held for ``attempt``
+    before any rank writes (the ranks decide what they reuse only later), or ``None``."""
+    base = await save_path.base(store, attempt.step)
+    if base is None or not await save_path.hold(store, attempt, base):
+        return None
+    return base
 
 
 def _release_lease(attempt: Attempt) -> None:
@@ -763,7 +810,12 @@ async def _write_own(
     rank: int,
     prefix: str,
     shards: sharding.RankShards,
+    coordinator: _Part,
+    base: Manifest | None,
 ) -> _Written:
+    """Write the leaves and chunks this rank owns. With incremental saves, hash the leaves
+    first and leave out those unchanged in the coordinator's base (``base`` on the
+    coordinator; the others read it)."""
     mine = [number for number, leaf in enumerate(leaves) if leaf.owner == rank]
     # the boxes of sharded leaves this rank writes, planned and written like leaves
     boxes = [
@@ -780,7 +832,22 @@ async def _write_own(
         arrays=[flat.arrays[leaves[n].holders[rank]] for n in mine] + chunk_arrays,
         attrs=[leaves[n].attrs for n in mine] + [None] * len(boxes),
     )
-    plan = save_path.plan(store, own.nbytes, own.paths)
+    hashes: list[str | None] = []
+    reuse: save_path.Reuse | None = None
+    if coordinator.hashing:
+        hashes = await save_path.hashes(own.arrays[: len(mine)])
+        if coordinator.base is not None and mine:
+            base = base or await _read_base(store, coordinator.base)
+            if base is not None:
+                picked = [leaves[n] for n in mine]
+                reuse = save_path.reuse(
+                    base,
+                    [leaf.path for leaf in picked],
+                    [leaf.dtype for leaf in picked],
+                    [leaf.shape for leaf in picked],
+                    hashes,
+                )
+    plan = save_path.plan(store, own.nbytes, own.paths, reuse=reuse)
     block = _block_size(leaves, store.settings.chunk_block_size)
     written, blocks = await asyncio.gather(
         save_path.write(store, own.arrays, plan, prefix),
@@ -803,7 +870,21 @@ async def _write_own(
             )
         ],
         block_size=block,
+        hashes=list(zip(mine, hashes, strict=True)),
+        reused=[]
+        if reuse is None
+        else [(mine[i], j) for i, j in enumerate(reuse.leaf_source) if j >= 0],
+        base_attempt=None if reuse is None else reuse.base.attempt,
     )
+
+
+async def _read_base(store: Store, step: int) -> Manifest | None:
+    """The base manifest the coordinator holds, read by another rank; ``None`` if it cannot
+    be read (the rank then writes all its leaves: the save stays whole either way)."""
+    try:
+        return await read_manifest(store, step)
+    except (NotFoundError, CkptStoreError):
+        return None
 
 
 async def _commit(
@@ -813,6 +894,8 @@ async def _commit(
     leaves: list[_Leaf],
     attempt: Attempt,
     metadata: Any,
+    base: Manifest | None,
+    hashing: bool,
 ) -> _Outcome:
     failures = [r for r in reports if isinstance(r, _Failure)]
     if failures:
@@ -825,18 +908,36 @@ async def _commit(
     reported = [False] * n
     chunk_rows: list[sharding.ChunkRow] = []
     for rank, written in enumerate(reports):
-        base = len(object_keys)
+        first = len(object_keys)
         for name, size, crc in written.objects:
             object_keys.append(f"{attempt.id}/r{rank}-{name}")
             object_lengths.append(size)
             object_crcs.append(crc)
         for number, obj, offset, crc in written.leaves:
-            leaf_object[number] = base + obj if obj >= 0 else -1
+            leaf_object[number] = first + obj if obj >= 0 else -1
             leaf_offset[number] = offset
             leaf_crc[number] = crc
             reported[number] = True
         for number, start, shape, obj, offset, crcs in written.chunks:
-            chunk_rows.append((number, start, shape, base + obj, offset, crcs))
+            chunk_rows.append((number, start, shape, first + obj, offset, crcs))
+    leaf_hash: list[str | None] = [None] * n
+    for written in reports:
+        for number, digest in written.hashes:
+            leaf_hash[number] = digest
+    reused = [pair for written in reports for pair in written.reused]
+    compared = {r.base_attempt for r in reports if r.reused}
+    if reused and (base is None or compared != {base.attempt}):
+        return _Outcome(
+            None,
+            _Failure(
+                -1,
+                "CkptStoreError",
+                "the ranks compared their leaves with another base step than the one held "
+                f"for the save ({sorted(a or '?' for a in compared)})",
+            ),
+        )
+    for number, _ in reused:
+        reported[number] = True
     block_sizes = {r.block_size for r in reports if r.chunks}
     if len(block_sizes) > 1:
         return _Outcome(
@@ -889,7 +990,12 @@ async def _commit(
         chunks=sharding.chunk_table(
             block_sizes.pop() if block_sizes else store.settings.chunk_block_size, chunk_rows
         ),
+        object_steps=[attempt.step] * len(object_keys),
+        leaf_hash=leaf_hash if hashing else None,
     )
+    if reused:
+        assert base is not None
+        save_path.add_references(manifest, base, reused)
     try:
         return _Outcome(await save_path.commit(store, attempt, manifest))
     except StoreError as exc:

@@ -95,9 +95,11 @@ class CheckpointManager(_SingleProcessManager):
         url: the run's checkpoint root, the same on every rank (any URL ``open_store``
             takes, or an open Store, left open by :meth:`close`).
         max_to_keep, keep_period, keep_time_interval, save_interval_steps, best_fn,
-            best_mode, async_save, stager: as for :class:`~ckptstore.CheckpointManager`;
-            retention runs on the coordinator after each commit, with the coordinator's
-            ``metrics``.
+            best_mode, async_save, stager, full_every: as for
+            :class:`~ckptstore.CheckpointManager`; retention runs on the coordinator after
+            each commit, with the coordinator's ``metrics``. Saves are incremental as there
+            (``Settings.incremental``, the coordinator's): each rank hashes the leaves it
+            writes and leaves out those unchanged since the newest committed step.
         group: the ``torch.distributed`` process group whose ranks save (default: the
             world). The manager's collectives run on a new gloo group over the same ranks,
             created here; constructing the manager is then a collective of the whole world
@@ -140,6 +142,7 @@ class CheckpointManager(_SingleProcessManager):
         best_mode: Literal["min", "max"] = "max",
         async_save: bool = True,
         stager: Stager | None = None,
+        full_every: int | None = None,
         group: Any = None,
         comm: Collectives | None = None,
         coordinator: int = 0,
@@ -190,6 +193,7 @@ class CheckpointManager(_SingleProcessManager):
                 async_save=async_save,
                 max_in_flight=1,  # two saves in flight would interleave their collectives
                 stager=stager,
+                full_every=full_every,
                 preemption=preemption,
                 save_before=save_before,
                 **store_options,
@@ -238,7 +242,9 @@ class CheckpointManager(_SingleProcessManager):
                 (``metadata`` and ``metrics``: the coordinator's are stored).
             state: this rank's part, merged with the other ranks' by dict key.
             force: save even if ``step`` is off the interval.
-            full: accepted for the signature's sake: multi-rank saves are always full.
+            full: write every leaf and reference no earlier step (as for
+                :meth:`ckptstore.CheckpointManager.save`; ``full_every`` makes some saves
+                full too).
             persist: refused: a multi-rank manager has no local tier.
 
         Returns:
@@ -266,6 +272,9 @@ class CheckpointManager(_SingleProcessManager):
         self._check_after_newest(step)
         meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         document = self._document(meta, metadata)
+        every = self.full_every
+        full = full or (every is not None and self._saves % every == 0)
+        self._saves += 1
 
         fences: list[Callable[[], None]] = []
 
@@ -286,7 +295,7 @@ class CheckpointManager(_SingleProcessManager):
         async def write(staged: StagedState) -> CommitInfo:
             run = asyncio.get_running_loop().run_in_executor
             return await run(
-                self._thread, self._commit_everywhere, staged, fences, step, document, meta
+                self._thread, self._commit_everywhere, staged, fences, step, document, meta, full
             )
 
         began = time.monotonic()
@@ -320,6 +329,7 @@ class CheckpointManager(_SingleProcessManager):
         step: int,
         document: dict[str, Any],
         meta: dict[str, Any],
+        full: bool,
     ) -> CommitInfo:
         """The background half of a save, in the manager's thread: the staged copies'
         ``fences``, the multi-rank protocol, then retention on the coordinator."""
@@ -331,7 +341,9 @@ class CheckpointManager(_SingleProcessManager):
             flat = staged.flat()
         except Exception as exc:
             error = exc
-        info = commit_parts(self._comm, self._store, flat, error, step, document, self.coordinator)
+        info = commit_parts(
+            self._comm, self._store, flat, error, step, document, self.coordinator, full=full
+        )
         self._committed(step)  # on every rank: commit_parts returned, so the step is committed
         if self.rank == self.coordinator:  # what retention ranks it by
             self._info[step] = (meta["time"], meta["metrics"])

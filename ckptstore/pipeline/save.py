@@ -55,12 +55,18 @@ from ckptstore.layout.commit import (
     ObjectWriter,
     Written,
     abandon_attempt,
+    add_references,
+    base_manifest,
     begin_attempt,
     commit_attempt,
+    hashes_in_turns,
+    hold_base,
+    plan_changed,
     remove_objects,
     write_checkpoint,
     write_objects,
 )
+from ckptstore.layout.incremental import Reuse, plan_reuse
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
@@ -72,13 +78,19 @@ from ckptstore.store.base import Store
 __all__ = [
     "Attempt",
     "CommitInfo",
+    "Reuse",
     "Written",
     "abandon",
+    "add_references",
+    "base",
     "begin",
     "commit",
     "discard",
+    "hashes",
+    "hold",
     "object_writer",
     "plan",
+    "reuse",
     "save_flat",
     "save_staged",
     "stage",
@@ -132,13 +144,19 @@ def plan(
     *,
     pack_threshold: int | None = None,
     pack_size: int | None = None,
+    reuse: Reuse | None = None,
 ) -> PackPlan:
     """Plan leaves of ``lengths`` bytes for ``store``: its settings and part limits, or the
-    ``pack_threshold`` and ``pack_size`` a face sets for itself (the DCP writer's).
+    ``pack_threshold`` and ``pack_size`` a face sets for itself (the DCP writer's). With
+    ``reuse`` (:func:`reuse`), only the leaves it does not take from the base get bytes.
 
     Raises:
         ValueError: a leaf larger than the store's largest object (named by ``paths``).
     """
+    if reuse is not None:
+        if pack_threshold is not None or pack_size is not None:
+            raise ValueError("an incremental plan uses the store's packing settings")
+        return plan_changed(store, lengths, paths or [""] * len(lengths), reuse)
     return PackPlan.for_store(
         lengths,
         store.settings,
@@ -147,6 +165,45 @@ def plan(
         pack_threshold=pack_threshold,
         pack_size=pack_size,
     )
+
+
+# ------------------------------------------------- 2b. incremental saves written in parts
+#
+# ``save_flat`` does all of this itself. A face whose writers write parts of one attempt (the
+# ranks of ``ckptstore.manager.distributed``) splits it: the coordinator finds the
+# :func:`base` and :func:`hold` s it before any writer starts; each writer :func:`hashes` its
+# leaves, decides their :func:`reuse` and plans the rest (:func:`plan` with ``reuse=``); the
+# coordinator points the reused leaves at the base's objects (:func:`add_references`).
+
+
+async def base(store: Store, step: int) -> Manifest | None:
+    """The base of an incremental save of ``step``: the newest other committed step's
+    manifest, or ``None`` (none, or it fails validation: save in full)."""
+    return await base_manifest(store, step)
+
+
+async def hold(store: Store, attempt: Attempt, base: Manifest) -> bool:
+    """Hold every object of ``base`` for ``attempt`` (begun by this process) before any data
+    is written; ``False`` if the base is being deleted meanwhile (then save in full)."""
+    return await hold_base(store, attempt, base)
+
+
+async def hashes(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
+    """The leaves' xxh3-128 hashes (recorded in the manifest; compared by :func:`reuse`),
+    on the hashing pool, in turns with the writes' checksums."""
+    return await hashes_in_turns(arrays)
+
+
+def reuse(
+    base: Manifest,
+    paths: Sequence[str],
+    dtypes: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    hashes: Sequence[str | None],
+) -> Reuse:
+    """Which of these leaves reuse ``base``'s bytes: unchanged ones in base objects whose
+    every leaf is among them unchanged (:func:`ckptstore.layout.incremental.plan_reuse`)."""
+    return plan_reuse(base, paths, dtypes, shapes, hashes)
 
 
 # --------------------------------------------------------------------------- 3. write
