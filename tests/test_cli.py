@@ -1016,3 +1016,68 @@ def test_cp_to_a_misspelled_bucket_says_it_does_not_exist_and_writes_nothing(
     status, _, err = run(capsys, "ls", url)  # what ls says of the same URL
     assert status == cli.EXIT_ERROR
     assert_one_line_error(err, f"bucket '{bucket}x': the bucket does not exist")
+
+
+def _fine_tuning(tmp_path: Path, steps: int = 3) -> Path:
+    """A run whose steps share a frozen 8 MiB leaf: each after the first is incremental."""
+    root = tmp_path / "run"
+    frozen = np.arange(2 * 2**20, dtype=np.float32)
+    for step in range(1, steps + 1):
+        ckptstore.save(root, {"frozen": frozen, "head": np.full(64, step, np.float32)}, step=step)
+    return root
+
+
+def test_cp_of_incremental_steps_references_what_the_destination_holds(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A run copied step by step copied every referenced object again at each step (a
+    fine-tuning run grew by its frozen weights per step at the destination); a step now
+    references the destination's copy of what it references, and still loads bit-exact
+    once the steps it references are deleted and collected."""
+    src, dst = _fine_tuning(tmp_path), tmp_path / "copy"
+    status, out, err = run(capsys, "cp", str(src), str(dst), "--json")
+    assert status == 0, err
+    reports = {s["step"]: s for s in json.loads(out)["steps"]}
+    assert reports[1]["referenced"] == 0
+    assert reports[1]["nbytes"] >= 8 * 2**20
+    for step in (2, 3):
+        assert reports[step]["referenced"] >= 1, reports[step]
+        assert reports[step]["nbytes"] < 2**20, reports[step]
+        copy = ckptstore.read_manifest(dst, step)
+        assert {copy.object_step(i) for i in copy.references()} == {1}
+    status, out, _ = run(capsys, "cp", str(src), str(tmp_path / "again"), "--step", "1")
+    status, out, err = run(capsys, "cp", str(src), str(tmp_path / "again"), "--step", "3")
+    assert status == 0, err
+    assert "of earlier steps referenced at the destination" in out
+    for step in (1, 2):
+        ckptstore.delete_step(dst, step)
+    assert ckptstore.gc(dst, grace=0).kept_referenced
+    assert_states_equal(ckptstore.load(src, 3), ckptstore.load(dst, 3))
+    status, _, err = run(capsys, "verify", str(dst))
+    assert status == 0, err
+
+
+def test_cp_copies_whole_what_the_destination_does_not_hold_as_a_copy(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A step whose base the destination lacks, or holds as another save of the same
+    state (other objects), is copied whole: a copy never names an object it cannot vouch
+    for."""
+    src = _fine_tuning(tmp_path, steps=2)
+    alone = tmp_path / "alone"
+    status, out, err = run(capsys, "cp", str(src), str(alone), "--step", "2", "--json")
+    assert status == 0, err
+    (report,) = json.loads(out)["steps"]
+    assert report["referenced"] == 0
+    assert ckptstore.read_manifest(alone, 2).references() == []
+    other = tmp_path / "other"
+    state1 = ckptstore.load(src, 1)
+    # the same leaves, other objects: the frozen leaf packed with the head
+    ckptstore.save(other, state1, step=1, pack_threshold=16 << 20, pack_size=16 << 20)
+    theirs, ours = (ckptstore.read_manifest(r, 1) for r in (src, other))
+    assert theirs.leaf_crc == ours.leaf_crc
+    assert theirs.object_lengths != ours.object_lengths
+    status, out, err = run(capsys, "cp", str(src), str(other), "--step", "2", "--json")
+    assert status == 0, err
+    assert json.loads(out)["steps"][0]["referenced"] == 0
+    assert_states_equal(ckptstore.load(src, 2), ckptstore.load(other, 2))

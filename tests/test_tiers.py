@@ -145,6 +145,33 @@ def test_saves_commit_locally_and_chosen_steps_reach_the_persistent_tier(
         assert copied.attempt != local_manifest.attempt  # committed there on its own
 
 
+def test_persistent_copies_of_incremental_steps_upload_only_what_changed(
+    tmp_path: Path, persistent: Persistent
+) -> None:
+    """A fine-tuning run's local steps are incremental, but each persistent copy uploaded
+    every object its step references again (the frozen weights at every step); a copy now
+    references the persistent tier's copies of them, and every step loads bit-exact from
+    the persistent tier alone."""
+    frozen = np.arange(2**20, dtype=np.float32)  # 4 MiB, the same at every step
+
+    def tuned(step: int) -> dict[str, Any]:
+        return {"frozen": frozen, "head": np.full(32, step, np.float32), "step": step}
+
+    with CheckpointManager(persistent.url, local=tmp_path / "local") as mgr:
+        for step in range(3):
+            mgr.save(step, tuned(step))
+        mgr.wait_until_finished()  # waits for the copies too
+    for step in range(3):
+        assert_same_state(ckptstore.load(persistent.url, step), tuned(step))
+        copied = ckptstore.read_manifest(persistent.url, step)
+        if step == 0:
+            assert copied.references() == []
+            assert copied.own_bytes >= frozen.nbytes
+            continue
+        assert copied.own_bytes < 2**16, (step, copied.own_bytes)  # the head, not the frozen
+        assert {copied.object_step(i) for i in copied.references()} <= {0}
+
+
 def test_retention_is_per_tier_and_never_drops_a_step_awaiting_its_copy(tmp_path: Path) -> None:
     local = tmp_path / "local"
     gated = GatedStore(LocalStore(tmp_path / "persistent"))

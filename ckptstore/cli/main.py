@@ -782,7 +782,14 @@ async def _cp(args: argparse.Namespace) -> Outcome:
                     f"step {r.step}: already at the destination (identical), skipped"
                     if r.skipped
                     else f"step {r.step}: copied {count(r.objects, 'object')}, "
-                    f"{format_bytes(r.nbytes)}, verified, committed (attempt {r.attempt})"
+                    f"{format_bytes(r.nbytes)}, verified, "
+                    + (
+                        f"{count(r.referenced, 'object')} of earlier steps referenced at the "
+                        "destination, "
+                        if r.referenced
+                        else ""
+                    )
+                    + f"committed (attempt {r.attempt})"
                 )
         src_url, dst_url = src.url, dst.url
     done = [r.step for r in reports]

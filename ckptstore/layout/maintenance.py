@@ -51,7 +51,13 @@ from ckptstore.errors import (
     InvalidRangeError,
     NotFoundError,
 )
-from ckptstore.layout.commit import commit_manifest, gather_all, read_manifest, remove_settled
+from ckptstore.layout.commit import (
+    commit_manifest,
+    committed_steps,
+    gather_all,
+    read_manifest,
+    remove_settled,
+)
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     attempt_prefix,
@@ -61,7 +67,12 @@ from ckptstore.layout.keys import (
 )
 from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.references import RECORD_NAME, attempt_record, check_references
+from ckptstore.layout.references import (
+    RECORD_NAME,
+    attempt_record,
+    check_references,
+    hold_references,
+)
 from ckptstore.layout.rollback import SET_ASIDE_NAME
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
@@ -398,6 +409,7 @@ async def verify_manifest(
     *,
     progress: Progress | None = None,
     chunk_size: int | None = None,
+    objects: Collection[int] | None = None,
 ) -> VerifyReport:
     """Re-read every data object ``manifest`` names on ``store`` and check every checksum.
 
@@ -407,6 +419,8 @@ async def verify_manifest(
             its data this way before committing).
         progress: called with the byte count of each chunk checked.
         chunk_size: bytes per read (default ``Settings.part_size``).
+        objects: check only these objects (by index) and the leaves in them (a copy checks
+            what it wrote, not the earlier steps' objects it references).
     """
     report = VerifyReport(manifest.step)
     chunk = chunk_size or store.settings.part_size
@@ -492,7 +506,8 @@ async def verify_manifest(
                 )
 
     # Objects run concurrently; the chunk slots bound how many reads are in flight.
-    await gather_all(check_object(i) for i in range(len(manifest.object_keys)))
+    checked = range(len(manifest.object_keys)) if objects is None else sorted(objects)
+    await gather_all(check_object(i) for i in checked)
     report.leaves += sum(
         1
         for leaf, obj in enumerate(manifest.leaf_object)
@@ -539,6 +554,8 @@ class CopyReport:
         nbytes: bytes copied.
         attempt: the attempt id the copy was committed under at the destination.
         skipped: the destination already held an identical checkpoint; nothing was written.
+        referenced: objects of earlier steps the copy references at the destination rather
+            than copying (the destination's copies of them; see :func:`copy_step`).
     """
 
     step: int
@@ -546,6 +563,7 @@ class CopyReport:
     nbytes: int
     attempt: str
     skipped: bool = False
+    referenced: int = 0
 
 
 def _same_checkpoint(a: Manifest, b: Manifest) -> bool:
@@ -574,7 +592,14 @@ async def copy_step(
         dst: the destination checkpoint root.
         step: the step to copy.
         progress: called with byte counts as data is copied and as it is verified (so the
-            total is twice the step's size).
+            total is twice the step's size; the bytes of referenced objects, which are
+            neither copied nor read, are counted at once).
+
+    An incremental step references objects of earlier steps. Where the destination holds
+    such a step as a copy of the source's (an earlier ``copy_step``: ``ckptstore cp`` of a
+    run, the persistent tier), the copy references the destination's objects, held and
+    checked before anything is copied, instead of copying their bytes again; elsewhere it
+    copies them, so a copy never depends on a step the destination does not hold.
 
     Raises:
         NotFoundError: ``step`` is not committed at ``src``.
@@ -598,20 +623,27 @@ async def copy_step(
         )
 
     await check_references(src, manifest)
+    links = await _destination_links(dst, manifest)
     started = time.time()
     attempt = new_attempt_id(started)
     prefix = attempt_prefix(step, attempt)
-    copied = dataclasses.replace(
-        manifest,
-        attempt=attempt,
-        object_keys=[_copied_name(manifest, attempt, i) for i in range(len(manifest.object_keys))],
-        object_steps=None,  # every object is the copy's own: a self-contained step
-    )
     # A copy is a save attempt at the destination: it holds the same lease a save does.
     async with held_lease(dst, step, attempt) as lease:
+        copied = _copied(manifest, attempt, links)
+        if links:
+            try:
+                # the references are held, and checked, before any byte is copied
+                await hold_references(dst, lease, copied)
+            except BrokenReferenceError:
+                # the destination's copy of the base is being deleted: copy everything
+                links = {}
+                copied = _copied(manifest, attempt, links)
+        own = [i for i in range(len(copied.object_keys)) if i not in links]
+        if progress is not None and links:  # nothing to copy or check: counted as done
+            progress(2 * sum(copied.object_lengths[i] for i in links))
         try:
-            await _copy_objects(src, dst, manifest, copied, progress)
-            await _check_copy(dst, copied, progress)
+            await _copy_objects(src, dst, manifest, copied, progress, own)
+            await _check_copy(dst, copied, progress, own)
         except BaseException:
             # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed: the attempt is
             # removed, after the writes still running in threads end (Store.settle), so
@@ -621,17 +653,94 @@ async def copy_step(
         lease.check()
         await commit_manifest(dst, copied)
     seconds = time.monotonic() - began
+    nbytes = sum(copied.object_lengths[i] for i in own)
     _log.info(
-        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, in %.2f s, %.1f MiB/s",
+        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, %d referenced at the "
+        "destination, in %.2f s, %.1f MiB/s",
         step,
         src.url,
         dst.url,
-        len(copied.object_keys),
-        copied.nbytes / 2**20,
+        len(own),
+        nbytes / 2**20,
+        len(links),
         seconds,
-        copied.nbytes / 2**20 / max(seconds, 1e-6),
+        nbytes / 2**20 / max(seconds, 1e-6),
     )
-    return CopyReport(step, len(copied.object_keys), copied.nbytes, attempt)
+    return CopyReport(step, len(own), nbytes, attempt, referenced=len(links))
+
+
+def _copied(manifest: Manifest, attempt: str, links: dict[int, tuple[int, str]]) -> Manifest:
+    """The copy's manifest: every object under the copy's attempt, except those ``links``
+    names, which it references at the destination (step, key)."""
+    return dataclasses.replace(
+        manifest,
+        attempt=attempt,
+        object_keys=[
+            links[i][1] if i in links else _copied_name(manifest, attempt, i)
+            for i in range(len(manifest.object_keys))
+        ],
+        object_steps=[
+            links[i][0] if i in links else manifest.step for i in range(len(manifest.object_keys))
+        ],
+    )
+
+
+#: Destination manifests a copy reads at most to find objects it may reference there.
+LINK_CANDIDATES = 8
+
+
+async def _destination_links(dst: Store, manifest: Manifest) -> dict[int, tuple[int, str]]:
+    """The objects of ``manifest`` that another step references and that the destination
+    already holds, as ``index -> (step, key)`` at the destination.
+
+    An incremental step references objects of earlier steps; the destination holds the
+    same bytes when it holds a copy of one of those steps (``ckptstore cp`` of a run, the
+    persistent tier). An object there is the same object when its length and crc32c are
+    the same and so are the offsets, lengths and xxh3-128 hashes of every leaf in it (the
+    test an incremental save uses to reuse a leaf; crc32c alone is too short to decide
+    equality). The steps the references name are looked at first, then the newest below
+    ``manifest``'s, :data:`LINK_CANDIDATES` in all. Elsewhere the object is copied, so a
+    copy never names bytes it cannot vouch for."""
+    wanted: dict[tuple[Any, ...], int] = {}
+    for i in manifest.references():
+        signature = _signature(manifest, i)
+        if signature is not None:  # no hashes recorded (an older save): copied
+            wanted[signature] = i
+    if not wanted:
+        return {}
+    held = [s for s in await committed_steps(dst) if s < manifest.step]
+    named = sorted({manifest.object_step(i) for i in manifest.references()} & set(held))
+    others = [s for s in reversed(held) if s not in named]
+    links: dict[int, tuple[int, str]] = {}
+    for step in (named[::-1] + others)[:LINK_CANDIDATES]:
+        try:
+            ours = await read_manifest(dst, step)
+        except (NotFoundError, CorruptCheckpointError):
+            continue  # deleted meanwhile, or unreadable: not a place to reference
+        for j in range(len(ours.object_keys)):
+            signature = _signature(ours, j)
+            found = None if signature is None else wanted.get(signature)
+            if found is not None and found not in links:
+                links[found] = (ours.object_step(j), ours.object_keys[j])
+        if len(links) == len(wanted):
+            break
+    return links
+
+
+def _signature(m: Manifest, obj: int) -> tuple[Any, ...] | None:
+    """What identifies object ``obj``'s bytes: its length and crc32c, and the offset, length
+    and xxh3-128 hash of every leaf in it; ``None`` if a leaf's hash is not recorded."""
+    if m.leaf_hash is None:
+        return None
+    leaves = []
+    for j, o in enumerate(m.leaf_object):
+        if o == obj:
+            if m.leaf_hash[j] is None:
+                return None
+            leaves.append((m.leaf_offset[j], m.leaf_length[j], m.leaf_hash[j]))
+    if not leaves:
+        return None
+    return (m.object_lengths[obj], m.object_crcs[obj], *sorted(leaves))
 
 
 def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:
@@ -642,8 +751,10 @@ def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:
     return f"{attempt}/{name}" if where == manifest.step else f"{attempt}/s{where}-{name}"
 
 
-async def _check_copy(dst: Store, copied: Manifest, progress: Progress | None) -> None:
-    check = await verify_manifest(dst, copied, progress=progress)
+async def _check_copy(
+    dst: Store, copied: Manifest, progress: Progress | None, own: Collection[int]
+) -> None:
+    check = await verify_manifest(dst, copied, progress=progress, objects=own)
     if not check.ok:
         first = check.damage[0]
         raise CorruptCheckpointError(
@@ -653,7 +764,12 @@ async def _check_copy(dst: Store, copied: Manifest, progress: Progress | None) -
 
 
 async def _copy_objects(
-    src: Store, dst: Store, manifest: Manifest, copied: Manifest, progress: Progress | None
+    src: Store,
+    dst: Store,
+    manifest: Manifest,
+    copied: Manifest,
+    progress: Progress | None,
+    own: Collection[int],
 ) -> None:
     threshold = dst.settings.multipart_threshold
     small_slots = asyncio.Semaphore(max(1, dst.settings.max_concurrency))
@@ -683,8 +799,8 @@ async def _copy_objects(
                 failed = True
                 raise
 
-    large = [i for i, n in enumerate(manifest.object_lengths) if n >= threshold]
-    small = [i for i, n in enumerate(manifest.object_lengths) if n < threshold]
+    large = [i for i in own if manifest.object_lengths[i] >= threshold]
+    small = [i for i in own if manifest.object_lengths[i] < threshold]
     # Small objects go many at a time; each large one already streams its parts in
     # parallel, so they go one after another to keep memory at one pool of part buffers.
     # After a failure the writes in flight run to their end (cancel=False) rather than

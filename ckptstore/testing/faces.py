@@ -256,11 +256,6 @@ _DCP_INCREMENTAL = (
 _MULTI_RANK_INCREMENTAL = (
     "the multi-rank save does not yet hash leaves against the previous step (issue 28, item 6)"
 )
-_CP_INCREMENTAL = (
-    "a copy is self-contained: cp copies the objects a step references from earlier steps "
-    "too, so the destination never depends on a base step it may not hold; referencing the "
-    "destination's copy of the base when it holds the same checkpoint is not built"
-)
 
 #: Every face that saves.
 SAVERS: list[Face] = [
@@ -272,7 +267,7 @@ SAVERS: list[Face] = [
     Face("distributed-manager", save=_save_distributed_manager),
     Face("dcp", save=_save_dcp, fmt="dcp", url_step=True, lacks={"incremental": _DCP_INCREMENTAL}),
     Face("lightning", save=_save_lightning, url_step=True, ordered=True),
-    Face("cp", save=_save_cp, lacks={"incremental": _CP_INCREMENTAL}),
+    Face("cp", save=_save_cp),
 ]
 
 #: Every face that restores.
