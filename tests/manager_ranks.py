@@ -184,13 +184,13 @@ def scenario_incremental(root: str) -> dict[str, Any]:
 
 
 def scenario_incremental_sigkill(root: str) -> dict[str, Any]:
-    """Step 1 of a fine-tuning state; then step 2, incremental, during whose background
-    write the test SIGKILLs the failing rank; the survivors' ``wait_until_finished`` reports
-    it."""
+    """Step 1 of a fine-tuning state; then step 2, incremental and a lazy snapshot, during
+    whose background write the test SIGKILLs the failing rank; the survivors'
+    ``wait_until_finished`` reports it."""
     rank = dist.get_rank()
     gate = Gate(opened(root))
     out: dict[str, Any] = {}
-    mgr = ckptstore.distributed.CheckpointManager(gate, timeout=GROUP_TIMEOUT)
+    mgr = ckptstore.distributed.CheckpointManager(gate, timeout=GROUP_TIMEOUT, snapshot="lazy")
     mgr.save(1, frozen_part(rank, 1))
     mgr.wait_until_finished()
     if rank == FAILING_RANK:
@@ -200,6 +200,31 @@ def scenario_incremental_sigkill(root: str) -> dict[str, Any]:
     out["killed"] = outcome_of(mgr.wait_until_finished)
     out["close"] = outcome_of(mgr.close)
     return out
+
+
+def scenario_lazy(root: str) -> dict[str, Any]:
+    """Three steps of a training loop with lazy snapshots: each ``save`` returns before the
+    copy, the optimizer step right after it is fenced, the training's all-reduce runs, and
+    every committed step holds the weights of its ``save`` call."""
+    rank = dist.get_rank()
+    weight = torch.nn.Parameter(torch.arange(SHARD, dtype=torch.float32) + rank)
+    opt = torch.optim.SGD([weight], lr=1.0)
+    with ckptstore.distributed.CheckpointManager(
+        opened(root), snapshot="lazy", timeout=GROUP_TIMEOUT
+    ) as mgr:
+        for step in (1, 2, 3):
+            mgr.save(step, {"model": {f"w{rank}": weight}, "step": step})
+            weight.grad = torch.ones_like(weight)
+            opt.step()  # the pre-hook fences the lazy copy first
+            dist.all_reduce(torch.ones(1))
+        mgr.wait_until_finished()
+        return {
+            str(step): torch.equal(
+                mgr.restore(step)["model"][f"w{rank}"],
+                torch.arange(SHARD, dtype=torch.float32) + rank - (step - 1),
+            )
+            for step in (1, 2, 3)
+        }
 
 
 def scenario_incremental_again(root: str) -> dict[str, Any]:
@@ -257,6 +282,7 @@ SCENARIOS = {
     "incremental": scenario_incremental,
     "incremental_sigkill": scenario_incremental_sigkill,
     "incremental_again": scenario_incremental_again,
+    "lazy": scenario_lazy,
 }
 
 

@@ -350,3 +350,70 @@ def test_preemption_with_comm_needs_collectives_for_it(shared: Store) -> None:
     group = ckptstore.distributed.LocalGroup(1, timeout=5)
     with pytest.raises(ValueError, match="need preemption_comm="):
         ckptstore.distributed.CheckpointManager(shared, comm=group.member(0), preemption=True)
+
+
+@pytest.mark.torch
+def test_lazy_snapshots_on_ranks_save_the_state_of_the_call(tmp_path: Path) -> None:
+    """Issue 28 item 6: ``snapshot="lazy"`` on the multi-rank manager: ``save`` returns before
+    the copy, the optimizer step that follows is fenced by the pre-hook (and a change by
+    hand by ``fence()``), and what every rank committed is its state at the ``save`` call."""
+    torch = pytest.importorskip("torch")
+    root = str(tmp_path / "ckpts")
+
+    def train(rank: int, comm: ckptstore.distributed.Collectives) -> Any:
+        weight = torch.nn.Parameter(torch.arange(2**18, dtype=torch.float32) + rank)
+        weight.grad = torch.ones_like(weight)
+        opt = torch.optim.SGD([weight], lr=1.0)
+        bias = torch.full((16,), float(rank))
+        state = {"model": {f"w{rank}": weight, f"b{rank}": bias}, "step": 1}
+        with ckptstore.distributed.CheckpointManager(root, comm=comm, snapshot="lazy") as mgr:
+            assert mgr.save(1, state)
+            opt.step()  # fenced: the copy ends before the update
+            mgr.fence()
+            bias.add_(100.0)
+            mgr.wait_until_finished()
+            return mgr.restore(1, target="torch")
+
+    results = run_ranks(2, train)
+    for result in results:
+        assert not isinstance(result, BaseException), result
+        for rank in range(2):
+            want = torch.arange(2**18, dtype=torch.float32) + rank
+            assert torch.equal(result["model"][f"w{rank}"], want)
+            assert torch.equal(result["model"][f"b{rank}"], torch.full((16,), float(rank)))
+
+
+@pytest.mark.torch
+def test_a_lazy_copy_torn_on_one_rank_fails_the_save_on_every_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 1 changes a leaf by hand while its lazy copy is held before that leaf: rank 1's
+    wait raises ``TornSnapshotError`` naming it, rank 0's an error naming rank 1, and no step
+    is committed. (An eager save would never reach the held copy: the test proves the save
+    is lazy.)"""
+    torch = pytest.importorskip("torch")
+    from ckptstore.errors import TornSnapshotError
+    from tests.test_lazy_snapshot import Hold
+
+    root = str(tmp_path / "ckpts")
+    hold = Hold(monkeypatch, "model/b1")
+
+    def train(rank: int, comm: ckptstore.distributed.Collectives) -> Any:
+        bias = torch.full((16,), float(rank))
+        state = {"model": {f"b{rank}": bias}, "step": 1}
+        with ckptstore.distributed.CheckpointManager(root, comm=comm, snapshot="lazy") as mgr:
+            mgr.save(1, state)
+            if rank == 1:
+                hold.wait_reached()
+                bias.mul_(2)  # without the fence: the contract broken
+                hold.release()
+            outcome = outcome_of(mgr.wait_until_finished)
+            return outcome, mgr.all_steps()
+
+    (first, steps0), (second, steps1) = run_ranks(2, train)
+    assert second.startswith(TornSnapshotError.__name__), second
+    assert "'model/b1' was modified in place" in second, second
+    assert first.startswith("CkptStoreError"), first
+    assert "rank 1" in first, first
+    assert steps0 == steps1 == []
+    assert ckptstore.list_steps(root) == []

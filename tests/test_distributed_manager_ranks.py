@@ -161,11 +161,24 @@ def test_an_incremental_step_references_its_base_and_loads_after_the_base_is_ret
     assert all(frozen_exact(got, rank, 2) for rank in range(world))
 
 
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_lazy_snapshots_on_ranks_commit_the_state_of_each_save_call(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """Issue 28 item 6: ``snapshot="lazy"`` in a training loop on gloo ranks: the optimizer
+    step after each save is fenced, and every step holds the weights of its call."""
+    results = assert_all_ok(
+        run_ranks(WORKER, world, "lazy", target.base, logs=tmp_path / "logs", env=target.env())
+    )
+    assert results == [{"1": True, "2": True, "3": True}] * world
+
+
 @pytest.mark.parametrize(("target", "world"), SIGKILL_TARGETS_AND_WORLDS, indirect=["target"])
 def test_rank_sigkilled_during_an_incremental_save_leaves_no_step_and_the_next_save_works(
     target: Target, world: int, tmp_path: Path
 ) -> None:
-    """A rank SIGKILLed while it writes its changed leaves of incremental step 2: no step 2,
+    """A rank SIGKILLed while it writes its changed leaves of incremental step 2 (a lazy
+    snapshot): no step 2,
     a clear error on the survivors, step 1 intact; a new world then saves step 2 again over
     step 1 and it loads bit-exact."""
     from tests.manager_ranks import frozen_exact

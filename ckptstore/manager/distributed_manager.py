@@ -95,11 +95,15 @@ class CheckpointManager(_SingleProcessManager):
         url: the run's checkpoint root, the same on every rank (any URL ``open_store``
             takes, or an open Store, left open by :meth:`close`).
         max_to_keep, keep_period, keep_time_interval, save_interval_steps, best_fn,
-            best_mode, async_save, stager, full_every: as for
+            best_mode, async_save, stager, full_every, snapshot: as for
             :class:`~ckptstore.CheckpointManager`; retention runs on the coordinator after
             each commit, with the coordinator's ``metrics``. Saves are incremental as there
             (``Settings.incremental``, the coordinator's): each rank hashes the leaves it
-            writes and leaves out those unchanged since the newest committed step.
+            writes and leaves out those unchanged since the newest committed step. With
+            ``snapshot="lazy"`` a rank's ``save`` returns before its state is copied; the
+            copy finishes in the background, fenced before the next optimizer step (or by
+            :meth:`fence`), and a leaf changed before its copy fails that save on every
+            rank (``TornSnapshotError`` on its own).
         group: the ``torch.distributed`` process group whose ranks save (default: the
             world). The manager's collectives run on a new gloo group over the same ranks,
             created here; constructing the manager is then a collective of the whole world
@@ -143,6 +147,7 @@ class CheckpointManager(_SingleProcessManager):
         async_save: bool = True,
         stager: Stager | None = None,
         full_every: int | None = None,
+        snapshot: Literal["eager", "lazy"] = "eager",
         group: Any = None,
         comm: Collectives | None = None,
         coordinator: int = 0,
@@ -194,6 +199,7 @@ class CheckpointManager(_SingleProcessManager):
                 max_in_flight=1,  # two saves in flight would interleave their collectives
                 stager=stager,
                 full_every=full_every,
+                snapshot=snapshot,
                 preemption=preemption,
                 save_before=save_before,
                 **store_options,
@@ -281,7 +287,8 @@ class CheckpointManager(_SingleProcessManager):
         def stage() -> StagedState:
             try:
                 check_step(step)
-                staged = save_path.stage(self._stager, state)
+                staged = save_path.stage(self._stager, state, lazy=self.snapshot == "lazy")
+                self._fence.track(staged)
             except Exception as exc:
                 # The other ranks' background saves wait for this rank's part: tell them.
                 told = self._thread.submit(self._share_failure, step, exc)
