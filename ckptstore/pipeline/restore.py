@@ -512,7 +512,8 @@ def rebuild(
                 _check_shape(like, array)
             immutable = _is_jax(kind if kind is not None else target_kind(like))
             return later.hold(index, array, build, immutable=immutable)
-        except ValueError as exc:  # a damaged checkpoint's error stays a CorruptCheckpointError
+        except (ValueError, TypeError) as exc:  # named by its leaf; a damaged checkpoint's
+            # error stays a CorruptCheckpointError
             where = f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}"
             raise leaf_error(exc, where) from None
 

@@ -809,10 +809,15 @@ def saved_kind(attrs: dict[str, Any]) -> ArrayKind:
     return kind_named(framework)
 
 
-def leaf_error(exc: ValueError, where: str) -> ValueError:
+def leaf_error(exc: ValueError | TypeError, where: str) -> ValueError | TypeError:
     """``exc`` with the leaf ``where`` named in front of its message; a damaged
-    checkpoint's :class:`~ckptstore.errors.CorruptCheckpointError` stays one."""
-    error = CorruptCheckpointError if isinstance(exc, CorruptCheckpointError) else ValueError
+    checkpoint's :class:`~ckptstore.errors.CorruptCheckpointError` stays one, and a
+    ``TypeError`` (a dtype the asked framework lacks) stays a ``TypeError``."""
+    error: type[ValueError | TypeError]
+    if isinstance(exc, CorruptCheckpointError):
+        error = CorruptCheckpointError
+    else:
+        error = TypeError if isinstance(exc, TypeError) else ValueError
     return error(f"{where}: {exc}")
 
 
