@@ -417,3 +417,22 @@ def test_a_lazy_copy_torn_on_one_rank_fails_the_save_on_every_rank(
     assert "rank 1" in first, first
     assert steps0 == steps1 == []
     assert ckptstore.list_steps(root) == []
+
+
+def test_full_every_and_full_on_ranks(tmp_path: Path) -> None:
+    """``full_every=2``: the first save and every second one reference nothing; the others
+    reference the step before; ``save(..., full=True)`` is full whatever the count."""
+    root = str(tmp_path / "ckpts")
+    frozen = np.arange(MiB // 4, dtype=np.float32)
+
+    def train(rank: int, comm: ckptstore.distributed.Collectives) -> Any:
+        with ckptstore.distributed.CheckpointManager(root, comm=comm, full_every=2) as mgr:
+            for step in (1, 2, 3, 4):
+                state = {"frozen": {f"r{rank}": frozen + rank}, "step": step}
+                mgr.save(step, state, full=step == 4)
+                mgr.wait_until_finished()
+        return None
+
+    assert run_ranks(2, train) == [None, None]
+    refs = {s: ckptstore.read_manifest(root, s).references() for s in (1, 2, 3, 4)}
+    assert [s for s, r in refs.items() if r] == [2]
