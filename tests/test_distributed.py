@@ -399,3 +399,24 @@ def test_a_second_save_writes_only_what_changed_sharded_leaves_included(tmp_path
     )
     assert full[0].referenced_objects == 0
     assert full[0].nbytes >= first.nbytes
+
+
+def test_without_incremental_saves_ranks_write_everything_and_record_no_hashes(
+    tmp_path: Path,
+) -> None:
+    """``incremental=False`` (a store setting): no hashing, no references, every byte
+    written at every step."""
+    root = str(tmp_path / "ckpt")
+    for step in (1, 2):
+        results = run_ranks(
+            2,
+            lambda rank, comm, step=step: cd.save(
+                root, part(rank), step=step, comm=comm, incremental=False
+            ),
+        )
+        assert all(isinstance(r, ckptstore.CommitInfo) for r in results), results
+        assert results[0].referenced_objects == 0
+    manifest = ckptstore.read_manifest(root, 2)
+    assert manifest.leaf_hash is None
+    assert manifest.references() == []
+    assert_same(ckptstore.load(root, 2), merged(2))

@@ -885,7 +885,7 @@ async def _write_own(
             )
         ],
         block_size=block,
-        hashes=list(zip(mine, hashes, strict=True)),
+        hashes=list(zip(mine, hashes, strict=True)) if hashes else [],
         reused=[]
         if reuse is None
         else [(mine[i], j) for i, j in enumerate(reuse.leaf_source) if j >= 0],
