@@ -701,11 +701,11 @@ async def _destination_links(dst: Store, manifest: Manifest) -> dict[int, tuple[
     equality). The steps the references name are looked at first, then the newest below
     ``manifest``'s, :data:`LINK_CANDIDATES` in all. Elsewhere the object is copied, so a
     copy never names bytes it cannot vouch for."""
+    signatures = _signatures(manifest)
     wanted: dict[tuple[Any, ...], int] = {}
     for i in manifest.references():
-        signature = _signature(manifest, i)
-        if signature is not None:  # no hashes recorded (an older save): copied
-            wanted[signature] = i
+        if i in signatures:  # else no hashes recorded (an older save): copied
+            wanted[signatures[i]] = i
     if not wanted:
         return {}
     held = [s for s in await committed_steps(dst) if s < manifest.step]
@@ -717,9 +717,8 @@ async def _destination_links(dst: Store, manifest: Manifest) -> dict[int, tuple[
             ours = await read_manifest(dst, step)
         except (NotFoundError, CorruptCheckpointError):
             continue  # deleted meanwhile, or unreadable: not a place to reference
-        for j in range(len(ours.object_keys)):
-            signature = _signature(ours, j)
-            found = None if signature is None else wanted.get(signature)
+        for j, signature in _signatures(ours).items():
+            found = wanted.get(signature)
             if found is not None and found not in links:
                 links[found] = (ours.object_step(j), ours.object_keys[j])
         if len(links) == len(wanted):
@@ -727,20 +726,28 @@ async def _destination_links(dst: Store, manifest: Manifest) -> dict[int, tuple[
     return links
 
 
-def _signature(m: Manifest, obj: int) -> tuple[Any, ...] | None:
-    """What identifies object ``obj``'s bytes: its length and crc32c, and the offset, length
-    and xxh3-128 hash of every leaf in it; ``None`` if a leaf's hash is not recorded."""
+def _signatures(m: Manifest) -> dict[int, tuple[Any, ...]]:
+    """What identifies each object's bytes, by object: its length and crc32c, and the
+    offset, length and xxh3-128 hash of every leaf in it. Objects holding a leaf whose hash
+    is not recorded, a chunk of a sharded leaf, or no leaf have none."""
     if m.leaf_hash is None:
-        return None
-    leaves = []
-    for j, o in enumerate(m.leaf_object):
-        if o == obj:
-            if m.leaf_hash[j] is None:
-                return None
-            leaves.append((m.leaf_offset[j], m.leaf_length[j], m.leaf_hash[j]))
-    if not leaves:
-        return None
-    return (m.object_lengths[obj], m.object_crcs[obj], *sorted(leaves))
+        return {}
+    leaves: dict[int, list[tuple[int, int, str]]] = defaultdict(list)
+    # chunks of sharded leaves carry no hash: an object holding one has no signature
+    unknown: set[int] = set() if m.chunks is None else set(m.chunks.object)
+    for j, obj in enumerate(m.leaf_object):
+        if obj < 0:
+            continue
+        digest = m.leaf_hash[j]
+        if digest is None:
+            unknown.add(obj)
+        else:
+            leaves[obj].append((m.leaf_offset[j], m.leaf_length[j], digest))
+    return {
+        obj: (m.object_lengths[obj], m.object_crcs[obj], *sorted(held))
+        for obj, held in leaves.items()
+        if obj not in unknown
+    }
 
 
 def _copied_name(manifest: Manifest, attempt: str, index: int) -> str:
