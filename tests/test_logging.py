@@ -47,6 +47,7 @@ def test_one_info_record_per_save_restore_copy_and_gc(
     (copied,) = records(caplog, "ckptstore.copy")
     assert copied.startswith(f"copied step 3 from {root.as_uri()} to {copy.as_uri()}: ")
     assert "1.0 MiB, verified, in " in copied
+    assert copied.endswith("; 0 objects of earlier steps referenced at the destination")
     (collected,) = records(caplog, "ckptstore.gc")
     assert collected.startswith(f"gc of {root.as_uri()} (grace 0 s): removed 0 abandoned")
 

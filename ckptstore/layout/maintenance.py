@@ -655,16 +655,16 @@ async def copy_step(
     seconds = time.monotonic() - began
     nbytes = sum(copied.object_lengths[i] for i in own)
     _log.info(
-        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, %d referenced at the "
-        "destination, in %.2f s, %.1f MiB/s",
+        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, in %.2f s, %.1f MiB/s; "
+        "%d objects of earlier steps referenced at the destination",
         step,
         src.url,
         dst.url,
         len(own),
         nbytes / 2**20,
-        len(links),
         seconds,
         nbytes / 2**20 / max(seconds, 1e-6),
+        len(links),
     )
     return CopyReport(step, len(own), nbytes, attempt, referenced=len(links))
 
