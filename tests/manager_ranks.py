@@ -98,15 +98,23 @@ def scenario_manager(root: str) -> dict[str, Any]:
 def scenario_sigkill(root: str) -> dict[str, Any]:
     """Step 1; then step 2, during whose background write the test SIGKILLs the failing
     rank; the survivors' ``wait_until_finished`` reports it."""
-    rank = dist.get_rank()
     gate = Gate(opened(root, pack_size=64 << 10))
-    out: dict[str, Any] = {}
     mgr = ckptstore.distributed.CheckpointManager(gate, max_to_keep=2, timeout=GROUP_TIMEOUT)
-    mgr.save(1, part(rank, 1))
+    return killed_in_step_2(gate, mgr, part)
+
+
+def killed_in_step_2(
+    gate: Gate, mgr: ckptstore.distributed.CheckpointManager, make: Any
+) -> dict[str, Any]:
+    """Save ``make(rank, 1)``, then ``make(rank, 2)`` with the failing rank's writes
+    killing it; what the survivors' wait and close say."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    mgr.save(1, make(rank, 1))
     mgr.wait_until_finished()
     if rank == FAILING_RANK:
         gate.mode = "kill"
-    out["returned"] = mgr.save(2, part(rank, 2))
+    out["returned"] = mgr.save(2, make(rank, 2))
     print("RESULT " + json.dumps(out), flush=True)
     out["killed"] = outcome_of(mgr.wait_until_finished)
     out["close"] = outcome_of(mgr.close)
@@ -187,19 +195,9 @@ def scenario_incremental_sigkill(root: str) -> dict[str, Any]:
     """Step 1 of a fine-tuning state; then step 2, incremental and a lazy snapshot, during
     whose background write the test SIGKILLs the failing rank; the survivors'
     ``wait_until_finished`` reports it."""
-    rank = dist.get_rank()
     gate = Gate(opened(root))
-    out: dict[str, Any] = {}
     mgr = ckptstore.distributed.CheckpointManager(gate, timeout=GROUP_TIMEOUT, snapshot="lazy")
-    mgr.save(1, frozen_part(rank, 1))
-    mgr.wait_until_finished()
-    if rank == FAILING_RANK:
-        gate.mode = "kill"
-    out["returned"] = mgr.save(2, frozen_part(rank, 2))
-    print("RESULT " + json.dumps(out), flush=True)
-    out["killed"] = outcome_of(mgr.wait_until_finished)
-    out["close"] = outcome_of(mgr.close)
-    return out
+    return killed_in_step_2(gate, mgr, frozen_part)
 
 
 def scenario_lazy(root: str) -> dict[str, Any]:
