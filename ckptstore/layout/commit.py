@@ -280,7 +280,7 @@ async def write_checkpoint(
             raise
     if plan is None:
         try:
-            plan = _plan(store, flat, reuse)
+            plan = plan_changed(store, flat.nbytes, flat.paths, reuse)
         except BaseException:
             await _settled(hashing)
             raise
@@ -302,7 +302,7 @@ async def write_checkpoint(
             except BrokenReferenceError:
                 # the base is being deleted meanwhile: write everything this time
                 reuse = None
-                plan = _plan(store, flat, None)
+                plan = plan_changed(store, flat.nbytes, flat.paths, None)
         written = await write_objects(store, flat.arrays, plan, prefix, packed)
         if hashing is not None and hashes is None:
             hashes = await asyncio.shield(hashing)
@@ -377,10 +377,6 @@ async def base_manifest(store: Store, step: int) -> Manifest | None:
         except (NotFoundError, CorruptCheckpointError):
             return None
     return None
-
-
-def _plan(store: Store, flat: FlatState, reuse: Reuse | None) -> PackPlan:
-    return plan_changed(store, flat.nbytes, flat.paths, reuse)
 
 
 def _reference_columns(reuse: Reuse) -> tuple[list[int], list[str], list[int], list[int]]:

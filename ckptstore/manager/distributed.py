@@ -902,7 +902,7 @@ async def _read_base(store: Store, step: int) -> Manifest | None:
     be read (the rank then writes all its leaves: the save stays whole either way)."""
     try:
         return await read_manifest(store, step)
-    except (NotFoundError, CkptStoreError):
+    except CkptStoreError:  # NotFoundError, a damaged manifest, the store's errors
         return None
 
 

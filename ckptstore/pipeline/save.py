@@ -176,34 +176,15 @@ def plan(
 # coordinator points the reused leaves at the base's objects (:func:`add_references`).
 
 
-async def base(store: Store, step: int) -> Manifest | None:
-    """The base of an incremental save of ``step``: the newest other committed step's
-    manifest, or ``None`` (none, or it fails validation: save in full)."""
-    return await base_manifest(store, step)
-
-
-async def hold(store: Store, attempt: Attempt, base: Manifest) -> bool:
-    """Hold every object of ``base`` for ``attempt`` (begun by this process) before any data
-    is written; ``False`` if the base is being deleted meanwhile (then save in full)."""
-    return await hold_base(store, attempt, base)
-
-
-async def hashes(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
-    """The leaves' xxh3-128 hashes (recorded in the manifest; compared by :func:`reuse`),
-    on the hashing pool, in turns with the writes' checksums."""
-    return await hashes_in_turns(arrays)
-
-
-def reuse(
-    base: Manifest,
-    paths: Sequence[str],
-    dtypes: Sequence[str],
-    shapes: Sequence[Sequence[int]],
-    hashes: Sequence[str | None],
-) -> Reuse:
-    """Which of these leaves reuse ``base``'s bytes: unchanged ones in base objects whose
-    every leaf is among them unchanged (:func:`ckptstore.layout.incremental.plan_reuse`)."""
-    return plan_reuse(base, paths, dtypes, shapes, hashes)
+#: The newest other committed step's manifest, or ``None`` (then save in full).
+base = base_manifest
+#: Hold every object of a base for an attempt begun here, before any data is written;
+#: ``False`` if the base is being deleted meanwhile (then save in full).
+hold = hold_base
+#: The leaves' xxh3-128 hashes, on the hashing pool, in turns with the writes' checksums.
+hashes = hashes_in_turns
+#: Which leaves reuse a base's bytes (:func:`ckptstore.layout.incremental.plan_reuse`).
+reuse = plan_reuse
 
 
 # --------------------------------------------------------------------------- 3. write
