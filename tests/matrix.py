@@ -12,6 +12,9 @@ from __future__ import annotations
 
 #: Whether this run is the full matrix (``--full``); set by tests/conftest.py.
 FULL = False
+#: The per-test hang guard (pytest-timeout) under ``--full``, in seconds; the default run keeps
+#: pyproject.toml's 300.
+FULL_TIMEOUT = 900
 
 
 def trials(full: int, quick: int) -> int:
