@@ -20,6 +20,7 @@ from ckptstore.layout.tree import (
     UnsupportedLeafError,
     flatten,
     select_paths,
+    tree_paths,
     unflatten,
 )
 from ckptstore.store.base import Capabilities
@@ -56,6 +57,28 @@ def test_too_deep_is_refused() -> None:
         state = [state]
     with pytest.raises(UnsupportedLeafError, match="deeper"):
         flatten(state)
+
+
+def _chain(depth: int, leaf: object) -> object:
+    """``leaf`` under ``depth`` one-key dicts."""
+    tree = leaf
+    for _ in range(depth):
+        tree = {"d": ["k"], "c": [tree]}
+    return tree
+
+
+def test_tree_paths_takes_the_depth_limit_at_a_leaf_as_at_any_node() -> None:
+    """A leaf index right under a dict is placed without a trip through the walk's stack:
+    the depth limit, a bad index and an index used twice still refuse it, as before."""
+    assert tree_paths(_chain(MAX_DEPTH, 0), 1)[0] == ["/".join(["k"] * MAX_DEPTH)]
+    with pytest.raises(ValueError, match="deeper than"):
+        tree_paths(_chain(MAX_DEPTH + 1, 0), 1)
+    with pytest.raises(ValueError, match=r"tree leaf 'a' names array 2 of 2"):
+        tree_paths({"d": ["a", "b"], "c": [2, 0]}, 2)
+    with pytest.raises(ValueError, match=r"tree names array 0 twice \('b'\)"):
+        tree_paths({"d": ["a", "b"], "c": [0, 0]}, 2)
+    with pytest.raises(ValueError, match=r"tree names array 0 twice \('x/0'\)"):
+        tree_paths({"d": ["a", "x"], "c": [0, {"l": [0]}]}, 2)
 
 
 def test_paths_escape_separators() -> None:

@@ -337,6 +337,82 @@ async def test_a_dtype_the_named_framework_lacks_is_a_checkpoint_error(
             await asyncio.to_thread(manager.restore, STEP)
 
 
+def _leaf(path: str, column: str, value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        doc["leaves"][column][doc["leaves"]["path"].index(path)] = value
+
+    return mutate
+
+
+def _wrapping_length(doc: dict[str, Any]) -> None:
+    """A complex128 leaf of 2**60 + 1 elements claiming 16 bytes, which its length is in
+    int64: (2**60 + 1) * 16 wraps to 16."""
+    index = doc["leaves"]["path"].index("a")
+    doc["leaves"]["dtype"][index] = "<c16"
+    doc["leaves"]["shape"][index] = [(1 << 60) + 1]
+
+
+def _hashes(value: Any) -> Callable[[dict[str, Any]], None]:
+    def mutate(doc: dict[str, Any]) -> None:
+        doc["leaves"]["hash"] = ["0" * 32] * len(doc["leaves"]["path"])
+        doc["leaves"]["hash"][doc["leaves"]["path"].index("b")] = value
+
+    return mutate
+
+
+#: Shapes and leaf hashes are checked over all leaves at once, and, where that fails, leaf by
+#: leaf for the message (layout/manifest.py): each refusal names its leaf.
+NAMED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
+    "bool dim": (_leaf("a", "shape", [True, 4]), r"leaf 'a': shape \[True, 4\] is not a list"),
+    "float dim": (_leaf("b", "shape", [3.0]), r"leaf 'b': shape \[3.0\] is not a list of ints"),
+    "shape not a list": (_leaf("b", "shape", {"0": 3}), r"leaf 'b': shape \{'0': 3\} is not"),
+    "65 dims": (_leaf("a", "shape", [1] * 61 + [2, 2] + [1, 1]), r"leaf 'a': shape .* is invalid"),
+    "dim of 2**63": (_leaf("e", "shape", [0, 1 << 63]), r"leaf 'e': shape .* is invalid"),
+    "negative dim": (_leaf("b", "shape", [-3]), r"leaf 'b': shape \[-3\] is invalid"),
+    "one element short": (_leaf("big", "shape", [299_999]), r"leaf 'big': shape \[299999\] "),
+    "empty, too large": (_leaf("e", "shape", [0, 1 << 62]), "leaf 'e': .* too large for any"),
+    "wraps in int64": (_wrapping_length, r"leaf 'a': shape \[1152921504606846977\] of <c16 is"),
+    **{
+        f"hash {name}": (_hashes(value), re.escape(f"leaf hash {value!r} is not 32 hex digits"))
+        for name, value in [
+            ("too short", "ab"),
+            ("in capitals", "A" * 32),
+            ("not a string", 7),
+            ("of 32 accented letters", "\u00e9" * 32),
+            ("of 32 lone surrogates", "\ud800" * 32),
+            ("with a space", "0" * 31 + " "),
+        ]
+    },
+}
+
+
+@pytest.mark.parametrize("case", sorted(NAMED))
+async def test_a_bad_shape_or_hash_is_refused_naming_its_leaf(
+    base: tuple[MemoryStore, dict[str, Any]], case: str
+) -> None:
+    _store, doc = base
+    mutate, message = NAMED[case]
+    doc = copy.deepcopy(doc)
+    mutate(doc)
+    with pytest.raises(CorruptCheckpointError, match=f"invalid manifest: {message}"):
+        Manifest.parse(encode(doc), step=STEP)
+
+
+def test_shapes_and_hashes_of_many_leaves_are_accepted() -> None:
+    """The bulk checks accept what they should: 0-d, empty and 64-dim shapes, every hash
+    present or absent, beside leaves whose shapes hold a zero."""
+    state = {
+        "scalar": np.float64(2.5),
+        "zero_d": np.array(3, np.int16),
+        "empty": np.empty((0, 7, 0), np.complex128),
+        "deep": np.ones([1] * 62 + [2, 3], np.uint8),
+        "rows": [np.full((i, 3), i, np.float32) for i in range(40)],
+    }
+    store = MemoryStore()
+    asyncio.run(asave(store, state, step=STEP))
+    assert_same_state(asyncio.run(aload(store, step=STEP)), state)
+
+
 # ------------------------------------------------------------------------------- fuzzing
 
 _JUNK: list[Any] = [

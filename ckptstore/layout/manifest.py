@@ -33,6 +33,7 @@ as a grid). A manifest without chunks is written as version 2 or 1, as before.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -344,9 +345,7 @@ class Manifest:
         hashes = leaves.get("hash")
         if hashes is not None:
             _length(hashes, "leaves.hash", n)
-            for digest in hashes:
-                if digest is not None and not (type(digest) is str and _HASH_RE.fullmatch(digest)):
-                    raise _Invalid(f"leaf hash {digest!r} is not 32 hex digits")
+            _check_hashes(hashes)
         attrs = leaves.get("attrs")
         if attrs is None:
             attrs = [None] * n
@@ -364,21 +363,8 @@ class Manifest:
             if dt is None:
                 raise _Invalid(f"dtype {name!r} is not allowed")
             itemsizes[name] = dt.itemsize
-        for i in range(n):
-            shape = shapes[i]
-            if type(shape) is not list or set(map(type, shape)) - {int}:
-                raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is not a list of ints")
-            # a dimension numpy cannot hold is refused even where a zero dimension hides it
-            if len(shape) > 64 or any(d < 0 or d >= 1 << 63 for d in shape):
-                raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is invalid")
-            itemsize = itemsizes[dtypes[i]]
-            if math.prod(shape) * itemsize != llen[i]:
-                raise _Invalid(
-                    f"leaf {paths[i]!r}: shape {shape} of {dtypes[i]} is not {llen[i]} bytes"
-                )
-            if not llen[i] and math.prod(d for d in shape if d) * itemsize > MAX_LEAF_BYTES:
-                # An empty shape such as [0, 2**62]: numpy refuses to allocate it at all.
-                raise _Invalid(f"leaf {paths[i]!r}: shape {shape} is too large for any array")
+        if not _shapes_fit(shapes, dtypes, itemsizes, llen):
+            _check_shapes_slowly(paths, shapes, dtypes, itemsizes, llen)
 
         chunks: Chunks | None = None
         checked = paths
@@ -441,6 +427,68 @@ class Manifest:
 
 class _Invalid(Exception):
     pass
+
+
+def _check_hashes(hashes: list[Any]) -> None:
+    """Every leaf hash is None or 32 lowercase hex digits: checked over all of them at once
+    (a regex match per leaf cost 6 ms of a 20,000-leaf restore), the culprit named after."""
+    given = [h for h in hashes if h is not None]
+    if not set(map(type, given)) - {str} and not set(map(len, given)) - {32}:
+        joined = "".join(given).encode("utf-8", "surrogatepass")  # JSON may hold a lone "\ud800"
+        if not joined.translate(None, b"0123456789abcdef"):  # nothing but hex digits
+            return
+    bad = next(h for h in given if not (type(h) is str and _HASH_RE.fullmatch(h)))
+    raise _Invalid(f"leaf hash {bad!r} is not 32 hex digits")
+
+
+def _shapes_fit(
+    shapes: list[Any], dtypes: list[str], itemsizes: dict[str, int], llen: np.ndarray[Any, Any]
+) -> bool:
+    """Whether every shape is a list of at most 64 ints in ``[0, 2**63)`` whose elements fill
+    exactly the leaf's bytes: the common case, checked in bulk (a loop over 20,000 leaves
+    took 20 ms of their restore). False sends the caller to :func:`_check_shapes_slowly`,
+    leaf by leaf."""
+    if set(map(type, shapes)) - {list}:
+        return False
+    dims = list(itertools.chain.from_iterable(shapes))
+    if set(map(type, dims)) - {int} or (dims and (min(dims) < 0 or max(dims) >= 1 << 63)):
+        return False
+    if shapes and max(map(len, shapes)) > 64:
+        return False
+    counts = list(map(math.prod, shapes))
+    sizes = np.array([itemsizes[name] for name in dtypes], dtype=np.int64)
+    if counts and max(counts) * int(sizes.max()) > MAX_LEAF_BYTES:
+        return False  # past any leaf's length, or its int64 product could wrap: leaf by leaf
+    if not np.array_equal(np.array(counts, dtype=np.int64) * sizes, llen):
+        return False
+    # An empty shape such as [0, 2**62]: numpy refuses to allocate it at all.
+    return not any(
+        math.prod(d for d in shapes[i] if d) * int(sizes[i]) > MAX_LEAF_BYTES
+        for i in np.flatnonzero(llen == 0)
+    )
+
+
+def _check_shapes_slowly(
+    paths: list[str],
+    shapes: list[Any],
+    dtypes: list[str],
+    itemsizes: dict[str, int],
+    llen: np.ndarray[Any, Any],
+) -> None:
+    """The per-leaf checks of :func:`_shapes_fit`, which raise naming the first bad leaf."""
+    for i, shape in enumerate(shapes):
+        if type(shape) is not list or set(map(type, shape)) - {int}:
+            raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is not a list of ints")
+        # a dimension numpy cannot hold is refused even where a zero dimension hides it
+        if len(shape) > 64 or any(d < 0 or d >= 1 << 63 for d in shape):
+            raise _Invalid(f"leaf {paths[i]!r}: shape {shape!r} is invalid")
+        itemsize = itemsizes[dtypes[i]]
+        if math.prod(shape) * itemsize != llen[i]:
+            raise _Invalid(
+                f"leaf {paths[i]!r}: shape {shape} of {dtypes[i]} is not {llen[i]} bytes"
+            )
+        if not llen[i] and math.prod(d for d in shape if d) * itemsize > MAX_LEAF_BYTES:
+            raise _Invalid(f"leaf {paths[i]!r}: shape {shape} is too large for any array")
 
 
 def _table(

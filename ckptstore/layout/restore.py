@@ -59,7 +59,7 @@ blame, the leaf, with the recorded and the computed checksums when they differ.
 from __future__ import annotations
 
 import asyncio
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +75,7 @@ from ckptstore.errors import (
 )
 from ckptstore.layout.chunks import Box, read_boxes
 from ckptstore.layout.commit import gather_all
+from ckptstore.layout.dtypes import dtype_from_name
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import check_references
 from ckptstore.store.base import Store
@@ -201,15 +202,12 @@ async def _read_verified(
             out[leaf] = _destination(manifest, leaf, into)
         else:
             by_object[obj].append(leaf)
-    members: dict[int, int] = defaultdict(int)
+    members: Counter[int] = Counter()
     if by_object:
-        for obj in manifest.leaf_object:
-            if obj >= 0:
-                members[obj] += 1
+        members.update(manifest.leaf_object)
         # a multi-rank save packs chunks beside whole leaves: an object holding chunks is
         # never read whole for its whole leaves alone
-        for obj in manifest.chunks.object if manifest.chunks is not None else ():
-            members[obj] += 1
+        members.update(manifest.chunks.object if manifest.chunks is not None else ())
 
     def corrupt(obj: int, leaf: int | None, what: str) -> CorruptCheckpointError:
         key = manifest.object_key(obj)
@@ -263,7 +261,7 @@ async def _read_verified(
                 "own crc32c, so the damage is in the padding between them",
             )
         shapes, names = manifest.shapes, manifest.dtypes
-        dtypes = {name: manifest.dtype(leaf) for leaf, name in ((w, names[w]) for w in wanted)}
+        dtypes = {name: dtype_from_name(name) for name in {names[leaf] for leaf in wanted}}
         for leaf in wanted:
             out[leaf] = np.ndarray(shapes[leaf], dtypes[names[leaf]], buf, offsets[leaf])
 
