@@ -782,7 +782,8 @@ async def _cp(args: argparse.Namespace) -> Outcome:
                     f"step {r.step}: already at the destination (identical), skipped"
                     if r.skipped
                     else f"step {r.step}: copied {count(r.objects, 'object')}, "
-                    f"{format_bytes(r.nbytes)}, verified, "
+                    f"{format_bytes(r.nbytes)}, "
+                    + ("verified, " if r.read_back else "verified by the destination's crc32c, ")
                     + (
                         f"{count(r.referenced, 'object')} of earlier steps referenced at the "
                         "destination, "

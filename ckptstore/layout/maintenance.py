@@ -556,6 +556,9 @@ class CopyReport:
         skipped: the destination already held an identical checkpoint; nothing was written.
         referenced: objects of earlier steps the copy references at the destination rather
             than copying (the destination's copies of them; see :func:`copy_step`).
+        read_back: the copied objects were read back from the destination and checked; False
+            where the destination checked each write's crc32c as it stored it instead
+            (:meth:`Store.writes_verified <ckptstore.store.base.Store.writes_verified>`).
     """
 
     step: int
@@ -564,6 +567,7 @@ class CopyReport:
     attempt: str
     skipped: bool = False
     referenced: int = 0
+    read_back: bool = True
 
 
 def _same_checkpoint(a: Manifest, b: Manifest) -> bool:
@@ -593,13 +597,21 @@ async def copy_step(
         step: the step to copy.
         progress: called with byte counts as data is copied and as it is verified (so the
             total is twice the step's size; the bytes of referenced objects, which are
-            neither copied nor read, are counted at once).
+            neither copied nor read, are counted at once, as are the verification's where
+            the destination verifies writes).
 
     An incremental step references objects of earlier steps. Where the destination holds
     such a step as a copy of the source's (an earlier ``copy_step``: ``ckptstore cp`` of a
     run, the persistent tier), the copy references the destination's objects, held and
     checked before anything is copied, instead of copying their bytes again; elsewhere it
     copies them, so a copy never depends on a step the destination does not hold.
+
+    Every object copied is checked twice: the bytes read from the source against the crc32c
+    the source manifest records, and what the destination stored against what was sent.
+    The second check reads the copy back, except where the destination checks each write's
+    crc32c as it stores it (:meth:`~ckptstore.store.base.Store.writes_verified`: S3 servers
+    that refuse a body failing its ``x-amz-checksum-crc32c``, GCS), which makes the
+    read-back's work redundant: a damaged body never becomes an object there.
 
     Raises:
         NotFoundError: ``step`` is not committed at ``src``.
@@ -641,9 +653,13 @@ async def copy_step(
         own = [i for i in range(len(copied.object_keys)) if i not in links]
         if progress is not None and links:  # nothing to copy or check: counted as done
             progress(2 * sum(copied.object_lengths[i] for i in links))
+        read_back = not await dst.writes_verified()
         try:
             await _copy_objects(src, dst, manifest, copied, progress, own)
-            await _check_copy(dst, copied, progress, own)
+            if read_back:
+                await _check_copy(dst, copied, progress, own)
+            elif progress is not None:  # checked by the destination as it stored them
+                progress(sum(copied.object_lengths[i] for i in own))
         except BaseException:
             # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed: the attempt is
             # removed, after the writes still running in threads end (Store.settle), so
@@ -655,18 +671,19 @@ async def copy_step(
     seconds = time.monotonic() - began
     nbytes = sum(copied.object_lengths[i] for i in own)
     _log.info(
-        "copied step %d from %s to %s: %d objects, %.1f MiB, verified, in %.2f s, %.1f MiB/s; "
+        "copied step %d from %s to %s: %d objects, %.1f MiB, %s, in %.2f s, %.1f MiB/s; "
         "%d objects of earlier steps referenced at the destination",
         step,
         src.url,
         dst.url,
         len(own),
         nbytes / 2**20,
+        "verified" if read_back else "verified by the destination's crc32c checks",
         seconds,
         nbytes / 2**20 / max(seconds, 1e-6),
         len(links),
     )
-    return CopyReport(step, len(own), nbytes, attempt, referenced=len(links))
+    return CopyReport(step, len(own), nbytes, attempt, referenced=len(links), read_back=read_back)
 
 
 def _copied(manifest: Manifest, attempt: str, links: dict[int, tuple[int, str]]) -> Manifest:

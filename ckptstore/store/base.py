@@ -660,6 +660,18 @@ class Store(ABC):
         validate_prefix(prefix)
         return 0
 
+    async def writes_verified(self) -> bool:
+        """Whether no write of this store becomes an object unless the bytes stored are the
+        bytes sent: the server checks a crc32c sent with each body and refuses a body that
+        fails it (S3's ``x-amz-checksum-crc32c``, where the server honours it), or this
+        store compares the crc32c the server reports for what it stored with its own (GCS).
+
+        A copy to such a store skips reading its objects back
+        (:func:`~ckptstore.layout.maintenance.copy_step`). False, the default, where nothing
+        checks a write this way (local files, NFS, memory, fsspec): copies read back.
+        """
+        return False
+
     async def settle(self) -> None:  # noqa: B027  (optional hook, not abstract)
         """Wait until the work in flight now, including what callers stopped waiting for, has
         ended.

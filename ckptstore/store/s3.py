@@ -386,6 +386,8 @@ class S3Store(base.Store):
         )
         # None: not probed yet; True/False: whether If-None-Match is honoured
         self._conditional: dict[str, bool] = {}
+        # None: not probed yet; whether the server refuses a body that fails its crc32c
+        self._checks_crc: bool | None = None
         self._probe_lock: asyncio.Lock | None = None
         self._closed = False
         self._bucket_exists = False
@@ -524,6 +526,62 @@ class S3Store(base.Store):
         self._client_cm = session.create_client("s3", **kwargs)
         self._client = await self._client_cm.__aenter__()
         return self._client
+
+    async def writes_verified(self) -> bool:
+        """Whether the server refuses a PutObject or UploadPart body that fails the
+        ``x-amz-checksum-crc32c`` sent with it (AWS S3, SeaweedFS, MinIO do; moto 5 stores
+        it): probed once per store by sending each a scratch body with a wrong crc32c."""
+        if self._checks_crc is None:
+            if self._probe_lock is None:
+                self._probe_lock = asyncio.Lock()
+            async with self._probe_lock:
+                if self._checks_crc is None:
+                    self._checks_crc = await self._probe_crc_checks()
+                    _log.info(
+                        "%s %s a body that fails its x-amz-checksum-crc32c%s",
+                        self.endpoint_url or "AWS S3",
+                        "refuses" if self._checks_crc else "does not refuse",
+                        "" if self._checks_crc else "; copies to it are read back to verify",
+                    )
+        return self._checks_crc
+
+    async def _probe_crc_checks(self) -> bool:
+        """One PutObject and one UploadPart of a scratch body with a crc32c that is not its
+        own; True only if both are refused with BadDigest. Any other answer, an error or no
+        answer within ``Settings.request_deadline`` included, says no: the copy then reads
+        back, which is always safe."""
+        client = await self._get_client()
+        full = self._root + f"{base.TEMP_PREFIX}probe-{uuid.uuid4().hex}"
+        body = b"ckptstore crc32c probe"
+        wrong = _b64_crc(_crc32c.crc32c(body) ^ 1)
+        upload_id: str | None = None
+
+        async def refused(call: Callable[..., Awaitable[Any]], **params: Any) -> bool:
+            try:
+                await call(Bucket=self.bucket, Key=full, Body=body, ChecksumCRC32C=wrong, **params)
+            except bx.ClientError as exc:
+                return _error_code(exc)[0] == "BadDigest"
+            return False
+
+        try:
+            async with asyncio.timeout(self.settings.request_deadline):
+                if not await refused(client.put_object):
+                    return False
+                created = await client.create_multipart_upload(
+                    Bucket=self.bucket, Key=full, ChecksumAlgorithm="CRC32C"
+                )
+                upload_id = created["UploadId"]
+                return await refused(client.upload_part, UploadId=upload_id, PartNumber=1)
+        except (TimeoutError, bx.BotoCoreError, bx.ClientError, OSError):
+            return False
+        finally:  # the scratch object and upload go; a server that stalls is not waited on
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.request_deadline):
+                    if upload_id is not None:
+                        await client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=full, UploadId=upload_id
+                        )
+                    await client.delete_object(Bucket=self.bucket, Key=full)
 
     async def settle(self) -> None:
         # docstring inherited

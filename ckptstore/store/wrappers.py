@@ -111,6 +111,10 @@ class StoreWrapper(Store):
         await self._hook("list", prefix, 0)
         return await self.inner.remove_stale_writes(prefix, older_than=older_than)
 
+    async def writes_verified(self) -> bool:
+        # docstring inherited; no wrapper changes the bytes a write sends
+        return await self.inner.writes_verified()
+
     async def settle(self) -> None:
         # docstring inherited
         await self.inner.settle()

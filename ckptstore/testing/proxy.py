@@ -17,6 +17,8 @@ seeded random share of them, fail the way real networks and object stores fail:
                      connection closes after ``nbytes`` of the body (or half of it)
 ``"corrupt"``        forwarded; the first byte of the response body is flipped, as a body
                      damaged on the way would be
+``"corrupt_request"`` forwarded with the middle byte of the request body flipped (an upload
+                     damaged on the way: the server must refuse it, or the client notice)
 ``"drop_response"``  forwarded and carried out upstream; the response is discarded and the
                      connection closed, as when a commit succeeds and its reply is lost
 ``"strip_header"``   forwarded without the request header ``header`` (a server that ignores
@@ -78,6 +80,7 @@ FAULT_KINDS = (
     "reset",
     "truncate",
     "corrupt",
+    "corrupt_request",
     "drop_response",
     "strip_header",
     "stall",
@@ -161,7 +164,7 @@ class ProxyFault:
 
     Attributes:
         kind: an HTTP error status (``"503"``, ``"429"``, any 4xx or 5xx) or one of
-            ``reset``, ``truncate``, ``corrupt``, ``drop_response``, ``strip_header``.
+            :data:`FAULT_KINDS` (the module's table says what each does).
         ops: operation names (:func:`classify_s3` or :func:`classify_gcs`, by the proxy's
             dialect) the rule applies to; empty: every request.
         rate: probability that a matching request is hit (the proxy's seeded RNG draws).
@@ -327,6 +330,14 @@ def _without_header(head: bytes, name: str) -> bytes:
         line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() != name.encode()
     ]
     return b"\r\n".join(keep)
+
+
+def _damaged(request: _Message) -> _Message:
+    """``request`` with the middle byte of its body flipped, framed by a Content-Length."""
+    payload = _dechunk(request.body) if _is_chunked(request.headers) else request.body
+    at = len(payload) // 2
+    payload = payload[:at] + bytes([payload[at] ^ 0xFF]) + payload[at + 1 :]
+    return _Message(_with_length(request.head, len(payload)), request.headers, payload)
 
 
 def _with_length(head: bytes, length: int) -> bytes:
@@ -561,6 +572,8 @@ class FaultProxy(Stoppable):
                     return
                 if fault is not None and kind == "strip_header":
                     request.head = _without_header(request.head, fault.header.lower())
+                if kind == "corrupt_request" and body:
+                    request = _damaged(request)
                 if upstream is None:
                     upstream = await asyncio.open_connection(
                         self.upstream_host, self.upstream_port, limit=1 << 20

@@ -25,6 +25,11 @@ another's timed save:
   ceiling of any local restore on this machine: a **plain threaded read** of the same local
   files (``READ_THREADS`` threads, 8 MiB ``preadv`` calls, no checksum, nothing built), cold
   too. SeaweedFS's time over the plain read bounds the ratio the goal asks of ckptstore.
+* **copy CPU**: the client's CPU seconds per GiB (this process's, all threads) for
+  ``copy_step`` of one committed local step to SeaweedFS, as the tiered manager copies, beside
+  ``ckptstore.save`` of the same state to SeaweedFS (a plain upload) and beside the same copy
+  made to read its objects back (what copies to a server that does not check each body's
+  crc32c do); the SeaweedFS server's CPU per GiB separately. Goal: copy <= 1.2x the upload.
 * **lost per save**: the training loop of the ``async`` suite (``benchlib.async_save``: a
   torch CPU loop on one thread, a save every ``every`` steps, each system in a fresh child
   process) with the local-only manager and with the tiered one, whose copies to SeaweedFS run
@@ -60,6 +65,9 @@ PLAIN_READ = "plain threaded read (local files)"
 WORKLOAD = "transformer + Adam"
 TARGET = "local disk + SeaweedFS http"
 LOCAL, SEAWEED, TIERED = "local only", "SeaweedFS only", "tiered"
+COPY = "tier copy (copy_step)"
+COPY_READ_BACK = "tier copy, read back"
+UPLOAD = "plain upload (ckptstore.save)"
 
 
 def _nbytes(state: Any) -> int:
@@ -149,6 +157,44 @@ def _cpu_seconds(pid: int) -> float:
     return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
+def _copy_cpu(ctx: Context, state: Any, server: SeaweedFS, root: Any) -> dict[str, Any]:
+    """Wall, client and server CPU seconds of ``copy_step`` of one committed local step to a
+    fresh SeaweedFS root (what the persistent tier does; SeaweedFS refuses a body failing its
+    crc32c, so nothing is read back), the same copy made to read back, and ``ckptstore.save``
+    of the same state to SeaweedFS (a plain upload). Rounds alternate the three."""
+    from ckptstore import background, save
+    from ckptstore.layout.maintenance import copy_step
+    from ckptstore.store.registry import open_store
+
+    source = ctx.workdir / "copy-source"
+    save(str(source), state, step=1)
+
+    async def copy(url: str, read_back: bool) -> None:
+        async with open_store(str(source)) as src, open_store(url) as dst:
+            if read_back:
+                dst.writes_verified = _never  # type: ignore[method-assign]
+            await copy_step(src, dst, 1)
+
+    systems = {
+        COPY: lambda: background.run(copy(root(f"copy-{uuid.uuid4().hex[:8]}"), False)),
+        COPY_READ_BACK: lambda: background.run(copy(root(f"copyrb-{uuid.uuid4().hex[:8]}"), True)),
+        UPLOAD: lambda: save(root(f"upload-{uuid.uuid4().hex[:8]}"), state, step=1),
+    }
+    out: dict[str, Any] = {name: {"wall": [], "client": [], "server": []} for name in systems}
+    for _ in range(ctx.repeat):
+        for name, run_one in systems.items():
+            client, served, began = time.process_time(), _cpu_seconds(server.pid), time.monotonic()
+            run_one()
+            out[name]["wall"].append(time.monotonic() - began)
+            out[name]["client"].append(time.process_time() - client)
+            out[name]["server"].append(_cpu_seconds(server.pid) - served)
+    return out
+
+
+async def _never() -> bool:
+    return False
+
+
 def _restores(
     ctx: Context, tiered: CheckpointManager, url: str, local: Path, server: SeaweedFS
 ) -> dict[str, Any]:
@@ -229,6 +275,26 @@ def run(ctx: Context) -> list[Result]:
             f"- restore: from SeaweedFS / from the local tier {speedup:.2f}x (goal >= 5); "
             f"from SeaweedFS / a plain threaded read of the local files {ceiling:.2f}x (the "
             "most any local restore could reach here)"
+        )
+
+        copies = _copy_cpu(ctx, state, server, root)
+        for name, figures in copies.items():
+            op = "upload" if name == UPLOAD else "copy to SeaweedFS"
+            row(name, op, figures["wall"], figures["client"])
+        gib = nbytes / 2**30
+        per_gib = {name: [c / gib for c in f["client"]] for name, f in copies.items()}
+        client = {name: statistics.median(runs) for name, runs in per_gib.items()}
+        served = {name: statistics.median(f["server"]) / gib for name, f in copies.items()}
+        lines.append(
+            f"- copy CPU: the tier copy spent {client[COPY]:.2f} client CPU s per GiB, a plain "
+            f"upload of the same state {client[UPLOAD]:.2f}: "
+            f"{client[COPY] / client[UPLOAD]:.2f}x (goal <= 1.2; runs "
+            f"{', '.join(f'{c:.2f}' for c in per_gib[COPY])} and "
+            f"{', '.join(f'{c:.2f}' for c in per_gib[UPLOAD])}); read back, as copies "
+            f"to servers that do not check a body's crc32c are, {client[COPY_READ_BACK]:.2f} "
+            f"({client[COPY_READ_BACK] / client[UPLOAD]:.2f}x). The SeaweedFS server, on the "
+            f"same cores, spent {served[COPY]:.2f}, {served[COPY_READ_BACK]:.2f} and "
+            f"{served[UPLOAD]:.2f} CPU s per GiB on them"
         )
 
         every, saves = (4, 2) if ctx.quick else (60, 6)
