@@ -7,6 +7,7 @@ The persistent tier is a second directory (fast), moto and SeaweedFS (marked ``s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import shutil
@@ -175,7 +176,9 @@ def test_persistent_copies_of_incremental_steps_upload_only_what_changed(
 def test_retention_is_per_tier_and_never_drops_a_step_awaiting_its_copy(tmp_path: Path) -> None:
     local = tmp_path / "local"
     gated = GatedStore(LocalStore(tmp_path / "persistent"))
-    mgr = CheckpointManager(gated, local=local, local_max_to_keep=1, max_to_keep=2)
+    mgr = CheckpointManager(
+        gated, local=local, local_max_to_keep=1, max_to_keep=2, copy_backlog=None
+    )
     try:
         for step in range(4):
             mgr.save(step, state(step))
@@ -191,6 +194,79 @@ def test_retention_is_per_tier_and_never_drops_a_step_awaiting_its_copy(tmp_path
     finally:
         gated.gate.set()
         mgr.close()
+
+
+def test_copies_that_fall_behind_skip_the_oldest_waiting_never_a_forced_one(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """copy_backlog=1: step 0's copy is in progress (held at its commit), 1-5 queue behind
+    it; each newly queued step skips the oldest waiting copy beyond one, but never step 2's,
+    which the user asked for (persist=True), and a skipped step leaves the local tier."""
+    local = tmp_path / "local"
+    gated = GatedStore(LocalStore(tmp_path / "persistent"))
+    mgr = CheckpointManager(gated, local=local, local_max_to_keep=1, copy_backlog=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ckptstore.tiers"):
+            for step in range(6):
+                mgr.save(step, state(step), persist=True if step == 2 else None)
+            mgr._saver.wait_until_finished()
+        assert mgr.tiers().pending == [0, 2, 5]
+        assert mgr.tiers().forced == [2]
+        assert ckptstore.list_steps(local) == [0, 2, 5]  # 1, 3, 4: not pending any more
+        assert "fall behind the saves: the copy of step(s) [1] is skipped" in caplog.text
+        gated.gate.set()
+        mgr.wait_until_finished()
+        assert ckptstore.list_steps(gated) == [0, 2, 5]
+        assert mgr.tiers().pending == []
+        assert mgr.tiers().skipped == [1, 3, 4]
+    finally:
+        gated.gate.set()
+        mgr.close()
+    for step in (0, 2, 5):
+        assert_same_state(ckptstore.load(gated, step), state(step))
+
+
+class SlowStore(StoreWrapper):
+    """Every put takes ``seconds`` longer: a persistent tier slower than the saves."""
+
+    def __init__(self, inner: Store, seconds: float) -> None:
+        super().__init__(inner)
+        self.seconds = seconds
+
+    async def _put(self, key: str, data: memoryview, mode: PutMode) -> None:
+        await asyncio.sleep(self.seconds)
+        await self.inner._put(key, data, mode)
+
+
+@pytest.mark.parametrize("backlog", [1, 2])
+def test_the_backlog_stays_bounded_when_saves_outpace_the_copies(
+    tmp_path: Path, backlog: int
+) -> None:
+    """A loop of 30 saves, each far faster than its copy: the copies pending never exceed
+    the one in progress, ``backlog`` waiting and the forced ones; the local tier holds no
+    more; the newest step and every forced one reach the persistent tier."""
+    local = tmp_path / "local"
+    slow = SlowStore(LocalStore(tmp_path / "persistent"), 0.05)
+    forced = {7, 19}
+    with CheckpointManager(
+        slow, local=local, local_max_to_keep=1, max_to_keep=None, copy_backlog=backlog
+    ) as mgr:
+        most = 0
+        for step in range(30):
+            mgr.save(step, state(step), force=step in forced)
+            mgr._saver.wait_until_finished()  # the save committed locally; its copy queued
+            pending = mgr.tiers().pending
+            most = max(most, len(pending))
+            assert len(pending) <= 1 + backlog + len(forced & set(pending)), (step, pending)
+            assert len(ckptstore.list_steps(local)) <= 1 + len(pending), step
+        mgr.wait_until_finished()
+        skipped = mgr.tiers().skipped
+    persistent = ckptstore.list_steps(slow)
+    assert 29 in persistent
+    assert forced <= set(persistent)
+    assert skipped, "the copies never fell behind: the test did not test the bound"
+    assert set(persistent) | set(skipped) == set(range(30))
+    assert most >= 1 + backlog  # the bound was reached, not just respected
 
 
 def test_wait_until_finished_and_close_wait_for_the_copies(tmp_path: Path) -> None:
@@ -252,6 +328,40 @@ def test_a_failed_copy_surfaces_like_a_failed_save_and_resumes_on_the_next_start
         assert_same_state(ckptstore.load(target, step), state(step))
 
 
+def test_a_restart_never_skips_a_pending_copy_the_user_forced(tmp_path: Path) -> None:
+    """Copies of steps 1-5 fail (step 2 saved with persist=True); the next start finds all
+    five pending and queues them behind a slow persistent tier with copy_backlog=1: it skips
+    waiting copies, but not step 2's, which its manifest marks as asked for."""
+    local, target = tmp_path / "local", tmp_path / "persistent"
+    failing = FaultStore(
+        LocalStore(target), [Fault(ops=frozenset({"put"}), error=transient_error, key="manifest")]
+    )
+    mgr = CheckpointManager(failing, local=local, copy_backlog=None)
+    for step in range(1, 6):
+        for _ in range(2):  # a save first raises the failure of an earlier copy, then saves
+            try:
+                mgr.save(step, state(step), persist=True if step == 2 else None)
+                break
+            except StoreError:
+                continue
+        _copies_ended(mgr)
+    with contextlib.suppress(StoreError):
+        mgr.close()
+    assert ckptstore.list_steps(local) == [1, 2, 3, 4, 5]
+    assert ckptstore.list_steps(target) == []
+
+    slow = SlowStore(LocalStore(target), 0.2)
+    with CheckpointManager(slow, local=local, copy_backlog=1) as mgr:
+        assert mgr.tiers().forced == [2]
+        mgr.wait_until_finished()
+        skipped = mgr.tiers().skipped
+    persistent = ckptstore.list_steps(target)
+    assert {2, 5} <= set(persistent)
+    assert skipped, "the copies never waited: the test did not test the bound"
+    assert 2 not in skipped, skipped
+    assert set(persistent) | set(skipped) == {1, 2, 3, 4, 5}
+
+
 def test_steps_not_meant_for_the_persistent_tier_are_not_pending(tmp_path: Path) -> None:
     local, target = tmp_path / "local", tmp_path / "persistent"
     ckptstore.save(local, state(5), step=5)  # not a manager's save: nothing says persist
@@ -270,6 +380,8 @@ def test_steps_not_meant_for_the_persistent_tier_are_not_pending(tmp_path: Path)
         ({"local": "L", "local_every": 2, "save_interval_steps": 4}, "not both"),
         ({"local": "L", "local_every": 0}, "local_every must be >= 1"),
         ({"local": "L", "local_max_to_keep": 0}, "local_max_to_keep"),
+        ({"local": "L", "copy_backlog": 0}, "copy_backlog must be an int >= 1 or None, got 0"),
+        ({"local": "L", "copy_backlog": 1.5}, "copy_backlog must be an int >= 1 or None, got 1.5"),
     ],
 )
 def test_bad_tier_options_are_refused(tmp_path: Path, options: dict[str, Any], match: str) -> None:
@@ -458,7 +570,9 @@ def test_replication_through_a_faulty_network_finishes_bit_exact(
         )
         url = s3_persistent.through(proxy) + "&part_size=5MiB&multipart_threshold=10MiB"
         big = {"w": np.random.default_rng(7).standard_normal(3 << 20, dtype=np.float32)}
-        with CheckpointManager(url, local=tmp_path / "local", local_max_to_keep=1) as mgr:
+        with CheckpointManager(
+            url, local=tmp_path / "local", local_max_to_keep=1, copy_backlog=None
+        ) as mgr:  # every step's copy, however far behind the saves
             for step in range(4):
                 mgr.save(step, {**state(step), "big": big} if step == 3 else state(step))
             mgr.wait_until_finished()

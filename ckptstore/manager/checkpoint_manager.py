@@ -123,6 +123,14 @@ class CheckpointManager:
         local_max_to_keep: with ``local``, newest steps kept on the local tier, besides
             those not yet copied to the persistent tier; ``None`` keeps every step.
         local_options: store options for a URL ``local``.
+        copy_backlog: with ``local``, how many copies to the persistent tier may wait behind
+            the one in progress (>= 1: the newest step's copy always waits). When saves
+            outpace the copies, the oldest waiting copies beyond this are skipped (logged),
+            as the newer steps queued behind them make them redundant for a restart; a
+            forced save's copy (``save(force=True)`` or
+            ``persist=True``, and the save a preemption notice starts) is never skipped.
+            ``None``: copies may wait without bound, and the local tier keeps every step
+            waiting for one.
         preemption: save on a termination notice: ``True`` watches SIGTERM, or give the
             signal numbers. After one arrives, the next :meth:`save` saves its step whatever
             the interval, waits until it is durable and raises
@@ -164,6 +172,7 @@ class CheckpointManager:
         persistent_every: int | None = None,
         local_max_to_keep: int | None = 2,
         local_options: dict[str, Any] | None = None,
+        copy_backlog: int | None = 2,
         preemption: bool | int | Iterable[int] = False,
         save_before: float | datetime.datetime | None = None,
         **store_options: Any,
@@ -201,6 +210,8 @@ class CheckpointManager:
                 )
             if local_max_to_keep is not None and local_max_to_keep < 1:
                 raise ValueError(f"local_max_to_keep must be >= 1 or None, got {local_max_to_keep}")
+            if copy_backlog is not None and (type(copy_backlog) is not int or copy_backlog < 1):
+                raise ValueError(f"copy_backlog must be an int >= 1 or None, got {copy_backlog!r}")
         signals = signals_of(preemption)
         PreemptionWatch.check(signals, save_before)  # refused before anything is opened
         if isinstance(keep_time_interval, datetime.timedelta):
@@ -244,6 +255,7 @@ class CheckpointManager:
                 owns_local=owns_local,
                 local_max_to_keep=local_max_to_keep,
                 after_copy=self._after_copy,
+                copy_backlog=copy_backlog,
             )
         saves_to = self._store if self._tiers is None else self._tiers.local
         if stager is None:
@@ -352,9 +364,12 @@ class CheckpointManager:
         manager_meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         if tiers is not None:
             assert self.persistent_every is not None
+            forced = bool(persist) or force  # the backlog bound never skips its copy
             if persist is None:
                 persist = force or step % self.persistent_every == 0
             manager_meta["persist"] = bool(persist)
+            if persist and forced:
+                manager_meta["persist_forced"] = True
         document = self._document(manager_meta, metadata)
 
         every = self.full_every
@@ -384,8 +399,8 @@ class CheckpointManager:
             )
             self._info[step] = (manager_meta["time"], metrics)
             self._committed(step)
-            if persist:
-                tiers.replicator.submit(step)  # pending from here: local retention keeps it
+            if persist:  # pending from here: local retention keeps it
+                tiers.replicator.submit(step, forced=bool(manager_meta.get("persist_forced")))
             await tiers.retain_local()
 
         began = time.monotonic()

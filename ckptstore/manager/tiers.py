@@ -12,10 +12,15 @@ training memory: the state would have to stay staged in host memory until the sl
 it (a second copy of the state for minutes), and two saves of one step could differ. The
 local step is already durable and checksummed; :func:`~ckptstore.layout.maintenance.copy_step`
 (the copy behind ``ckptstore cp``) streams its objects to the persistent tier, checks every
-object's crc32c on the way and the whole copy again at the destination, and commits it there
-with the same put-if-absent protocol, holding the same gc lease a save holds
-(:mod:`ckptstore.layout.lease`). Each tier therefore commits on its own: a crash at any moment
-leaves every visible step on every tier complete.
+object's crc32c on the way and what the destination stored (by the server's own check of each
+write where it makes one, else by reading the copy back), and commits it there with the same
+put-if-absent protocol, holding the same gc lease a save holds (:mod:`ckptstore.layout.lease`).
+Each tier therefore commits on its own: a crash at any moment leaves every visible step on
+every tier complete.
+
+Copies run one at a time. When saves outpace them, the queue is bounded (``copy_backlog``):
+the oldest waiting copies beyond it are skipped, never a copy the user forced (see
+:class:`Replicator`).
 
 What survives a crash, and so what the next start can act on, is only what the stores hold:
 a step meant for the persistent tier carries ``"persist": true`` in the manager's part of its
@@ -43,7 +48,7 @@ import contextlib
 import logging
 import threading
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ckptstore import background
@@ -65,6 +70,7 @@ __all__ = [
     "TierListing",
     "Tiers",
     "list_tiers",
+    "marked_forced",
     "marked_persistent",
     "read_later_nearest",
     "read_nearest",
@@ -81,9 +87,19 @@ Tier = Literal["local", "persistent"]
 
 def marked_persistent(manifest: Manifest) -> bool:
     """Whether a step's manifest says the manager meant it for the persistent tier."""
+    return _manager_flag(manifest, "persist")
+
+
+def marked_forced(manifest: Manifest) -> bool:
+    """Whether the user asked for this step's persistent copy (``save(force=True)`` or
+    ``persist=True``): a copy the backlog bound never skips."""
+    return _manager_flag(manifest, "persist_forced")
+
+
+def _manager_flag(manifest: Manifest, name: str) -> bool:
     doc = manifest.metadata
     own = doc.get(MANAGER_META_KEY) if isinstance(doc, dict) else None
-    return isinstance(own, dict) and own.get("persist") is True
+    return isinstance(own, dict) and own.get(name) is True
 
 
 # ----------------------------------------------------------------- what each tier holds
@@ -98,11 +114,16 @@ class TierListing:
         persistent: steps committed on the persistent tier, ascending.
         pending: local steps meant for the persistent tier that it has not committed
             (replication queued, running, failed or cut short by a crash), ascending.
+        forced: those of ``pending`` the user asked for (:func:`marked_forced`).
+        skipped: steps whose copy this process skipped, as copies fell behind the saves
+            (``CheckpointManager(copy_backlog=...)``); they are not pending.
     """
 
     local: list[int]
     persistent: list[int]
     pending: list[int]
+    forced: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
 
     @property
     def steps(self) -> list[int]:
@@ -133,15 +154,17 @@ async def list_tiers(local: Store, persistent: Store) -> TierListing:
     there = set(persistent_steps)
     candidates = [s for s in local_steps if s not in there]
 
-    async def marked(step: int) -> bool:
+    async def marked(step: int) -> tuple[bool, bool]:
         try:
-            return marked_persistent(await read_manifest(local, step))
+            manifest = await read_manifest(local, step)
         except (NotFoundError, CorruptCheckpointError):
-            return False  # deleted meanwhile, or damaged: nothing to replicate
+            return False, False  # deleted meanwhile, or damaged: nothing to replicate
+        return marked_persistent(manifest), marked_forced(manifest)
 
     flags = await gather_all(marked(s) for s in candidates)
-    pending = [s for s, flag in zip(candidates, flags, strict=True) if flag]
-    return TierListing(local_steps, persistent_steps, pending)
+    pending = [s for s, (flag, _) in zip(candidates, flags, strict=True) if flag]
+    forced = [s for s, (flag, ask) in zip(candidates, flags, strict=True) if flag and ask]
+    return TierListing(local_steps, persistent_steps, pending, forced)
 
 
 # ----------------------------------------------------------------- replication
@@ -151,11 +174,18 @@ class Replicator(BackgroundWork):
     """Copies committed local steps to the persistent tier, one at a time, in the order
     asked, on the background loop; keeps every error for the caller, as async saves do.
 
+    When saves outpace the copies, the queue is bounded: once more than ``backlog`` copies
+    wait behind the one in progress, the oldest waiting ones are skipped, as the newer steps
+    queued behind them make them redundant for a restart (it takes the newest step). A
+    copy the user forced is never skipped, nor counted against the bound. A skipped step
+    stops being pending: local retention may then delete it.
+
     Args:
         local: the local tier.
         persistent: the persistent tier.
         after: a coroutine function run with the step after each committed copy (the
             manager's retention of the persistent tier).
+        backlog: copies that may wait (>= 1; the newest always may); ``None``: any number.
     """
 
     def __init__(
@@ -163,12 +193,18 @@ class Replicator(BackgroundWork):
         local: Store,
         persistent: Store,
         after: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+        *,
+        backlog: int | None = None,
     ) -> None:
         self.local = local
         self.persistent = persistent
         self._after = after
+        self.backlog = backlog
         self._pending_lock = threading.Lock()
         self._pending: set[int] = set()
+        self._waiting: list[int] = []  # skippable copies not started yet, in queue order
+        #: Steps whose copy the backlog bound skipped, ascending.
+        self.skipped: list[int] = []
         where = persistent.url.replace("{", "{{").replace("}", "}}")  # the note is a format
         super().__init__(
             "(raised by the background copy of step {step} to the persistent tier "
@@ -185,18 +221,43 @@ class Replicator(BackgroundWork):
         with self._pending_lock:
             return sorted(self._pending)
 
-    def submit(self, step: int) -> concurrent.futures.Future[CopyReport]:
-        """Queue the copy of committed local ``step``; safe from any thread, the loop's too."""
+    def submit(self, step: int, *, forced: bool = False) -> concurrent.futures.Future[Any]:
+        """Queue the copy of committed local ``step``; safe from any thread, the loop's too.
+        ``forced``: the user asked for it; the backlog bound never skips it. The future's
+        result is the :class:`CopyReport`, or ``None`` if the copy was skipped."""
         with self._pending_lock:
             self._pending.add(step)
+            if step in self.skipped:  # asked again: pending again
+                self.skipped = [s for s in self.skipped if s != step]
+            if not forced:
+                self._waiting.append(step)
+            skip: list[int] = []
+            if self.backlog is not None and len(self._waiting) > self.backlog:
+                skip = self._waiting[: len(self._waiting) - self.backlog]
+                del self._waiting[: len(skip)]
+                self._pending.difference_update(skip)
+                self.skipped = sorted({*self.skipped, *skip})
+        if skip:
+            _log.warning(
+                "copies to the persistent tier %s fall behind the saves: the copy of step(s) "
+                "%s is skipped, as newer steps wait to be copied (copy_backlog=%d)",
+                self.persistent.url,
+                skip,
+                self.backlog,
+            )
         future = background.submit(self._replicate(step))
         self.track(step, future)
         return future
 
-    async def _replicate(self, step: int) -> CopyReport:
+    async def _replicate(self, step: int) -> CopyReport | None:
         if self._lane is None:
             self._lane = asyncio.Lock()
         async with self._lane:
+            with self._pending_lock:
+                if step not in self._pending:  # skipped while it waited
+                    return None
+                if step in self._waiting:
+                    self._waiting.remove(step)
             # Copies go one at a time: each streams its objects in parallel already, and a
             # second one would only compete with it (and with the next local save).
             report = await copy_step(self.local, self.persistent, step)
@@ -340,13 +401,14 @@ class Tiers:
         owns_local: bool,
         local_max_to_keep: int | None,
         after_copy: Callable[[int], Coroutine[Any, Any, None]] | None = None,
+        copy_backlog: int | None = None,
     ) -> None:
         self.local = local
         self.persistent = persistent
         self.owns_local = owns_local
         self.local_max_to_keep = local_max_to_keep
         self._after_copy = after_copy
-        self.replicator = Replicator(local, persistent, self._copied)
+        self.replicator = Replicator(local, persistent, self._copied, backlog=copy_backlog)
 
     async def _copied(self, step: int) -> None:
         # The copied step may leave the local tier now, if newer ones are there.
@@ -367,7 +429,7 @@ class Tiers:
                 self.persistent.url,
             )
         for step in listing.pending:
-            self.replicator.submit(step)
+            self.replicator.submit(step, forced=step in listing.forced)
         return listing.pending
 
     async def retain_local(self) -> None:
@@ -386,8 +448,10 @@ class Tiers:
         """What each tier holds; pending also counts copies queued in this process."""
         listing = background.run(list_tiers(self.local, self.persistent))
         queued = set(self.replicator.pending) - set(listing.persistent)
-        pending = sorted((set(listing.pending) | queued) & set(listing.local))
-        return TierListing(listing.local, listing.persistent, pending)
+        skipped = set(self.replicator.skipped)  # not pending in this process any more
+        pending = sorted((set(listing.pending) | queued) & set(listing.local) - skipped)
+        forced = sorted(set(listing.forced) & set(pending))
+        return TierListing(listing.local, listing.persistent, pending, forced, sorted(skipped))
 
     async def delete(self, step: int) -> None:
         """Delete ``step`` from every tier that holds it.
