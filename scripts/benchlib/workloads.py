@@ -12,6 +12,11 @@ suite now takes its states, or the sizes of its objects, from here:
   layers of width 256) with an Adam-like optimizer state in ``torch.optim`` layout: two moment
   copies and a 0-d ``step`` per parameter, the param groups as plain values, and an epoch
   counter. 456 MiB in 496 arrays, 370 of them under 1 MiB;
+* **torch views**: a GPT-like model (an embedding of 64 MiB, 11 layers of width 384 with
+  attention, MLP, biases and layer norms, a final norm) and Adam's two moments, as a training
+  script hands them over: float32 numpy arrays that are ``Tensor.numpy()`` views of torch
+  tensors, in torch's allocations (not page aligned), 1.5 KiB to 64 MiB; 405 arrays, 415 MiB
+  (quick runs: 2 layers of width 128 and a 2 MiB embedding);
 * **fine-tuning**: a frozen 200 MiB base (200 float32 matrices of 1 MiB and 24 small norms), a
   trainable low-rank adapter and the Adam moments of the adapter only (quick runs: an 8 MiB
   base); each training step changes the adapter and its moments, never the base. It is the
@@ -42,6 +47,7 @@ __all__ = [
     "map_leaves",
     "small",
     "small_count",
+    "torch_views",
     "transformer",
 ]
 
@@ -124,10 +130,43 @@ def fine_tuning(quick: bool) -> Any:
 
 
 #: The workloads by the name the result tables show.
+def torch_views(quick: bool) -> dict[str, Any]:
+    """The torch-views workload (see the module docstring): numpy views of torch tensors."""
+    import torch
+
+    layers, width, vocab = (2, 128, 4096) if quick else (11, 384, 43_690)
+    generator = torch.Generator().manual_seed(3)
+
+    def view(*shape: int) -> np.ndarray[Any, Any]:
+        return torch.randn(shape, generator=generator, dtype=torch.float32).numpy()
+
+    params = {"embed.weight": view(vocab, width)}
+    for i in range(layers):
+        p = f"h.{i}."
+        for name, shape in (
+            ("attn.qkv", (3 * width, width)),
+            ("attn.out", (width, width)),
+            ("mlp.fc", (4 * width, width)),
+            ("mlp.proj", (width, 4 * width)),
+        ):
+            params[p + name + ".weight"] = view(*shape)
+            params[p + name + ".bias"] = view(shape[0])
+        for norm in ("ln1", "ln2"):
+            params[p + norm + ".weight"] = view(width)
+            params[p + norm + ".bias"] = view(width)
+    params |= {"ln_f.weight": view(width), "ln_f.bias": view(width)}
+    moments = {
+        name: {"exp_avg": view(*a.shape), "exp_avg_sq": view(*a.shape)}
+        for name, a in params.items()
+    }
+    return {"model": params, "optim": moments}
+
+
 WORKLOADS = {
     "1 GiB as 16 x 64 MiB": big,
     "20,000 x 4 KiB": small,
     "transformer + Adam (~400 MiB)": transformer,
+    "torch views + Adam (~415 MiB)": torch_views,
 }
 
 
