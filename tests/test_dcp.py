@@ -120,6 +120,28 @@ def test_save_then_load_is_bit_exact_and_packs_small_tensors(url: str) -> None:
     assert_bit_exact(loaded, state)
 
 
+def test_the_writer_packs_by_the_settings_every_face_uses(tmp_path: Path) -> None:
+    """Without pack_threshold and pack_size the writer packs as Settings says (1 MiB, 8 MiB;
+    it defaulted to 8 and 64 MiB of its own): a 2 MiB tensor gets an object of its own, and
+    the store's Settings apply."""
+    state = {"big": torch.randn(512 * 1024), **{f"s{i}": torch.randn(64) for i in range(20)}}
+
+    def objects_of_big(root: str, **settings: Any) -> int:
+        store = open_store(root, **settings)
+        try:
+            dcp.save(state, storage_writer=ckptstore.dcp.Writer(store))
+        finally:
+            background.run(store.close())
+        manifest = ckptstore.read_manifest(root, 0)
+        big = manifest.paths.index("big/0")
+        return sum(obj == manifest.leaf_object[big] for obj in manifest.leaf_object)
+
+    assert objects_of_big(str(tmp_path / "default")) == 1  # alone: 2 MiB >= 1 MiB
+    assert objects_of_big(str(tmp_path / "4MiB"), pack_threshold=4 << 20) == 21  # packed
+    with pytest.raises(ValueError, match="pack_threshold must be >= 0 and pack_size > 0, got -1"):
+        ckptstore.dcp.Writer(str(tmp_path / "bad"), pack_threshold=-1)
+
+
 def test_step_urls_are_steps_of_a_ckptstore_root(tmp_path: Path) -> None:
     root = str(tmp_path / "run")
     for step in (100, 200):

@@ -138,8 +138,10 @@ class Writer(_AtCheckpoint, StorageWriter):
         url: where the checkpoint goes (``/path``, ``s3://bucket/run/step100``, ...), or an
             open :class:`~ckptstore.Store` (a pickled writer reopens it by its URL); a
             ``checkpoint_id`` given to ``dcp.save`` replaces it.
-        pack_threshold: items smaller than this many bytes are packed together.
-        pack_size: target size of one pack object, in bytes.
+        pack_threshold: items smaller than this many bytes are packed together; default
+            ``Settings.pack_threshold``, as on every face (1 MiB).
+        pack_size: target size of one pack object, in bytes; default ``Settings.pack_size``
+            (8 MiB).
         **options: store options and Settings fields, as for :func:`ckptstore.open_store`.
 
     The same URL must not already hold a committed checkpoint: the coordinator checks before
@@ -153,13 +155,18 @@ class Writer(_AtCheckpoint, StorageWriter):
         url: str | os.PathLike[str] | Store,
         *,
         step: int | None = None,
-        pack_threshold: int = 8 << 20,
-        pack_size: int = 64 << 20,
+        pack_threshold: int | None = None,
+        pack_size: int | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
-        if pack_threshold < 0 or pack_size <= 0:
-            raise ValueError("pack_threshold must be >= 0 and pack_size > 0")
+        if (pack_threshold is not None and pack_threshold < 0) or (
+            pack_size is not None and pack_size <= 0
+        ):
+            raise ValueError(
+                f"pack_threshold must be >= 0 and pack_size > 0, got {pack_threshold} and "
+                f"{pack_size}"
+            )
         self._aim(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
