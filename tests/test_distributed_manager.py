@@ -221,10 +221,14 @@ def test_retention_restore_and_delete_are_the_single_process_managers(shared: St
             mine = mgr.restore(4, keys=[f"model/shard{rank}"])  # a plain read of one step
             with pytest.raises(NotFoundError):
                 mgr.restore(3)  # removed by retention after step 5
+            # the coordinator knows what each kept step it committed uses, as the
+            # single-process manager does: retention marks without reading their manifests
+            uses = sorted(mgr._uses) if rank == 1 else None
             mgr.delete(4)
             return {
                 "latest": latest,
                 "kept": kept,
+                "uses": uses,
                 "mine": mine,
                 "after delete": mgr.all_steps(),
                 "metrics": mgr.metrics(5),
@@ -234,6 +238,7 @@ def test_retention_restore_and_delete_are_the_single_process_managers(shared: St
     for rank, result in enumerate(results):
         assert not isinstance(result, BaseException), repr(result)
         assert result["kept"] == [4, 5]
+        assert result["uses"] == ([4, 5] if rank == 1 else None)
         assert result["after delete"] == [5]
         assert result["metrics"] == {"loss": 0.2}
         assert_equal_trees(result["latest"], merged(2, 5))

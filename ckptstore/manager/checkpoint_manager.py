@@ -54,7 +54,7 @@ from typing import Any, Literal, NoReturn, Self
 from ckptstore import background
 from ckptstore.errors import CommitConflictError, NotFoundError
 from ckptstore.layout import rollback as _rollback
-from ckptstore.layout.commit import committed_steps, delete_step, read_manifest
+from ckptstore.layout.commit import CommitInfo, committed_steps, delete_step, read_manifest
 from ckptstore.layout.keys import attempt_prefix
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import delete_steps
@@ -388,9 +388,7 @@ class CheckpointManager:
                     self._store, staged, step=step, metadata=document, full=full
                 )
                 self._info[step] = (manager_meta["time"], metrics)
-                self._uses[step] = frozenset(
-                    (attempt_prefix(step, info.attempt), *info.referenced_attempts)
-                )
+                self._remember_uses(info)
                 self._committed(step)
                 await self._retain()
                 return
@@ -569,6 +567,13 @@ class CheckpointManager:
                     kept.add(step)
                     last = when
         return kept
+
+    def _remember_uses(self, info: CommitInfo) -> None:
+        """Keep which attempts a step this manager committed names, so that retention need
+        not read its manifest to mark what the kept steps use."""
+        self._uses[info.step] = frozenset(
+            (attempt_prefix(info.step, info.attempt), *info.referenced_attempts)
+        )
 
     async def _retain(self) -> None:
         """Delete the steps retention does not keep, reading each manifest once: the steps

@@ -352,8 +352,9 @@ class CheckpointManager(_SingleProcessManager):
             self._comm, self._store, flat, error, step, document, self.coordinator, full=full
         )
         self._committed(step)  # on every rank: commit_parts returned, so the step is committed
-        if self.rank == self.coordinator:  # what retention ranks it by
+        if self.rank == self.coordinator:  # what retention ranks it by, and marks with
             self._info[step] = (meta["time"], meta["metrics"])
+            self._remember_uses(info)
         self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
         return info
 
