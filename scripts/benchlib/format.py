@@ -500,6 +500,27 @@ def _acceptance(rows: list[Result]) -> str:
             f"- {workload}: restore throughput / a threaded read of the same files "
             f"{plain / load:.2f}x (goal >= 0.9x): {'PASS' if plain >= 0.9 * load else 'FAIL'}"
         )
+    lines += ["", "Acceptance checks (issue 31, local disk), from the medians above:"]
+    for workload in dict.fromkeys(r.workload for r in rows):
+        ours = find(workload, "local dir", CKPT, "save").seconds
+        for name, system, goal in (
+            ("write+fsync ceiling", CEILING, 1.05),
+            ("DCP FileSystemWriter", DCP, 1.0),
+        ):
+            theirs = find(workload, "local dir", system, "save").seconds
+            lines.append(
+                f"- {workload}: ckptstore.save time / {name} {ours / theirs:.2f}x "
+                f"(goal <= {goal}x): {'PASS' if ours <= goal * theirs else 'FAIL'}"
+            )
+    small = next((r.workload for r in rows if r.workload.startswith("20,000")), None)
+    if small is not None:
+        load = find(small, "local dir", CKPT, "load").seconds
+        plain = find(small, "local dir", THREADED_READ, "load").seconds
+        lines.append(
+            f"- {small}: restore time / a threaded read of the same files {load / plain:.2f}x "
+            f"(goal <= 2x, about {(load - plain) / 20_000 * 1e6:.1f} us per leaf beyond it): "
+            f"{'PASS' if load <= 2 * plain else 'FAIL'}"
+        )
     return "\n".join(lines)
 
 
