@@ -165,3 +165,30 @@ def test_a_copy_through_a_network_that_damages_uploads_commits_intact(
         proxy.set_faults([])
         assert not report.read_back
         assert_same_state(ckptstore.load(url, 1), _state(1))
+
+
+@pytest.mark.gcs
+def test_a_gcs_server_that_does_not_report_the_checksum_is_not_trusted(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """The GCS store's claim rests on the crc32c each upload's answer reports: where an
+    answer leaves it out, nothing was compared, so the copy reads back."""
+    dialect, endpoint, bucket, options = _server(request, "gcs")
+    ckptstore.save(str(tmp_path), _state(1), step=1)
+    with FaultProxy(endpoint, dialect=dialect) as proxy:
+        url = _url(dialect, proxy.endpoint, bucket, {**options, **PARTS})
+        proxy.set_faults([ProxyFault("drop_checksum", ops=UPLOADS["gcs"])])
+
+        async def run() -> tuple[bool, CopyReport, int]:
+            async with open_store(url) as dst:
+                before = await dst.writes_verified()
+                report, read = await _copy(str(tmp_path), dst)
+                return before, report, read
+
+        before, report, read = asyncio.run(run())
+        assert proxy.injected["drop_checksum"] >= 2
+        proxy.set_faults([])
+        assert_same_state(ckptstore.load(url, 1), _state(1))
+    assert before  # no upload had answered yet
+    assert report.read_back
+    assert read >= ckptstore.read_manifest(str(tmp_path), 1).own_bytes

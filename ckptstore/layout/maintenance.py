@@ -653,9 +653,10 @@ async def copy_step(
         own = [i for i in range(len(copied.object_keys)) if i not in links]
         if progress is not None and links:  # nothing to copy or check: counted as done
             progress(2 * sum(copied.object_lengths[i] for i in links))
-        read_back = not await dst.writes_verified()
         try:
             await _copy_objects(src, dst, manifest, copied, progress, own)
+            # asked after the writes: a store may learn from their answers (GCS)
+            read_back = not await dst.writes_verified()
             if read_back:
                 await _check_copy(dst, copied, progress, own)
             elif progress is not None:  # checked by the destination as it stored them

@@ -186,6 +186,8 @@ class GCSStore(base.Store):
         self._timeout = aiohttp.ClientTimeout(
             total=request_timeout, sock_connect=connect_timeout, sock_read=read_timeout
         )
+        # whether every upload's answer carried the stored object's crc32c to compare
+        self._crc_reported = True
         if endpoint_url is not None:
             endpoint_url = transport.check_endpoint_url(endpoint_url)
         fs_options: dict[str, Any] = {
@@ -269,8 +271,9 @@ class GCSStore(base.Store):
 
     async def writes_verified(self) -> bool:
         # docstring inherited: every upload's object is checked against the crc32c sent
-        # (_upload), and compose joins objects so checked on the server, with no transfer
-        return True
+        # (_upload), and compose joins objects so checked on the server, with no transfer;
+        # a server whose answers left the crc32c out (GCS always gives it) is not trusted
+        return self._crc_reported
 
     async def settle(self) -> None:
         # docstring inherited
@@ -399,6 +402,8 @@ class GCSStore(base.Store):
 
         async def handle(response: aiohttp.ClientResponse) -> dict[str, Any]:
             meta: dict[str, Any] = await response.json(content_type=None)
+            if "crc32c" not in meta:  # nothing to compare: writes_verified() says so
+                self._crc_reported = False
             if int(meta.get("size", -1)) != len(data) or meta.get("crc32c", crc) != crc:
                 raise _Transient(
                     f"stored object has size {meta.get('size')} crc32c {meta.get('crc32c')}, "

@@ -19,6 +19,8 @@ seeded random share of them, fail the way real networks and object stores fail:
                      damaged on the way would be
 ``"corrupt_request"`` forwarded with the middle byte of the request body flipped (an upload
                      damaged on the way: the server must refuse it, or the client notice)
+``"drop_checksum"``  forwarded; the response's JSON body loses its ``crc32c`` field (a GCS
+                     server that does not report the checksum of what it stored)
 ``"drop_response"``  forwarded and carried out upstream; the response is discarded and the
                      connection closed, as when a commit succeeds and its reply is lost
 ``"strip_header"``   forwarded without the request header ``header`` (a server that ignores
@@ -81,6 +83,7 @@ FAULT_KINDS = (
     "truncate",
     "corrupt",
     "corrupt_request",
+    "drop_checksum",
     "drop_response",
     "strip_header",
     "stall",
@@ -330,6 +333,19 @@ def _without_header(head: bytes, name: str) -> bytes:
         line for line in lines[1:] if line.split(b":", 1)[0].strip().lower() != name.encode()
     ]
     return b"\r\n".join(keep)
+
+
+def _without_checksum(response: _Message) -> _Message:
+    """``response`` with the ``crc32c`` field of its JSON body removed."""
+    payload = _dechunk(response.body) if _is_chunked(response.headers) else response.body
+    try:
+        doc = json.loads(payload)
+    except ValueError:
+        return response  # not JSON: nothing to drop
+    if isinstance(doc, dict):
+        doc.pop("crc32c", None)
+    payload = json.dumps(doc).encode()
+    return _Message(_with_length(response.head, len(payload)), response.headers, payload)
 
 
 def _damaged(request: _Message) -> _Message:
@@ -582,6 +598,8 @@ class FaultProxy(Stoppable):
                 if kind == "drop_response":
                     writer.close()
                     return
+                if kind == "drop_checksum":
+                    response = _without_checksum(response)
                 if fault is not None and kind in ("reset", "truncate", "corrupt"):
                     if not await self._damage(writer, response, fault):
                         return
