@@ -272,7 +272,30 @@ def scenario_preempt(root: str, how: str) -> dict[str, Any]:
     return {"finished": "never preempted"}
 
 
+def scenario_left_open(root: str) -> dict[str, Any]:
+    """A manager the script never closes: what the end of the main thread does for it
+    (ckptstore's exit hook, called here as the interpreter would) commits step 1 and
+    destroys the gloo groups the manager made, so none is left for the interpreter's
+    teardown, where gloo's threads can abort the process."""
+    from ckptstore import background
+
+    rank = dist.get_rank()
+    mgr = ckptstore.distributed.CheckpointManager(
+        opened(root), timeout=GROUP_TIMEOUT, preemption=True
+    )
+    groups = [mgr._own_group, mgr._flags_group]
+    mgr.save(1, part(rank, 1))
+    background._close_all_at_exit()  # what threading's exit hooks run
+    known = dist.distributed_c10d._world.pg_map
+    return {
+        "groups": len(groups),
+        "left": sum(group in known for group in groups),
+        "steps": ckptstore.list_steps(root),
+    }
+
+
 SCENARIOS = {
+    "left_open": scenario_left_open,
     "manager": scenario_manager,
     "sigkill": scenario_sigkill,
     "stall": scenario_stall,

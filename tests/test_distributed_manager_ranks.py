@@ -234,3 +234,11 @@ def test_preemption_on_one_rank_makes_every_rank_save_that_step_and_stop(
     assert ckptstore.list_steps(root) == [*range(0, PREEMPT_AT, INTERVAL), PREEMPT_AT]
     got = ckptstore.load(root, PREEMPT_AT, target="torch")
     assert all(exact(got, rank, PREEMPT_AT) for rank in range(3))
+
+
+def test_a_manager_left_open_commits_and_destroys_its_groups_at_exit(tmp_path: Path) -> None:
+    results = assert_all_ok(
+        run_ranks(WORKER, 2, "left_open", str(tmp_path / "ckpts"), logs=tmp_path / "logs")
+    )
+    for out in results:
+        assert out == {"groups": 2, "left": 0, "steps": [1]}
