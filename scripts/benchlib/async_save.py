@@ -94,6 +94,11 @@ TIERED_URL = "CKPTSTORE_BENCH_TIERED_URL"
 #: Where a child's model, batch and state live: ``cpu`` (this suite) or ``cuda`` (the
 #: ``async-gpu`` suite, :mod:`benchlib.async_gpu`); the parent sets it for every child.
 DEVICE_ENV = "CKPTSTORE_BENCH_DEVICE"
+#: Changes to ckptstore's background work that the ``async-breakdown`` suite
+#: (:mod:`benchlib.async_breakdown`) makes in a child, comma-separated: ``nocrc`` (crc32c
+#: returns at once), ``keepall`` (no retention), ``memory`` (the manager saves to
+#: ``memory://``: no file is written). Measurement only: a checkpoint saved so is not valid.
+PATCH_ENV = "CKPTSTORE_BENCH_PATCH"
 #: glibc malloc settings of every child (see the module docstring).
 MALLOC_SETTINGS = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
@@ -169,7 +174,14 @@ class _Saver:
             from ckptstore.manager import CheckpointManager
 
             snapshot = "lazy" if system == "ckptstore-lazy" else "eager"
-            self.mgr = CheckpointManager(workdir / "ckpt", max_to_keep=2, snapshot=snapshot)
+            patch = set(filter(None, os.environ.get(PATCH_ENV, "").split(",")))
+            if "nocrc" in patch:
+                import ckptstore.store.checksum as checksum
+
+                checksum._crc32c.crc32c = lambda data, crc=0: crc
+            url = f"memory://bench-{os.getpid()}" if "memory" in patch else workdir / "ckpt"
+            keep = None if "keepall" in patch else 2
+            self.mgr = CheckpointManager(url, max_to_keep=keep, snapshot=snapshot)
         elif system == "tiered":  # the same saves, each then copied to a persistent tier
             from ckptstore.manager import CheckpointManager
 
@@ -320,6 +332,7 @@ def child(
     done_after: list[int] = []  # per save, steps until its background write was seen done
     pending: int | None = None
     cpu0 = time.process_time()
+    main_cpu0 = time.thread_time()
     t0 = time.perf_counter()
     tensors = [t.view(-1) for t in torch_tensors(state)]
     for step in range(1, (saves + 1) * every + 1):
@@ -349,6 +362,7 @@ def child(
                 done_after.append(step - pending)
                 pending = None
     loop = time.perf_counter() - t0
+    main_cpu = time.thread_time() - main_cpu0
     # The undisturbed pace: steps in the last quarter of each interval (step k sits at
     # position k % every; the save is at position 0).
     late = [t for k, t in enumerate(steps, start=1) if k % every >= every * 3 // 4]
@@ -368,6 +382,7 @@ def child(
         "tail": tail,
         "blocked": blocked,
         "cpu": cpu,
+        "main_cpu": main_cpu,
         "peak_extra": max(0, peak - baseline_rss),
         "state_bytes": state_bytes,
         "faults_per_step": faults / len(steps),
