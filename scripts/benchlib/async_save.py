@@ -42,7 +42,8 @@ its own memory: crc32c, ``O_DIRECT``, fsync, rename and directory fsync per obje
 per tensor of 1 MiB or more and one for the rest, one object at a time; a writer that shares
 no Python, GIL, allocator or event loop with the loop, so what it loses beyond memcpy is what
 writing the bytes costs the machine, not a design's overhead; it is not a floor (it does
-nothing to be gentle, and ckptstore has lost less than it on the 1 GiB state); its writer's
+nothing to be gentle, and in the run at 155d8f0 ckptstore lost less than it on the 1 GiB
+state); its writer's
 memory is not in its peak), ``ckptstore``
 (``CheckpointManager.save``, async, one save in flight, ``max_to_keep=2``, local disk with
 fsync), ``ckptstore-lazy`` (the same with ``snapshot="lazy"``: the call returns before the
