@@ -30,8 +30,6 @@ from ckptstore.integrations.safetensors import (
     aexport_safetensors,
     export_safetensors,
 )
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.tree import UnsupportedLeafError
 from ckptstore.manager.checkpoint_manager import CheckpointManager
 from ckptstore.manager.functions import (
     CommitInfo,
@@ -53,6 +51,8 @@ from ckptstore.manager.functions import (
     rollback,
     save,
 )
+from ckptstore.pipeline.codec import UnsupportedLeafError
+from ckptstore.pipeline.steps import Manifest
 from ckptstore.pipeline.streaming import Pending, fence
 from ckptstore.store import ObjectMeta, Store, open_store, register_backend
 

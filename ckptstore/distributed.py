@@ -10,7 +10,7 @@ from __future__ import annotations
 from ckptstore.manager.distributed import Collectives, LocalGroup, TorchCollectives, load, save
 from ckptstore.manager.distributed_manager import CheckpointManager
 from ckptstore.manager.jax_collectives import JaxCollectives
-from ckptstore.stage.shards import Shard
+from ckptstore.pipeline.sharding import Shard
 
 __all__ = [
     "CheckpointManager",

@@ -43,8 +43,8 @@ from ckptstore.store.registry import open_store
 from ckptstore.store.transport import redact, redact_data, redact_url
 
 if TYPE_CHECKING:
-    from ckptstore.layout.maintenance import RootTotals
-    from ckptstore.layout.manifest import Manifest
+    from ckptstore.pipeline.maintenance import RootTotals
+    from ckptstore.pipeline.steps import Manifest
 
 __all__ = [
     "EXIT_DAMAGED",
@@ -370,8 +370,7 @@ async def _named_steps(store: Store, requested: Sequence[int | None], verb: str)
     """The committed steps ``requested`` names (``None`` is the latest), in order, without
     repeats. Raises naming *every* one that is not committed, before the command does any
     work, so one mistyped step never leaves a multi-step command half done."""
-    from ckptstore.layout.commit import committed_steps
-    from ckptstore.layout.keys import manifest_key
+    from ckptstore.pipeline.steps import committed_steps, manifest_key
 
     latest = await _resolve_step(store, None) if None in requested else -1
     steps = list(dict.fromkeys(latest if s is None else s for s in requested))
@@ -421,13 +420,13 @@ async def _manifests(store: Store, steps: Sequence[int]) -> list[Manifest | Ckpt
 
 
 async def _ls(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import (
+    from ckptstore.manager.functions import alist_steps
+    from ckptstore.pipeline.maintenance import (
         retained_records,
         summarize_step,
         total_stored,
         uncommitted,
     )
-    from ckptstore.manager.functions import alist_steps
 
     if args.local is not None:
         return await _ls_tiers(args)
@@ -511,7 +510,7 @@ def _totals_line(totals: RootTotals) -> str:
 
 def _summary_cells(manifest: Manifest) -> tuple[object, ...]:
     """The ``ls`` table cells of a step."""
-    from ckptstore.layout.maintenance import summarize_step
+    from ckptstore.pipeline.maintenance import summarize_step
 
     summary = summarize_step(manifest)
     return (
@@ -528,8 +527,8 @@ def _summary_cells(manifest: Manifest) -> tuple[object, ...]:
 async def _ls_tiers(args: argparse.Namespace) -> Outcome:
     """``ls URL --local DIR``: the steps of a tiered manager's two tiers, which tier holds
     each, and which still await their copy to the persistent tier."""
-    from ckptstore.layout.maintenance import summarize_step
     from ckptstore.manager.tiers import list_tiers
+    from ckptstore.pipeline.maintenance import summarize_step
 
     async with (
         cli_store(args.url, _options(args.option), must_exist=False) as persistent,
@@ -579,8 +578,8 @@ async def _ls_tiers(args: argparse.Namespace) -> Outcome:
 
 
 async def _show(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import plain_values, summarize_step
     from ckptstore.manager.functions import aread_manifest
+    from ckptstore.pipeline.maintenance import plain_values, summarize_step
 
     async with cli_store(args.url, _options(args.option)) as store:
         step = await _resolve_step(store, args.step)
@@ -655,8 +654,8 @@ async def _show(args: argparse.Namespace) -> Outcome:
 
 
 async def _verify(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import Damage, VerifyReport, verify_manifest
     from ckptstore.manager.functions import alist_steps
+    from ckptstore.pipeline.maintenance import Damage, VerifyReport, verify_manifest
 
     async with cli_store(args.url, _options(args.option)) as store:
         if args.all:
@@ -722,8 +721,8 @@ _STEP_ERRORS = (CorruptCheckpointError, NotFoundError, CommitConflictError)
 
 
 async def _cp(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.maintenance import CopyReport, copy_step
     from ckptstore.manager.functions import alist_steps
+    from ckptstore.pipeline.maintenance import CopyReport, copy_step
 
     out: list[Progress] = [_NoProgress()]  # the bar while it is up: it clears itself first
 
@@ -861,8 +860,7 @@ async def _gc(args: argparse.Namespace) -> Outcome:
 
 
 async def _rm(args: argparse.Namespace) -> Outcome:
-    from ckptstore.layout.commit import delete_step, is_own_key
-    from ckptstore.layout.keys import step_prefix
+    from ckptstore.pipeline.steps import delete_step, is_own_key, step_prefix
 
     steps = list(dict.fromkeys(args.steps))
     removed: list[int] = []

@@ -72,15 +72,11 @@ from ckptstore.integrations.dcp_manifest import (
     read_dcp_metadata,
 )
 from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, served
-from ckptstore.layout.commit import latest_step
-from ckptstore.layout.keys import manifest_key, step_prefix
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.plan import PackPlan
-from ckptstore.layout.restore import read_leaves
 from ckptstore.pipeline import save as save_path
-from ckptstore.pipeline.restore import find_manifest
+from ckptstore.pipeline.restore import find_manifest, read_leaves
 from ckptstore.pipeline.root import check_options
-from ckptstore.pipeline.save import Attempt, Written
+from ckptstore.pipeline.save import Attempt, PackPlan, Written
+from ckptstore.pipeline.steps import Manifest, latest_step, manifest_key, step_prefix
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all

@@ -43,9 +43,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.integrations.tensor_objects import numpy_dtype, torch_dtype
-from ckptstore.layout import dtypes as layout_dtypes
-from ckptstore.layout.manifest import Manifest
-from ckptstore.stage.torch import dtype_table
+from ckptstore.pipeline import codec
+from ckptstore.pipeline.steps import Manifest
+from ckptstore.pipeline.tensors import dtype_table
 from ckptstore.store.transport import redact_url
 
 __all__ = [
@@ -160,7 +160,7 @@ def build_manifest(
             node["d"].append(chunk)
             node["c"].append(leaf)
             path = f"{_escape(index.fqn)}/{_escape(chunk)}"
-        name = layout_dtypes.dtype_name(np_dtype)
+        name = codec.dtype_name(np_dtype)
         assert name is not None  # every entry of the table above is allowed
         paths.append(path)
         dtypes.append(name)

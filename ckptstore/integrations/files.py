@@ -71,15 +71,11 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     UnsupportedTreeError,
 )
-from ckptstore.layout.commit import latest_step
-from ckptstore.layout.dtypes import dtype_name
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.restore import read_leaves
-from ckptstore.layout.rollback import set_aside
-from ckptstore.layout.tree import MAX_DEPTH, escape_key, join_path
 from ckptstore.pipeline import save as save_path
-from ckptstore.pipeline.restore import find_manifest
+from ckptstore.pipeline.codec import MAX_DEPTH, dtype_name, escape_key, join_path
+from ckptstore.pipeline.restore import find_manifest, read_leaves
 from ckptstore.pipeline.root import Root, aopened, check_options, opened
+from ckptstore.pipeline.steps import Manifest, latest_step, set_aside
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all

@@ -67,18 +67,19 @@ from ckptstore.errors import (
 )
 from ckptstore.integrations.dcp_manifest import FORMAT as DCP_FORMAT
 from ckptstore.integrations.tensor_objects import CheckpointTarget
-from ckptstore.layout.commit import delete_step, read_manifest
-from ckptstore.layout.keys import manifest_key
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.rollback import set_aside_step
-from ckptstore.layout.tree import map_leaves
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline.codec import expand, map_leaves, rebuild_leaf
 from ckptstore.pipeline.restore import Selection, read, rebuild, request
 from ckptstore.pipeline.root import aopened, check_options
-from ckptstore.stage import Stager
-from ckptstore.stage.stager import rebuild_leaf
-from ckptstore.stage.torch import tensor_from_numpy
-from ckptstore.stage.tree import expand
+from ckptstore.pipeline.save import Stager
+from ckptstore.pipeline.steps import (
+    Manifest,
+    delete_step,
+    manifest_key,
+    read_manifest,
+    set_aside_step,
+)
+from ckptstore.pipeline.tensors import tensor_from_numpy
 from ckptstore.store.base import Store
 from ckptstore.store.transport import redact_url
 

@@ -61,9 +61,9 @@ import orbax.checkpoint as ocp
 from ckptstore import background
 from ckptstore.errors import NotFoundError
 from ckptstore.integrations.files import TreeMirror, download, roll_back
-from ckptstore.layout.commit import committed_steps, read_manifest
 from ckptstore.manager.preemption import Notice, save_margin, stop, watch
 from ckptstore.pipeline.root import Root, opened
+from ckptstore.pipeline.steps import committed_steps, read_manifest
 
 __all__ = ["OrbaxMirror", "mirror_manager"]
 

@@ -21,9 +21,9 @@ from numpy.typing import NDArray
 
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError
-from ckptstore.layout.keys import check_step, parse_step
-from ckptstore.stage.torch import numpy_dtype
-from ckptstore.stage.torch import torch_dtype as _torch_dtype
+from ckptstore.pipeline.steps import check_step, parse_step
+from ckptstore.pipeline.tensors import numpy_dtype
+from ckptstore.pipeline.tensors import torch_dtype as _torch_dtype
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store, registered_schemes
 

@@ -47,7 +47,6 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ckptstore import background
 from ckptstore.integrations.files import TreeMirror, local_copy, numbered_after, roll_back
-from ckptstore.layout.commit import latest_step
 from ckptstore.manager.preemption import (
     Notice,
     PreemptionWatch,
@@ -58,6 +57,7 @@ from ckptstore.manager.preemption import (
     watch,
 )
 from ckptstore.pipeline.root import Root, opened
+from ckptstore.pipeline.steps import latest_step
 
 __all__ = ["StoreCallback", "resume_from_store"]
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ckptstore import background, threads
-from ckptstore.stage import StagedState
+from ckptstore.pipeline.save import StagedState
 
 __all__ = ["AsyncSaver", "BackgroundWork", "SaveHandle", "SaveTiming"]
 

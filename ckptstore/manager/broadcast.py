@@ -73,9 +73,9 @@ from ckptstore.errors import (
     CorruptCheckpointError,
     NotFoundError,
 )
-from ckptstore.layout.restore import empty_array
 from ckptstore.manager import segments
 from ckptstore.manager.distributed import Collectives, Message, _Failure, lost_rank
+from ckptstore.pipeline.codec import empty_array
 from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import Request, Selection, read_selected, select_step
 from ckptstore.store.base import Store

@@ -53,11 +53,6 @@ from typing import Any, Literal, NoReturn, Self
 
 from ckptstore import background
 from ckptstore.errors import CommitConflictError, NotFoundError
-from ckptstore.layout import rollback as _rollback
-from ckptstore.layout.commit import CommitInfo, committed_steps, delete_step, read_manifest
-from ckptstore.layout.keys import attempt_prefix
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.references import delete_steps
 from ckptstore.manager.async_save import AsyncSaver, SaveHandle
 from ckptstore.manager.preemption import (
     Notice,
@@ -80,7 +75,17 @@ from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline import streaming
 from ckptstore.pipeline.restore import rebuild, request, restore
 from ckptstore.pipeline.root import Root, open_root
-from ckptstore.stage import StagedState, Stager
+from ckptstore.pipeline.save import StagedState, Stager
+from ckptstore.pipeline.steps import (
+    CommitInfo,
+    Manifest,
+    attempt_prefix,
+    committed_steps,
+    delete_step,
+    delete_steps,
+    read_manifest,
+    set_aside,
+)
 from ckptstore.store.base import Store
 
 __all__ = ["CheckpointManager"]
@@ -727,7 +732,7 @@ class CheckpointManager:
         stores = [self._store] if self._tiers is None else [self._tiers.local, self._store]
         aside: set[int] = set()
         for store in stores:
-            aside.update(background.run(_rollback.set_aside(store, step)))
+            aside.update(background.run(set_aside(store, step)))
         for gone in aside:
             self._info.pop(gone, None)
             self._uses.pop(gone, None)

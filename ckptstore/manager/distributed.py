@@ -44,7 +44,7 @@ timeout). Either way no manifest is written and the attempt's objects are garbag
 
 A leaf that is a shard of a global array on the ranks that hold it (a
 :class:`~ckptstore.stage.shards.Shard`, a ``DTensor``, a sharded ``jax.Array``) becomes one
-leaf of the global shape made of the ranks' chunks (:mod:`ckptstore.manager.sharding`), and
+leaf of the global shape made of the ranks' chunks (:mod:`ckptstore.pipeline.sharding`), and
 a load with shard targets reads only the parts of the chunks its boxes overlap.
 
 Saving blocks until the commit; a rank's arrays are written from their own memory (CUDA
@@ -71,19 +71,21 @@ import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError, CommitConflictError, NotFoundError, StoreError
-from ckptstore.layout.chunks import block_size_for
-from ckptstore.layout.commit import CommitInfo, latest_step, read_manifest
-from ckptstore.layout.keys import check_step, step_prefix
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.tree import FlatState, escape_key, join_path
-from ckptstore.manager import sharding
 from ckptstore.pipeline import save as save_path
-from ckptstore.pipeline import streaming
+from ckptstore.pipeline import sharding, streaming
+from ckptstore.pipeline.codec import FlatState, escape_key, join_path
 from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import Request, read, rebuild, request
 from ckptstore.pipeline.root import Root, open_root, opened
-from ckptstore.pipeline.save import Attempt
-from ckptstore.stage import Stager
+from ckptstore.pipeline.save import Attempt, Stager, block_size_for
+from ckptstore.pipeline.steps import (
+    CommitInfo,
+    Manifest,
+    check_step,
+    latest_step,
+    read_manifest,
+    step_prefix,
+)
 from ckptstore.store.base import Store
 
 __all__ = [

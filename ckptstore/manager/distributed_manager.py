@@ -59,10 +59,6 @@ from typing import Any, Literal
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError
-from ckptstore.layout import rollback as _rollback
-from ckptstore.layout.commit import CommitInfo, delete_step
-from ckptstore.layout.keys import check_step
-from ckptstore.layout.tree import FlatState
 from ckptstore.manager.checkpoint_manager import CheckpointManager as _SingleProcessManager
 from ckptstore.manager.distributed import (
     Collectives,
@@ -74,7 +70,9 @@ from ckptstore.manager.distributed import (
 )
 from ckptstore.manager.preemption import Notice, save_margin
 from ckptstore.pipeline import save as save_path
-from ckptstore.stage import StagedState, Stager
+from ckptstore.pipeline.codec import FlatState
+from ckptstore.pipeline.save import StagedState, Stager
+from ckptstore.pipeline.steps import CommitInfo, check_step, delete_step, set_aside
 from ckptstore.store.base import Store
 from ckptstore.threads import Pool
 
@@ -442,10 +440,10 @@ class CheckpointManager(_SingleProcessManager):
                 return state
             aside: list[int] = []
 
-            async def set_aside() -> None:
-                aside.extend(await _rollback.set_aside(self._store, step))
+            async def set_aside_after() -> None:
+                aside.extend(await set_aside(self._store, step))
 
-            self._on_coordinator(set_aside, f"setting aside the steps after {step}")
+            self._on_coordinator(set_aside_after, f"setting aside the steps after {step}")
             self.set_aside = sorted(self._comm.broadcast(aside, self.coordinator))
             for gone in self.set_aside:
                 self._info.pop(gone, None)

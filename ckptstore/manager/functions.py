@@ -21,18 +21,14 @@ from typing import Any
 
 from ckptstore import background
 from ckptstore.errors import CommitConflictError
-from ckptstore.layout import commit as _commit
-from ckptstore.layout import rollback as _rollback
-from ckptstore.layout.commit import CommitInfo
-from ckptstore.layout.gc import GCReport, collect_garbage
-from ckptstore.layout.keys import manifest_key
-from ckptstore.layout.manifest import Manifest
 from ckptstore.pipeline import restore as _restore
 from ckptstore.pipeline import save as save_path
+from ckptstore.pipeline import steps
 from ckptstore.pipeline import streaming as _streaming
 from ckptstore.pipeline.restore import LeafRestore
 from ckptstore.pipeline.root import Root, aopened, open_root
-from ckptstore.stage import Stager
+from ckptstore.pipeline.save import Stager
+from ckptstore.pipeline.steps import CommitInfo, GCReport, Manifest, collect_garbage, manifest_key
 from ckptstore.store.base import Store
 
 __all__ = [
@@ -112,7 +108,7 @@ async def _refuse_committed(store: Store, step: int) -> None:
     """Refuse a step the root already holds before anything is written (the commit's
     put-if-absent would refuse it too, after every byte was written and then removed)."""
     if await store.exists(manifest_key(step)):
-        newest = await _commit.latest_step(store)
+        newest = await steps.latest_step(store)
         raise CommitConflictError(
             f"{store.url}: step {step} is already committed (the newest step of this root is "
             f"{newest}), and a step is saved once. Save the steps after the newest; to save "
@@ -209,13 +205,13 @@ async def load_state(
 async def alist_steps(root: Root, **store_options: Any) -> list[int]:
     """Committed steps under ``root``, ascending."""
     async with aopened(root, store_options) as store:
-        return await _commit.committed_steps(store)
+        return await steps.committed_steps(store)
 
 
 async def adelete_step(root: Root, step: int, **store_options: Any) -> None:
     """Delete a step (manifest first, so it is never half visible)."""
     async with aopened(root, store_options) as store:
-        await _commit.delete_step(store, step)
+        await steps.delete_step(store, step)
 
 
 async def arollback(root: Root, step: int, **store_options: Any) -> list[int]:
@@ -230,7 +226,7 @@ async def arollback(root: Root, step: int, **store_options: Any) -> list[int]:
     """
     async with aopened(root, store_options) as store:
         await _restore.find_manifest(store, step)  # roll back only to a valid step
-        return await _rollback.set_aside(store, step)
+        return await steps.set_aside(store, step)
 
 
 async def arecover_step(root: Root, step: int, **store_options: Any) -> Manifest:
@@ -243,7 +239,7 @@ async def arecover_step(root: Root, step: int, **store_options: Any) -> Manifest
         CorruptCheckpointError: part of it is gone (nothing is committed then).
     """
     async with aopened(root, store_options) as store:
-        return await _rollback.recover(store, step)
+        return await steps.recover(store, step)
 
 
 async def agc(root: Root, *, grace: float | None = None, **store_options: Any) -> GCReport:

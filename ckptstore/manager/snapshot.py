@@ -29,8 +29,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from ckptstore.stage import StagedState
-from ckptstore.stage.lazy import LazyCopy
+from ckptstore.pipeline.save import LazyCopy, StagedState
 
 __all__ = ["LazyFence"]
 

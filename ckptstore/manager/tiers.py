@@ -53,15 +53,19 @@ from typing import Any, Literal
 
 from ckptstore import background
 from ckptstore.errors import CorruptCheckpointError, NotFoundError, StoreError
-from ckptstore.layout.commit import committed_steps, delete_step, gather_all, read_manifest
-from ckptstore.layout.keys import manifest_key
-from ckptstore.layout.maintenance import CopyReport, copy_step
-from ckptstore.layout.manifest import Manifest
-from ckptstore.layout.restore import read_leaves
 from ckptstore.manager.async_save import BackgroundWork
-from ckptstore.pipeline.restore import Request, Selection, later_reader, read
+from ckptstore.pipeline.maintenance import CopyReport, copy_step
+from ckptstore.pipeline.restore import Request, Selection, later_reader, read, read_leaves
+from ckptstore.pipeline.steps import (
+    Manifest,
+    committed_steps,
+    delete_step,
+    manifest_key,
+    read_manifest,
+)
 from ckptstore.pipeline.streaming import Reader
 from ckptstore.store.base import Store
+from ckptstore.store.fanout import gather_all
 
 __all__ = [
     "MANAGER_META_KEY",

@@ -85,6 +85,7 @@ __all__ = [
     "find_manifest",
     "later_reader",
     "read",
+    "read_leaves",
     "read_selected",
     "rebuild",
     "request",

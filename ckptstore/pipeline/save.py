@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.layout.chunks import block_size_for
 from ckptstore.layout.commit import (
     Attempt,
     CommitInfo,
@@ -72,18 +73,24 @@ from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import FlatState
 from ckptstore.pipeline import streaming
 from ckptstore.pipeline.deadline import bounded
+from ckptstore.stage.lazy import LazyCopy
 from ckptstore.stage.stager import StagedState, Stager
 from ckptstore.store.base import Store
 
 __all__ = [
     "Attempt",
     "CommitInfo",
+    "LazyCopy",
+    "PackPlan",
     "Reuse",
+    "StagedState",
+    "Stager",
     "Written",
     "abandon",
     "add_references",
     "base",
     "begin",
+    "block_size_for",
     "commit",
     "discard",
     "hashes",

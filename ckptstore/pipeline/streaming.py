@@ -72,6 +72,7 @@ from ckptstore.store.transport import store_logger
 
 __all__ = [
     "Pending",
+    "Reader",
     "Streamed",
     "fence",
     "is_optimizer_path",

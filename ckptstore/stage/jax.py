@@ -7,7 +7,7 @@ with ``replica_id == 0`` is copied to the index range it covers, so replicated s
 copied once and no intermediate full-size array is built. An array that spans several
 processes is staged here only if it is fully replicated (every process copies its own
 replica; :func:`ckptstore.distributed.save` writes one of them); one sharded over processes
-is saved as chunks by :mod:`ckptstore.manager.sharding`, and a save of it here names that.
+is saved as chunks by :mod:`ckptstore.pipeline.sharding`, and a save of it here names that.
 
 A lazy snapshot (:mod:`ckptstore.stage.lazy`) needs no version counter for JAX: arrays are
 immutable. But an array donated to a jitted function (``donate_argnums``) is deleted, and its

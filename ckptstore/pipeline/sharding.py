@@ -38,15 +38,17 @@ import numpy as np
 
 from ckptstore.layout.chunks import Box, Chunks, block_crcs, check_grid
 from ckptstore.layout.tree import map_leaves
-from ckptstore.stage.shards import LocalChunks, local_chunks
+from ckptstore.stage.shards import LocalChunks, Shard, local_chunks
 from ckptstore.stage.tree import expand
 from ckptstore.store.checksum import in_hash_thread
 
 __all__ = [
     "ChunkRow",
     "RankShards",
+    "Shard",
     "assign_writers",
     "block_checksums",
+    "chunk_state",
     "chunk_table",
     "describe",
     "merged_chunks",
