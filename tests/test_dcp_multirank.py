@@ -44,6 +44,23 @@ def test_save_on_4_ranks_load_on_2_reshards_bit_exact(target: Target, tmp_path: 
 
 
 @pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
+def test_a_second_save_of_an_unchanged_state_references_the_first(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    first, second = f"{target.base}/1", f"{target.base}/2"
+    outcomes = run_ranks(
+        WORKER, world, "incremental", first, second, logs=tmp_path / "logs", env=target.env()
+    )
+    for result in assert_all_ok(outcomes):
+        assert result["exact"] is True
+        # every rank's shard of the weight is referenced; what is written again is the
+        # small pack holding the "step" value, which torch.save serialises anew each time
+        assert result["referenced"] >= WEIGHT_BYTES, result
+        assert result["own"] < 64 * 1024, result
+    assert target.steps() == [1, 2]
+
+
+@pytest.mark.parametrize(("target", "world"), TARGETS_AND_WORLDS, indirect=["target"])
 def test_failing_or_dying_rank_leaves_no_checkpoint_and_previous_loads(
     target: Target, world: int, tmp_path: Path
 ) -> None:

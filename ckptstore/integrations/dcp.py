@@ -20,6 +20,11 @@ DCP's planning and resharding unchanged. What this layer adds to DCP's own file 
   ``Settings.leaf_alignment``, so thousands of small tensors cost a handful of PUTs; larger
   tensors are written straight from their memory, one object each, as parallel multipart
   uploads. Every dtype the manager stores is accepted (bfloat16, complex32, each float8).
+* **Incremental.** As on every face, a save records each item's xxh3-128 and, when the root's
+  newest committed step is a DCP checkpoint, does not write again an item whose bytes are
+  unchanged in an object whose every item is: the manifest references that step's object. The
+  coordinator holds every object of that step for the attempt in ``prepare_global_plan``,
+  before any rank writes, so each rank may reference any of them.
 * **Verified parallel reads.** Each rank fetches just the items its load plan names, as ranged
   reads merged per object and issued in parallel, straight into the destination tensors where
   their layout allows, and checks every item's crc32c.
@@ -69,14 +74,22 @@ from ckptstore.integrations.dcp_manifest import (
     build_manifest,
     dtype_from_name,
     dtype_name,
+    is_dcp_manifest,
+    leaf_dtype,
+    leaf_path,
     read_dcp_metadata,
 )
 from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, served
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest, read_leaves
 from ckptstore.pipeline.root import check_options
-from ckptstore.pipeline.save import Attempt, PackPlan, Written
-from ckptstore.pipeline.steps import Manifest, latest_step, manifest_key, step_prefix
+from ckptstore.pipeline.save import Attempt, PackPlan, Reuse, Written
+from ckptstore.pipeline.steps import (
+    Manifest,
+    latest_step,
+    manifest_key,
+    step_prefix,
+)
 from ckptstore.store.base import Store
 from ckptstore.store.checksum import crc32c
 from ckptstore.store.fanout import gather_all
@@ -87,10 +100,13 @@ __all__ = ["Reader", "Writer"]
 
 @dataclass(frozen=True, slots=True)
 class _AttemptPrefix:
-    """What the coordinator hands each rank in ``SavePlan.storage_data``."""
+    """What the coordinator hands each rank in ``SavePlan.storage_data``: the attempt, the
+    rank's part of it, and the step an incremental save compares with (held for the
+    attempt), if any."""
 
     attempt: Attempt
     rank: int
+    base_step: int | None = None
 
 
 # =========================================================================== writer
@@ -138,6 +154,10 @@ class Writer(_AtCheckpoint, StorageWriter):
             ``Settings.pack_threshold``, as on every face (1 MiB).
         pack_size: target size of one pack object, in bytes; default ``Settings.pack_size``
             (8 MiB).
+        incremental: write only the items whose bytes changed since the root's newest
+            committed step (a DCP checkpoint) and reference that step's objects for the rest,
+            as every face does; default ``Settings.incremental`` (on). Each item's
+            xxh3-128 is recorded either way, for the next save to compare with.
         **options: store options and Settings fields, as for :func:`ckptstore.open_store`.
 
     The same URL must not already hold a committed checkpoint: the coordinator checks before
@@ -153,6 +173,7 @@ class Writer(_AtCheckpoint, StorageWriter):
         step: int | None = None,
         pack_threshold: int | None = None,
         pack_size: int | None = None,
+        incremental: bool | None = None,
         **options: Any,
     ) -> None:
         super().__init__()
@@ -166,6 +187,7 @@ class Writer(_AtCheckpoint, StorageWriter):
         self._aim(url, step, options)
         self.pack_threshold = pack_threshold
         self.pack_size = pack_size
+        self.incremental = incremental
         self.save_id = uuid.uuid4().hex
         self._is_coordinator = False
         self._rank = 0
@@ -205,18 +227,25 @@ class Writer(_AtCheckpoint, StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # docstring inherited
+        store = self._target.store
         try:
-            attempt = self._begin(self._target.store, self._target.step)
+            attempt = self._begin(store, self._target.step)
         except BaseException:
             # DCP calls nothing more after a failed plan: the client opened for it closes
             # now, not as an "Unclosed client session" at exit
+            self._target.handle.release()
+            raise
+        try:
+            base_step = background.run(self._hold_base(store, attempt))
+        except BaseException:
+            background.run(save_path.abandon(store, attempt))
             self._target.handle.release()
             raise
         self._begun = attempt  # it holds the attempt's lease; what ranks get does not
         return [
             SavePlan(
                 items=plan.items,
-                storage_data=_AttemptPrefix(attempt, rank),
+                storage_data=_AttemptPrefix(attempt, rank, base_step),
                 planner_data=plan.planner_data,
                 usable=plan.usable,
             )
@@ -249,6 +278,20 @@ class Writer(_AtCheckpoint, StorageWriter):
                 f"{store.url}); save to a new URL (checkpoints are immutable)"
             ) from None
 
+    def _incremental(self, store: Store) -> bool:
+        return store.settings.incremental if self.incremental is None else self.incremental
+
+    async def _hold_base(self, store: Store, attempt: Attempt) -> int | None:
+        """The step an incremental save compares with: the root's newest committed step, if
+        it is a DCP checkpoint, with all its objects held for ``attempt`` before any rank
+        writes, so a rank may reference any of them; ``None`` for a full save."""
+        if not self._incremental(store):
+            return None
+        base = await save_path.base(store, attempt.step)
+        if base is None or not is_dcp_manifest(base):
+            return None
+        return base.step if await save_path.hold(store, attempt, base) else None
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Plan, pack and write this rank's items with the one save pipeline
         (:mod:`ckptstore.pipeline.save`).
@@ -258,6 +301,13 @@ class Writer(_AtCheckpoint, StorageWriter):
         uploads overlap the resolution (device copies, serialisation) of the rest. Returns a
         future that completes, with one ``WriteResult`` per item, once every object of this
         rank is durable. On a failure this rank's objects are removed (best effort).
+
+        An incremental save (:class:`Writer`'s ``incremental``) records each item's xxh3-128,
+        hashed while the objects are written. With a base step to compare with, every item is
+        resolved and hashed first; an item whose name, dtype, shape and hash equal the
+        base's, in a base object whose every item is unchanged, is not written: its result
+        points at the base's bytes (:func:`ckptstore.pipeline.save.reuse`, the rule of every
+        face).
         """
         given = plan.storage_data
         if not isinstance(given, _AttemptPrefix):
@@ -280,12 +330,32 @@ class Writer(_AtCheckpoint, StorageWriter):
                 lengths.append(arrays[leaf].nbytes)
             else:
                 lengths.append(_planned_bytes(item))
+        hashing = self._incremental(store)
+        base = None
+        if hashing and given.base_step is not None:
+            base = background.run(save_path.read_base(store, given.base_step))
+        reuse: Reuse | None = None
+        hashes: list[str | None] | None = None
+        if base is not None:
+            for leaf, item in enumerate(items):  # every item is compared before planning
+                if arrays[leaf] is None:
+                    arrays[leaf], owner = _resolve(planner, item, lengths[leaf])
+                    keep.append(owner)
+            hashes = background.run(save_path.hashes(arrays))
+            reuse = save_path.reuse(
+                base,
+                [leaf_path(item.index, item.tensor_data is not None) for item in items],
+                [leaf_dtype(_typeinfo(item)[0]) for item in items],
+                [_leaf_shape(item, length) for item, length in zip(items, lengths, strict=True)],
+                hashes,
+            )
         packing = save_path.plan(
             store,
             lengths,
             [item.index.fqn for item in items],
             pack_threshold=self.pack_threshold,
             pack_size=self.pack_size,
+            reuse=reuse,
         )
         writer = save_path.object_writer(store, packing, prefix, arrays)
         writes: list[concurrent.futures.Future[None]] = []
@@ -298,14 +368,18 @@ class Writer(_AtCheckpoint, StorageWriter):
             await handle.arelease()
 
         async def settle_writes() -> list[WriteResult]:
+            digests = hashes
             try:
-                await gather_all((asyncio.wrap_future(w) for w in writes), cancel=False)
+                if hashing and digests is None:  # hashed while the objects are written
+                    digests = await _hashed_while(arrays, [asyncio.wrap_future(w) for w in writes])
+                else:
+                    await gather_all((asyncio.wrap_future(w) for w in writes), cancel=False)
             except BaseException:
                 await abandon()
                 raise
             if not coordinator:  # the coordinator commits in finish(), with the same store
                 await handle.arelease()
-            return _results(items, packing, writer.written, prefix)
+            return _results(items, packing, writer.written, prefix, digests, reuse)
 
         try:
             for number, obj in enumerate(packing.objects):
@@ -314,6 +388,10 @@ class Writer(_AtCheckpoint, StorageWriter):
                         arrays[leaf], owner = _resolve(planner, items[leaf], lengths[leaf])
                         keep.append(owner)
                 writes.append(background.submit(writer.write(number)))
+            for leaf, item in enumerate(items):  # empty items take no object
+                if hashing and arrays[leaf] is None:
+                    arrays[leaf], owner = _resolve(planner, item, lengths[leaf])
+                    keep.append(owner)
         except BaseException:
             background.submit(abandon())
             raise
@@ -405,13 +483,40 @@ def _resolve(
 
 
 def _results(
-    items: list[WriteItem], plan: PackPlan, written: Written, prefix: str
+    items: list[WriteItem],
+    plan: PackPlan,
+    written: Written,
+    prefix: str,
+    hashes: list[str | None] | None = None,
+    reuse: Reuse | None = None,
 ) -> list[WriteResult]:
-    """DCP's write results: where each item landed, in one pass over the plan."""
+    """DCP's write results: where each item landed, in one pass over the plan; an item
+    ``reuse`` takes from the base lies where the base keeps it."""
     objects = plan.objects
     results = []
     for leaf, item in enumerate(items):
         number = plan.leaf_object[leaf]
+        source = -1 if reuse is None else reuse.leaf_source[leaf]
+        digest = None if hashes is None else hashes[leaf]
+        if source >= 0:
+            assert reuse is not None
+            base = reuse.base
+            obj = base.leaf_object[source]
+            loc = ItemLocation(
+                base.object_key(obj),
+                base.leaf_offset[source],
+                base.leaf_length[source],
+                base.leaf_crc[source],
+                base.object_lengths[obj],
+                base.object_crcs[obj],
+                *_typeinfo(item),
+                hash=digest,
+                step=base.object_step(obj),
+            )
+            results.append(
+                WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)
+            )
+            continue
         if number < 0:  # an empty item takes no object
             key, object_size, object_crc = "", 0, 0
         else:
@@ -425,9 +530,31 @@ def _results(
             object_size,
             object_crc,
             *_typeinfo(item),
+            hash=digest,
         )
         results.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
     return results
+
+
+async def _hashed_while(arrays: list[Any], writes: list[asyncio.Future[None]]) -> list[str | None]:
+    """The items' xxh3-128, hashed while their ``writes`` run. Returns (or raises the first
+    failure) once both have ended: the hashing reads the arrays, which must outlive it."""
+    outcomes: list[Any] = await asyncio.gather(
+        save_path.hashes(arrays), gather_all(writes, cancel=False), return_exceptions=True
+    )
+    hashed, written = outcomes
+    for outcome in (written, hashed):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    return list(hashed)
+
+
+def _leaf_shape(item: WriteItem, length: int) -> list[int]:
+    """The shape of an item's leaf in the manifest: a tensor chunk's, or a bytes item's
+    length."""
+    if item.type == WriteItemType.BYTE_IO or item.tensor_data is None:
+        return [length]
+    return list(item.tensor_data.chunk.sizes)
 
 
 def _typeinfo(item: WriteItem) -> tuple[str | None, tuple[int, ...] | None]:

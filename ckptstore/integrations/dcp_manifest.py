@@ -55,6 +55,9 @@ __all__ = [
     "build_manifest",
     "dtype_from_name",
     "dtype_name",
+    "is_dcp_manifest",
+    "leaf_dtype",
+    "leaf_path",
     "numpy_dtype",
     "read_dcp_metadata",
     "torch_dtype",
@@ -84,6 +87,10 @@ class ItemLocation:
         object_crc32c: crc32c of the whole object.
         dtype: element type name (``"float32"``) for a tensor chunk, ``None`` for bytes.
         shape: the chunk's shape for a tensor chunk, ``None`` for bytes.
+        hash: xxh3-128 of its bytes, recorded by an incremental save for the next to
+            compare with, or ``None``.
+        step: the step whose attempt wrote the object when that is an earlier step (an
+            unchanged item of an incremental save references it), else ``None``.
     """
 
     key: str
@@ -94,6 +101,8 @@ class ItemLocation:
     object_crc32c: int
     dtype: str | None = None
     shape: tuple[int, ...] | None = None
+    hash: str | None = None
+    step: int | None = None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -116,6 +125,29 @@ def dtype_from_name(name: object, where: str) -> torch.dtype:
 # --------------------------------------------------------------------------- writing
 
 
+def is_dcp_manifest(manifest: Manifest) -> bool:
+    """Whether ``manifest`` commits a DCP checkpoint written by :func:`build_manifest`."""
+    meta = manifest.metadata
+    return isinstance(meta, dict) and meta.get("format") == FORMAT
+
+
+def leaf_path(index: MetadataIndex, tensor: bool) -> str:
+    """The manifest path of a DCP item: its escaped name, and for a tensor chunk the chunk's
+    offsets below it (``model.weight/512,0``)."""
+    if not tensor:
+        return codec.escape_key(index.fqn)
+    chunk = ",".join(str(o) for o in (index.offset or ()))
+    return f"{codec.escape_key(index.fqn)}/{codec.escape_key(chunk)}"
+
+
+def leaf_dtype(dtype: str | None) -> str:
+    """The manifest dtype name of an item of DCP dtype name ``dtype`` (``None``: bytes)."""
+    np_dtype = _BYTES_DTYPE if dtype is None else numpy_dtype(_DTYPES[dtype])
+    name = codec.dtype_name(np_dtype)
+    assert name is not None  # every entry of the one table is allowed
+    return name
+
+
 def build_manifest(
     step: int,
     attempt: str,
@@ -130,11 +162,16 @@ def build_manifest(
         attempt: the attempt id (``ckptstore.layout.keys.new_attempt_id``).
         metadata: DCP's global metadata, from ``finish``.
         locations: where every item of every rank landed; keys relative to the store root.
-        object_prefix: what to strip from those keys to make them relative to the step.
+            An item at an earlier step's object (its ``step`` set) is a reference to it.
+        object_prefix: what to strip from the keys of this save's own objects to make them
+            relative to the step.
     """
     objects: dict[str, int] = {}
+    object_keys: list[str] = []
+    object_steps: list[int] = []
     object_lengths: list[int] = []
     object_crcs: list[int] = []
+    hashes: list[str | None] = []
     paths: list[str] = []
     dtypes: list[str] = []
     shapes: list[list[int]] = []
@@ -146,25 +183,24 @@ def build_manifest(
     for index, loc in locations.items():
         if loc.key and loc.key not in objects:  # an empty item has no object (key "")
             objects[loc.key] = len(objects)
+            own = loc.step is None
+            object_keys.append(loc.key.removeprefix(object_prefix if own else f"{loc.step}/"))
+            object_steps.append(step if loc.step is None else loc.step)
             object_lengths.append(loc.object_size)
             object_crcs.append(loc.object_crc32c)
         leaf = len(paths)
         if loc.dtype is None:
-            np_dtype, shape = _BYTES_DTYPE, [loc.length]
+            shape = [loc.length]
             children[index.fqn] = leaf
-            path = _escape(index.fqn)
         else:
-            np_dtype, shape = numpy_dtype(_DTYPES[loc.dtype]), list(loc.shape or ())
-            chunk = ",".join(str(o) for o in (index.offset or ()))
+            shape = list(loc.shape or ())
             node = children.setdefault(index.fqn, {"d": [], "c": []})
-            node["d"].append(chunk)
+            node["d"].append(",".join(str(o) for o in (index.offset or ())))
             node["c"].append(leaf)
-            path = f"{_escape(index.fqn)}/{_escape(chunk)}"
-        name = codec.dtype_name(np_dtype)
-        assert name is not None  # every entry of the table above is allowed
-        paths.append(path)
-        dtypes.append(name)
+        paths.append(leaf_path(index, tensor=loc.dtype is not None))
+        dtypes.append(leaf_dtype(loc.dtype))
         shapes.append(shape)
+        hashes.append(loc.hash)
         leaf_object.append(objects[loc.key] if loc.key else -1)
         leaf_offset.append(loc.start)
         leaf_length.append(loc.length)
@@ -176,7 +212,7 @@ def build_manifest(
         created=time.time(),
         metadata={"format": FORMAT, "dcp": _encode_metadata(metadata)},
         tree=tree,
-        object_keys=[key.removeprefix(object_prefix) for key in objects],
+        object_keys=object_keys,
         object_lengths=object_lengths,
         object_crcs=object_crcs,
         paths=paths,
@@ -187,11 +223,9 @@ def build_manifest(
         leaf_length=leaf_length,
         leaf_crc=leaf_crc,
         attrs=[None] * len(paths),
+        object_steps=object_steps,
+        leaf_hash=hashes if any(h is not None for h in hashes) else None,
     )
-
-
-def _escape(key: str) -> str:
-    return key.replace("~", "~0").replace("/", "~1")
 
 
 def _encode_metadata(metadata: Metadata) -> dict[str, Any]:

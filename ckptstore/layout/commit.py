@@ -464,20 +464,38 @@ async def hold_base(store: Store, attempt: Attempt, base: Manifest) -> bool:
 
 
 def plan_changed(
-    store: Store, lengths: Sequence[int], paths: Sequence[str], reuse: Reuse | None
+    store: Store,
+    lengths: Sequence[int],
+    paths: Sequence[str],
+    reuse: Reuse | None,
+    *,
+    pack_threshold: int | None = None,
+    pack_size: int | None = None,
 ) -> PackPlan:
     """The plan of the leaves of ``lengths`` to write: all, or those ``reuse`` does not take
     from the base, the unchanged ones and the changed ones kept apart (by group). Leaves
-    past the end of ``reuse`` (a rank's chunks of sharded leaves) are written, as changed."""
+    past the end of ``reuse`` (a rank's chunks of sharded leaves) are written, as changed.
+    ``pack_threshold`` and ``pack_size`` override the store's settings (a face's own)."""
+    settings, caps = store.settings, store.capabilities
     if reuse is None:
-        return PackPlan.for_store(lengths, store.settings, store.capabilities, paths)
+        return PackPlan.for_store(
+            lengths, settings, caps, paths, pack_threshold=pack_threshold, pack_size=pack_size
+        )
     extra = len(lengths) - len(reuse.leaf_source)
     if extra < 0:
         raise ValueError("the reuse was decided for more leaves than are planned")
     source = [*reuse.leaf_source, *([-1] * extra)]
     groups = [*reuse.groups, *([CHANGED] * extra)]
     kept = [0 if j >= 0 else n for j, n in zip(source, lengths, strict=True)]
-    return PackPlan.for_store(kept, store.settings, store.capabilities, paths, groups=groups)
+    return PackPlan.for_store(
+        kept,
+        settings,
+        caps,
+        paths,
+        pack_threshold=pack_threshold,
+        pack_size=pack_size,
+        groups=groups,
+    )
 
 
 async def write_objects(

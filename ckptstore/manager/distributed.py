@@ -83,7 +83,6 @@ from ckptstore.pipeline.steps import (
     Manifest,
     check_step,
     latest_step,
-    read_manifest,
     step_prefix,
 )
 from ckptstore.store.base import Store
@@ -842,7 +841,7 @@ async def _write_own(
     hash_later = coordinator.hashing and bool(mine) and coordinator.base is None
     if coordinator.hashing and mine and coordinator.base is not None:
         hashes = await save_path.hashes(own.arrays[: len(mine)])
-        base = base or await _read_base(store, coordinator.base)
+        base = base or await save_path.read_base(store, coordinator.base)
         if base is not None:
             picked = [leaves[n] for n in mine]
             reuse = save_path.reuse(
@@ -897,15 +896,6 @@ async def _write_own(
 
 async def _hashes_if(wanted: bool, arrays: list[np.ndarray[Any, Any]]) -> list[str | None] | None:
     return await save_path.hashes(arrays) if wanted else None
-
-
-async def _read_base(store: Store, step: int) -> Manifest | None:
-    """The base manifest the coordinator holds, read by another rank; ``None`` if it cannot
-    be read (the rank then writes all its leaves: the save stays whole either way)."""
-    try:
-        return await read_manifest(store, step)
-    except CkptStoreError:  # NotFoundError, a damaged manifest, the store's errors
-        return None
 
 
 async def _commit(

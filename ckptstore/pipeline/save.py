@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.errors import CkptStoreError
 from ckptstore.layout.chunks import block_size_for
 from ckptstore.layout.commit import (
     Attempt,
@@ -63,6 +64,7 @@ from ckptstore.layout.commit import (
     hashes_in_turns,
     hold_base,
     plan_changed,
+    read_manifest,
     remove_objects,
     write_checkpoint,
     write_objects,
@@ -97,6 +99,7 @@ __all__ = [
     "hold",
     "object_writer",
     "plan",
+    "read_base",
     "reuse",
     "save_flat",
     "save_staged",
@@ -161,9 +164,14 @@ def plan(
         ValueError: a leaf larger than the store's largest object (named by ``paths``).
     """
     if reuse is not None:
-        if pack_threshold is not None or pack_size is not None:
-            raise ValueError("an incremental plan uses the store's packing settings")
-        return plan_changed(store, lengths, paths or [""] * len(lengths), reuse)
+        return plan_changed(
+            store,
+            lengths,
+            paths or [""] * len(lengths),
+            reuse,
+            pack_threshold=pack_threshold,
+            pack_size=pack_size,
+        )
     return PackPlan.for_store(
         lengths,
         store.settings,
@@ -192,6 +200,16 @@ hold = hold_base
 hashes = hashes_in_turns
 #: Which leaves reuse a base's bytes (:func:`ckptstore.layout.incremental.plan_reuse`).
 reuse = plan_reuse
+
+
+async def read_base(store: Store, step: int) -> Manifest | None:
+    """The base manifest a coordinator held, as another writer reads it; ``None`` if it
+    cannot be read (that writer then writes all its leaves: the save stays whole either
+    way)."""
+    try:
+        return await read_manifest(store, step)
+    except CkptStoreError:  # NotFoundError, a damaged manifest, the store's errors
+        return None
 
 
 # --------------------------------------------------------------------------- 3. write

@@ -249,14 +249,6 @@ def _load_lightning(place: Place, step: int, keys: Any, target: Any, like: Any) 
     return StoreCheckpointIO(**place.keywords()).load_checkpoint(place.url(f"/{step}"))
 
 
-_DCP_INCREMENTAL = (
-    "DCP's planner hands the writer whole write items per save and keeps no base to compare "
-    "with; the DCP writer does not yet reference unchanged items (issue 28, item 6)"
-)
-_MULTI_RANK_INCREMENTAL = (
-    "the multi-rank save does not yet hash leaves against the previous step (issue 28, item 6)"
-)
-
 #: Every face that saves.
 SAVERS: list[Face] = [
     Face("save", save=_save_api),
@@ -265,7 +257,7 @@ SAVERS: list[Face] = [
     Face("manager-lazy", save=_manager_saver(snapshot="lazy")),
     Face("distributed", save=_save_distributed),
     Face("distributed-manager", save=_save_distributed_manager),
-    Face("dcp", save=_save_dcp, fmt="dcp", url_step=True, lacks={"incremental": _DCP_INCREMENTAL}),
+    Face("dcp", save=_save_dcp, fmt="dcp", url_step=True),
     Face("lightning", save=_save_lightning, url_step=True, ordered=True),
     Face("cp", save=_save_cp),
 ]
