@@ -14,6 +14,7 @@ import pytest
 import ckptstore
 from ckptstore.config import Settings
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
+from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import (
     MAX_DEPTH,
@@ -478,3 +479,70 @@ def test_pack_groups_never_share_a_pack() -> None:
     for obj in plan.objects:
         assert list(obj.leaves) == sorted(obj.leaves)
         assert all(plan.leaf_offset[leaf] % 64 == 0 for leaf in obj.leaves)
+
+
+#: Attempt ids of three saves, as new_attempt_id draws them.
+A0, A1, A2 = (f"attempt-{t:012x}-{t:016x}" for t in (1, 2, 3))
+
+
+def test_a_manifest_draft_places_plans_references_and_hashes() -> None:
+    """The one builder of manifests: leaves declared, a plan's objects added with the
+    writer's checksums, a reused leaf pointed flat at its base's object, hashes recorded;
+    what it builds encodes and validates."""
+    from ckptstore.layout.session import ManifestDraft
+
+    base_draft = ManifestDraft.of_leaves(3, A1, ["a"], ["<f4"], [[4]], [16])
+    # the base's own object lives at step 2: its reference is named there, not at step 3
+    base_draft.add_objects([f"{A0}/pack-0"], [64], [11], step=2)
+    base_draft.place(0, 0, 32, 7)
+    base_draft.set_hashes([(0, "0" * 32)])
+    base = Manifest.parse(base_draft.build(tree={"d": ["a"], "c": [0]}).encode(), step=3)
+
+    lengths = [16, 0, 100]
+    draft = ManifestDraft.of_leaves(
+        5,
+        A2,
+        ["a", "empty", "c"],
+        ["<f4", "<f4", "|u1"],
+        [[4], [0], [100]],
+        lengths,
+        [None, None, {"mode": 420}],
+    )
+    plan = PackPlan.build([0, 0, 100], pack_threshold=1 << 20, pack_size=8 << 20, alignment=64)
+    draft.add_plan(plan, [99], [0, 0, 5], name_prefix="r1-")
+    draft.reference(base, [(0, 0), (1, -1)])
+    draft.set_hashes([(2, "f" * 32)])
+    built = draft.build(tree={"d": ["a", "empty", "c"], "c": [0, 1, 2]}, metadata={"m": 1})
+
+    assert built.object_keys == [f"{A2}/r1-{plan.objects[0].name}", f"{A0}/pack-0"]
+    assert built.object_steps == [5, 2]
+    assert built.references() == [1]
+    assert (built.leaf_object, built.leaf_offset, built.leaf_crc) == (
+        [1, -1, 0],
+        [32, 0, 0],
+        [7, 0, 5],
+    )
+    assert built.leaf_hash == [None, None, "f" * 32]
+    parsed = Manifest.parse(built.encode(), step=5)
+    assert parsed.object_key(1) == f"2/{A0}/pack-0"
+    assert parsed.attrs == [None, None, {"mode": 420}]
+    assert parsed.metadata == {"m": 1}
+
+
+def test_a_manifest_draft_needs_one_entry_per_leaf() -> None:
+    from ckptstore.layout.session import ManifestDraft
+
+    with pytest.raises(ValueError, match="one entry per leaf"):
+        ManifestDraft.of_leaves(1, A1, ["a", "b"], ["<f4"], [[1], [1]], [4, 4])
+
+
+async def test_a_copy_over_the_destinations_manifest_cap_copies_nothing() -> None:
+    from ckptstore.layout.maintenance import copy_step
+    from ckptstore.store.memory import MemoryStore
+
+    src = MemoryStore("copy-cap-src")
+    await ckptstore.asave(src, {f"w{i}": np.full(3, i) for i in range(200)}, step=1)
+    dst = MemoryStore("copy-cap-dst", settings=Settings(manifest_max_bytes=4096))
+    with pytest.raises(ValueError, match=r"over Settings\.manifest_max_bytes"):
+        await copy_step(src, dst, 1)
+    assert await dst.list_keys() == []  # refused before any byte was copied

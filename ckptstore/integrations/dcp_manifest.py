@@ -24,7 +24,6 @@ pickled.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint.metadata import (
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.integrations.tensor_objects import numpy_dtype, torch_dtype
 from ckptstore.pipeline import codec
+from ckptstore.pipeline.save import ManifestDraft
 from ckptstore.pipeline.steps import Manifest
 from ckptstore.pipeline.tensors import dtype_table
 from ckptstore.store.transport import redact_url
@@ -166,65 +166,37 @@ def build_manifest(
         object_prefix: what to strip from the keys of this save's own objects to make them
             relative to the step.
     """
+    items = list(locations.items())
+    draft = ManifestDraft.of_leaves(
+        step,
+        attempt,
+        [leaf_path(index, tensor=loc.dtype is not None) for index, loc in items],
+        [leaf_dtype(loc.dtype) for _, loc in items],
+        [[loc.length] if loc.dtype is None else list(loc.shape or ()) for _, loc in items],
+        [loc.length for _, loc in items],
+    )
     objects: dict[str, int] = {}
-    object_keys: list[str] = []
-    object_steps: list[int] = []
-    object_lengths: list[int] = []
-    object_crcs: list[int] = []
-    hashes: list[str | None] = []
-    paths: list[str] = []
-    dtypes: list[str] = []
-    shapes: list[list[int]] = []
-    leaf_object: list[int] = []
-    leaf_offset: list[int] = []
-    leaf_length: list[int] = []
-    leaf_crc: list[int] = []
     children: dict[str, Any] = {}
-    for index, loc in locations.items():
+    for leaf, (index, loc) in enumerate(items):
         if loc.key and loc.key not in objects:  # an empty item has no object (key "")
-            objects[loc.key] = len(objects)
             own = loc.step is None
-            object_keys.append(loc.key.removeprefix(object_prefix if own else f"{loc.step}/"))
-            object_steps.append(step if loc.step is None else loc.step)
-            object_lengths.append(loc.object_size)
-            object_crcs.append(loc.object_crc32c)
-        leaf = len(paths)
+            objects[loc.key] = draft.add_objects(
+                [loc.key.removeprefix(object_prefix if own else f"{loc.step}/")],
+                [loc.object_size],
+                [loc.object_crc32c],
+                step=loc.step,
+            )
+        draft.place(leaf, objects[loc.key] if loc.key else -1, loc.start, loc.crc32c)
         if loc.dtype is None:
-            shape = [loc.length]
             children[index.fqn] = leaf
         else:
-            shape = list(loc.shape or ())
             node = children.setdefault(index.fqn, {"d": [], "c": []})
             node["d"].append(",".join(str(o) for o in (index.offset or ())))
             node["c"].append(leaf)
-        paths.append(leaf_path(index, tensor=loc.dtype is not None))
-        dtypes.append(leaf_dtype(loc.dtype))
-        shapes.append(shape)
-        hashes.append(loc.hash)
-        leaf_object.append(objects[loc.key] if loc.key else -1)
-        leaf_offset.append(loc.start)
-        leaf_length.append(loc.length)
-        leaf_crc.append(loc.crc32c)
-    tree = {"d": list(children), "c": list(children.values())}
-    return Manifest(
-        step=step,
-        attempt=attempt,
-        created=time.time(),
+    draft.set_hashes((leaf, loc.hash) for leaf, (_, loc) in enumerate(items))
+    return draft.build(
+        tree={"d": list(children), "c": list(children.values())},
         metadata={"format": FORMAT, "dcp": _encode_metadata(metadata)},
-        tree=tree,
-        object_keys=object_keys,
-        object_lengths=object_lengths,
-        object_crcs=object_crcs,
-        paths=paths,
-        dtypes=dtypes,
-        shapes=shapes,
-        leaf_object=leaf_object,
-        leaf_offset=leaf_offset,
-        leaf_length=leaf_length,
-        leaf_crc=leaf_crc,
-        attrs=[None] * len(paths),
-        object_steps=object_steps,
-        leaf_hash=hashes if any(h is not None for h in hashes) else None,
     )
 
 

@@ -368,24 +368,17 @@ async def _upload(
     except BaseException:
         await save_path.abandon(store, attempt)
         raise
-    manifest = Manifest(
-        step=step,
-        attempt=attempt.id,
-        created=time.time(),
-        metadata=form,
-        tree=tree,
-        object_keys=[f"{attempt.id}/{obj.name}" for obj in plan.objects],
-        object_lengths=[obj.size for obj in plan.objects],
-        object_crcs=writer.written.object_crc,
-        paths=paths,
-        dtypes=[_UINT8_NAME] * len(entries),
-        shapes=[[e.size] for e in entries],
-        leaf_object=plan.leaf_object,
-        leaf_offset=plan.leaf_offset,
-        leaf_length=plan.leaf_length,
-        leaf_crc=writer.written.leaf_crc,
-        attrs=[{"mode": e.mode} if e.link is None else {"symlink": e.link} for e in entries],
+    draft = save_path.ManifestDraft.of_leaves(
+        step,
+        attempt.id,
+        paths,
+        [_UINT8_NAME] * len(entries),
+        [[e.size] for e in entries],
+        [e.size for e in entries],
+        [{"mode": e.mode} if e.link is None else {"symlink": e.link} for e in entries],
     )
+    draft.add_plan(plan, writer.written.object_crc, writer.written.leaf_crc)
+    manifest = draft.build(tree=tree, metadata=form)
     info = await save_path.commit(store, attempt, manifest)
     return TreeInfo(
         step=info.step,

@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,6 +58,7 @@ from ckptstore.layout.keys import (
 from ckptstore.layout.lease import SaveLease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
+from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
@@ -71,12 +72,12 @@ __all__ = [
     "ObjectWriter",
     "Written",
     "abandon_attempt",
-    "add_references",
     "base_manifest",
     "begin_attempt",
     "check_metadata",
     "commit_attempt",
     "commit_manifest",
+    "encode_checked",
     "committed_steps",
     "delete_step",
     "gather_all",
@@ -314,28 +315,13 @@ async def write_checkpoint(
             await asyncio.shield(_settle_and_abandon(store, attempt))
         raise
 
-    manifest = Manifest(
-        step=step,
-        attempt=attempt.id,
-        created=time.time(),
-        metadata=metadata,
-        tree=flat.tree,
-        object_keys=[f"{attempt.id}/{obj.name}" for obj in plan.objects],
-        object_lengths=[obj.size for obj in plan.objects],
-        object_crcs=written.object_crc,
-        paths=flat.paths,
-        dtypes=dtypes,
-        shapes=flat.shapes,
-        leaf_object=list(plan.leaf_object),
-        leaf_offset=list(plan.leaf_offset),
-        leaf_length=flat.nbytes,
-        leaf_crc=written.leaf_crc,
-        attrs=flat.attrs,
-        object_steps=[step] * len(plan.objects),
-        leaf_hash=hashes,
+    draft = ManifestDraft.of_leaves(
+        step, attempt.id, flat.paths, dtypes, flat.shapes, flat.nbytes, flat.attrs, hashes
     )
+    draft.add_plan(plan, written.object_crc, written.leaf_crc)
     if reuse is not None and reuse.objects:
-        _add_references(manifest, reuse)
+        draft.reference(reuse.base, enumerate(reuse.leaf_source))
+    manifest = draft.build(tree=flat.tree, metadata=metadata)
     return await commit_attempt(store, attempt, manifest)
 
 
@@ -379,69 +365,18 @@ async def base_manifest(store: Store, step: int) -> Manifest | None:
     return None
 
 
-def _reference_columns(reuse: Reuse) -> tuple[list[int], list[str], list[int], list[int]]:
-    """Steps, keys, lengths and crc32c of the base objects ``reuse`` references, as the base
-    names them (so references stay flat: always at the step that wrote the object)."""
-    base = reuse.base
-    return (
-        [base.object_step(o) for o in reuse.objects],
-        [base.object_keys[o] for o in reuse.objects],
-        [base.object_lengths[o] for o in reuse.objects],
-        [base.object_crcs[o] for o in reuse.objects],
-    )
-
-
 def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
-    """A manifest of the references alone (no leaves), to hold and check them."""
-    steps, keys, lengths, crcs = _reference_columns(reuse)
-    return Manifest(
-        step=attempt.step,
-        attempt=attempt.id,
-        created=attempt.started,
-        metadata=None,
-        tree=None,
-        object_keys=keys,
-        object_lengths=lengths,
-        object_crcs=crcs,
-        paths=[],
-        dtypes=[],
-        shapes=[],
-        leaf_object=[],
-        leaf_offset=[],
-        leaf_length=[],
-        leaf_crc=[],
-        attrs=[],
-        object_steps=steps,
-    )
-
-
-def _add_references(manifest: Manifest, reuse: Reuse) -> None:
-    """Append the referenced objects to ``manifest``'s object table and point the reused
-    leaves at them, with the base's offsets and crc32c."""
-    add_references(manifest, reuse.base, enumerate(reuse.leaf_source))
-
-
-def add_references(manifest: Manifest, base: Manifest, sources: Iterable[tuple[int, int]]) -> None:
-    """Point leaves of ``manifest`` at the bytes of ``base`` leaves: for each ``(leaf, j)``
-    with ``j >= 0``, leaf ``leaf`` takes base leaf ``j``'s object (appended to the object
-    table once, as the base names it, so references stay flat), offset and crc32c.
-
-    The caller holds the referenced objects first (:func:`hold_base` or
-    :func:`~ckptstore.layout.references.hold_references`)."""
-    assert manifest.object_steps is not None  # one per own object
-    reused = [(leaf, j) for leaf, j in sources if j >= 0]
-    position: dict[int, int] = {}
-    for obj in sorted({base.leaf_object[j] for _, j in reused}):
-        position[obj] = len(manifest.object_keys)
-        manifest.object_keys.append(base.object_keys[obj])
-        manifest.object_lengths.append(base.object_lengths[obj])
-        manifest.object_crcs.append(base.object_crcs[obj])
-        manifest.object_steps.append(base.object_step(obj))
-    for leaf, j in reused:
-        obj = base.leaf_object[j]
-        manifest.leaf_object[leaf] = position[obj]
-        manifest.leaf_offset[leaf] = base.leaf_offset[j]
-        manifest.leaf_crc[leaf] = base.leaf_crc[j]
+    """A manifest of the base objects ``reuse`` references alone (no leaves), as the base
+    names them (so references stay flat), to hold and check them."""
+    base, draft = reuse.base, ManifestDraft.empty(attempt.step, attempt.id)
+    for obj in reuse.objects:
+        draft.add_objects(
+            [base.object_keys[obj]],
+            [base.object_lengths[obj]],
+            [base.object_crcs[obj]],
+            step=base.object_step(obj),
+        )
+    return draft.build(tree=None, created=attempt.started)
 
 
 async def hold_base(store: Store, attempt: Attempt, base: Manifest) -> bool:
@@ -693,13 +628,7 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
     settings = store.settings
     if attempt.lease is not None:
         attempt.lease.check()  # no gc can have removed the data, nor can before the commit
-    data = manifest.encode()
-    if len(data) > settings.manifest_max_bytes:
-        raise ValueError(
-            f"the manifest of step {attempt.step} is {len(data)} bytes, over "
-            f"Settings.manifest_max_bytes ({settings.manifest_max_bytes}); raise it or save "
-            "fewer, larger arrays"
-        )
+    data = encode_checked(manifest, settings.manifest_max_bytes)
     try:
         await commit_manifest(store, manifest, encoded=data)
     except asyncio.CancelledError:
@@ -737,6 +666,22 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
             info.nbytes / 2**20 / max(seconds, 1e-6),
         )
     return info
+
+
+def encode_checked(manifest: Manifest, max_bytes: int) -> bytes:
+    """``manifest.encode()``, refused over ``max_bytes`` (``Settings.manifest_max_bytes`` of
+    the store it commits to, which no reader would load a larger manifest from).
+
+    Raises:
+        ValueError: the manifest is too large; nothing is committed.
+    """
+    data = manifest.encode()
+    if len(data) > max_bytes:
+        raise ValueError(
+            f"the manifest of step {manifest.step} is {len(data)} bytes, over "
+            f"Settings.manifest_max_bytes ({max_bytes}); raise it or save fewer, larger arrays"
+        )
+    return data
 
 
 async def commit_manifest(

@@ -54,6 +54,7 @@ from ckptstore.errors import (
 from ckptstore.layout.commit import (
     commit_manifest,
     committed_steps,
+    encode_checked,
     gather_all,
     read_manifest,
     remove_settled,
@@ -619,6 +620,8 @@ async def copy_step(
             included), or the copy fails verification at the destination; nothing is
             committed.
         CommitConflictError: ``dst`` already holds a different checkpoint at ``step``.
+        ValueError: the copy's manifest is over the destination's
+            ``Settings.manifest_max_bytes``; nothing is copied.
     """
     began = time.monotonic()
     manifest = await read_manifest(src, step)
@@ -651,6 +654,9 @@ async def copy_step(
                 links = {}
                 copied = _copied(manifest, attempt, links)
         own = [i for i in range(len(copied.object_keys)) if i not in links]
+        # refused before any byte is copied if over the destination's cap, which a reader
+        # there applies (a copy to a store with a smaller Settings.manifest_max_bytes)
+        data = encode_checked(copied, dst.settings.manifest_max_bytes)
         if progress is not None and links:  # nothing to copy or check: counted as done
             progress(2 * sum(copied.object_lengths[i] for i in links))
         try:
@@ -668,7 +674,7 @@ async def copy_step(
             await asyncio.shield(remove_settled(dst, prefix))
             raise
         lease.check()
-        await commit_manifest(dst, copied)
+        await commit_manifest(dst, copied, encoded=data)
     seconds = time.monotonic() - began
     nbytes = sum(copied.object_lengths[i] for i in own)
     _log.info(

@@ -61,7 +61,6 @@ import dataclasses
 import math
 import sys
 import threading
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -911,30 +910,30 @@ async def _commit(
     failures = [r for r in reports if isinstance(r, _Failure)]
     if failures:
         return _Outcome(None, failures[0])
-    n = len(leaves)
-    object_keys: list[str] = []
-    object_lengths: list[int] = []
-    object_crcs: list[int] = []
-    leaf_object, leaf_offset, leaf_crc = [-1] * n, [0] * n, [0] * n
-    reported = [False] * n
+    draft = save_path.ManifestDraft.of_leaves(
+        attempt.step,
+        attempt.id,
+        [leaf.path for leaf in leaves],
+        [leaf.dtype for leaf in leaves],
+        [leaf.shape for leaf in leaves],
+        [leaf.nbytes for leaf in leaves],
+        [leaf.attrs for leaf in leaves],
+    )
+    reported = [False] * len(leaves)
     chunk_rows: list[sharding.ChunkRow] = []
     for rank, written in enumerate(reports):
-        first = len(object_keys)
-        for name, size, crc in written.objects:
-            object_keys.append(f"{attempt.id}/r{rank}-{name}")
-            object_lengths.append(size)
-            object_crcs.append(crc)
+        first = draft.add_objects(
+            [f"{attempt.id}/r{rank}-{name}" for name, _, _ in written.objects],
+            [size for _, size, _ in written.objects],
+            [crc for _, _, crc in written.objects],
+        )
         for number, obj, offset, crc in written.leaves:
-            leaf_object[number] = first + obj if obj >= 0 else -1
-            leaf_offset[number] = offset
-            leaf_crc[number] = crc
+            draft.place(number, first + obj if obj >= 0 else -1, offset, crc)
             reported[number] = True
         for number, start, shape, obj, offset, crcs in written.chunks:
             chunk_rows.append((number, start, shape, first + obj, offset, crcs))
-    leaf_hash: list[str | None] = [None] * n
-    for written in reports:
-        for number, digest in written.hashes:
-            leaf_hash[number] = digest
+        if hashing:
+            draft.set_hashes(written.hashes)
     reused = [pair for written in reports for pair in written.reused]
     compared = {r.base_attempt for r in reports if r.reused}
     if reused and (base is None or compared != {base.attempt}):
@@ -969,7 +968,7 @@ async def _commit(
         return _Outcome(
             None, _Failure(-1, "CkptStoreError", f"no rank wrote the leaves {missing[:5]}")
         )
-    unseen = await _unseen_objects(store, attempt, object_keys, object_lengths)
+    unseen = await _unseen_objects(store, attempt, draft.object_keys, draft.object_lengths)
     if unseen:
         return _Outcome(
             None,
@@ -981,32 +980,16 @@ async def _commit(
                 "root (a local path must be a filesystem every rank mounts)?",
             ),
         )
-    manifest = Manifest(
-        step=attempt.step,
-        attempt=attempt.id,
-        created=time.time(),
-        metadata=metadata,
+    if reused:
+        assert base is not None
+        draft.reference(base, reused)
+    manifest = draft.build(
         tree=tree,
-        object_keys=object_keys,
-        object_lengths=object_lengths,
-        object_crcs=object_crcs,
-        paths=[leaf.path for leaf in leaves],
-        dtypes=[leaf.dtype for leaf in leaves],
-        shapes=[leaf.shape for leaf in leaves],
-        leaf_object=leaf_object,
-        leaf_offset=leaf_offset,
-        leaf_length=[leaf.nbytes for leaf in leaves],
-        leaf_crc=leaf_crc,
-        attrs=[leaf.attrs for leaf in leaves],
+        metadata=metadata,
         chunks=sharding.chunk_table(
             block_sizes.pop() if block_sizes else store.settings.chunk_block_size, chunk_rows
         ),
-        object_steps=[attempt.step] * len(object_keys),
-        leaf_hash=leaf_hash if hashing else None,
     )
-    if reused:
-        assert base is not None
-        save_path.add_references(manifest, base, reused)
     try:
         return _Outcome(await save_path.commit(store, attempt, manifest))
     except StoreError as exc:

@@ -31,7 +31,9 @@ The stages:
 3. **write**: every object under the attempt's prefix, packs built in the one buffer pool
    (:data:`~ckptstore.store.buffers.host_buffers`), with each leaf's and object's crc32c;
    durable when it returns; a failed writer removes what it wrote.
-4. **commit**: the manifest, once, with a put-if-absent (:mod:`ckptstore.layout.commit`).
+4. **commit**: the manifest, assembled by a :class:`ManifestDraft` (the one builder of
+   manifests, :mod:`ckptstore.layout.session`), once, with a put-if-absent
+   (:mod:`ckptstore.layout.commit`).
 
 The protocol's rules (a fresh attempt prefix, durability before the manifest, the grace-period
 and size checks, what a lost response or a conflict means) live in
@@ -57,7 +59,6 @@ from ckptstore.layout.commit import (
     ObjectWriter,
     Written,
     abandon_attempt,
-    add_references,
     base_manifest,
     begin_attempt,
     commit_attempt,
@@ -72,6 +73,7 @@ from ckptstore.layout.commit import (
 from ckptstore.layout.incremental import Reuse, plan_reuse
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
+from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import FlatState
 from ckptstore.pipeline import streaming
 from ckptstore.pipeline.deadline import bounded
@@ -83,13 +85,13 @@ __all__ = [
     "Attempt",
     "CommitInfo",
     "LazyCopy",
+    "ManifestDraft",
     "PackPlan",
     "Reuse",
     "StagedState",
     "Stager",
     "Written",
     "abandon",
-    "add_references",
     "base",
     "begin",
     "block_size_for",
@@ -188,7 +190,8 @@ def plan(
 # ranks of ``ckptstore.manager.distributed``) splits it: the coordinator finds the
 # :func:`base` and :func:`hold` s it before any writer starts; each writer :func:`hashes` its
 # leaves, decides their :func:`reuse` and plans the rest (:func:`plan` with ``reuse=``); the
-# coordinator points the reused leaves at the base's objects (:func:`add_references`).
+# coordinator points the reused leaves at the base's objects
+# (:meth:`ManifestDraft.reference`).
 
 
 #: The newest other committed step's manifest, or ``None`` (then save in full).
