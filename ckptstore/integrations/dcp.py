@@ -330,6 +330,13 @@ class Writer(_AtCheckpoint, StorageWriter):
                 lengths.append(arrays[leaf].nbytes)
             else:
                 lengths.append(_planned_bytes(item))
+
+        def resolve(leaf: int) -> None:
+            """Resolve item ``leaf`` into ``arrays`` unless it already is."""
+            if arrays[leaf] is None:
+                arrays[leaf], owner = _resolve(planner, items[leaf], lengths[leaf])
+                keep.append(owner)
+
         hashing = self._incremental(store)
         base = None
         if hashing and given.base_step is not None:
@@ -337,10 +344,8 @@ class Writer(_AtCheckpoint, StorageWriter):
         reuse: Reuse | None = None
         hashes: list[str | None] | None = None
         if base is not None:
-            for leaf, item in enumerate(items):  # every item is compared before planning
-                if arrays[leaf] is None:
-                    arrays[leaf], owner = _resolve(planner, item, lengths[leaf])
-                    keep.append(owner)
+            for leaf in range(len(items)):  # every item is compared before planning
+                resolve(leaf)
             hashes = background.run(save_path.hashes(arrays))
             reuse = save_path.reuse(
                 base,
@@ -384,14 +389,11 @@ class Writer(_AtCheckpoint, StorageWriter):
         try:
             for number, obj in enumerate(packing.objects):
                 for leaf in obj.leaves:
-                    if arrays[leaf] is None:
-                        arrays[leaf], owner = _resolve(planner, items[leaf], lengths[leaf])
-                        keep.append(owner)
+                    resolve(leaf)
                 writes.append(background.submit(writer.write(number)))
-            for leaf, item in enumerate(items):  # empty items take no object
-                if hashing and arrays[leaf] is None:
-                    arrays[leaf], owner = _resolve(planner, item, lengths[leaf])
-                    keep.append(owner)
+            if hashing:  # empty items take no object, but are hashed too
+                for leaf in range(len(items)):
+                    resolve(leaf)
         except BaseException:
             background.submit(abandon())
             raise
@@ -500,18 +502,8 @@ def _results(
         digest = None if hashes is None else hashes[leaf]
         if source >= 0:
             assert reuse is not None
-            base = reuse.base
-            obj = base.leaf_object[source]
-            loc = ItemLocation(
-                base.object_key(obj),
-                base.leaf_offset[source],
-                base.leaf_length[source],
-                base.leaf_crc[source],
-                base.object_lengths[obj],
-                base.object_crcs[obj],
-                *_typeinfo(item),
-                hash=digest,
-                step=base.object_step(obj),
+            loc = ItemLocation.of_leaf(
+                reuse.base, source, *_typeinfo(item), hash=digest, referenced=True
             )
             results.append(
                 WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc)

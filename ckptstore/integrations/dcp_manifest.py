@@ -104,6 +104,33 @@ class ItemLocation:
     hash: str | None = None
     step: int | None = None
 
+    @classmethod
+    def of_leaf(
+        cls,
+        manifest: Manifest,
+        leaf: int,
+        dtype: str | None,
+        shape: tuple[int, ...] | None,
+        *,
+        hash: str | None = None,
+        referenced: bool = False,
+    ) -> ItemLocation:
+        """Where leaf ``leaf`` of ``manifest`` lies (keys relative to the store root); with
+        ``referenced``, as a later save that references it records it (its object's step)."""
+        obj = manifest.leaf_object[leaf]
+        return cls(
+            manifest.object_key(obj) if obj >= 0 else "",
+            manifest.leaf_offset[leaf],
+            manifest.leaf_length[leaf],
+            manifest.leaf_crc[leaf],
+            manifest.object_lengths[obj] if obj >= 0 else 0,
+            manifest.object_crcs[obj] if obj >= 0 else 0,
+            dtype,
+            shape,
+            hash=hash,
+            step=manifest.object_step(obj) if referenced and obj >= 0 else None,
+        )
+
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The manifest name of ``dtype``; refuses dtypes outside the allow-list."""
@@ -131,13 +158,17 @@ def is_dcp_manifest(manifest: Manifest) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
+def _chunk_name(index: MetadataIndex) -> str:
+    """The name of a tensor chunk below its DCP name in the tree: its offsets (``512,0``)."""
+    return ",".join(str(o) for o in (index.offset or ()))
+
+
 def leaf_path(index: MetadataIndex, tensor: bool) -> str:
     """The manifest path of a DCP item: its escaped name, and for a tensor chunk the chunk's
-    offsets below it (``model.weight/512,0``)."""
+    name below it (``model.weight/512,0``)."""
     if not tensor:
         return codec.escape_key(index.fqn)
-    chunk = ",".join(str(o) for o in (index.offset or ()))
-    return f"{codec.escape_key(index.fqn)}/{codec.escape_key(chunk)}"
+    return f"{codec.escape_key(index.fqn)}/{codec.escape_key(_chunk_name(index))}"
 
 
 def leaf_dtype(dtype: str | None) -> str:
@@ -191,7 +222,7 @@ def build_manifest(
             children[index.fqn] = leaf
         else:
             node = children.setdefault(index.fqn, {"d": [], "c": []})
-            node["d"].append(",".join(str(o) for o in (index.offset or ())))
+            node["d"].append(_chunk_name(index))
             node["c"].append(leaf)
     draft.set_hashes((leaf, loc.hash) for leaf, (_, loc) in enumerate(items))
     return draft.build(
@@ -296,8 +327,6 @@ def _locations(check: ManifestChecker, manifest: Manifest) -> dict[MetadataIndex
     def place(leaf: Any, index: MetadataIndex, tensor: bool) -> None:
         if type(leaf) is not int:
             raise check.fail(f"{index.fqn}: a DCP item is not an array leaf")
-        obj = manifest.leaf_object[leaf]
-        key = manifest.object_key(obj) if obj >= 0 else ""
         np_dtype = manifest.dtype(leaf)
         shape = tuple(manifest.shapes[leaf])
         dtype: str | None = None
@@ -305,16 +334,7 @@ def _locations(check: ManifestChecker, manifest: Manifest) -> dict[MetadataIndex
             dtype = dtype_name(torch_dtype(np_dtype, f"{check.source} {index.fqn}"))
         elif np_dtype != _BYTES_DTYPE or len(shape) != 1:
             raise check.fail(f"{index.fqn}: a bytes item is stored as {np_dtype} {list(shape)}")
-        locations[index] = ItemLocation(
-            key,
-            manifest.leaf_offset[leaf],
-            manifest.leaf_length[leaf],
-            manifest.leaf_crc[leaf],
-            manifest.object_lengths[obj] if obj >= 0 else 0,
-            manifest.object_crcs[obj] if obj >= 0 else 0,
-            dtype,
-            shape if tensor else None,
-        )
+        locations[index] = ItemLocation.of_leaf(manifest, leaf, dtype, shape if tensor else None)
 
     for fqn, node in zip(tree["d"], tree["c"], strict=True):
         if not isinstance(fqn, str):
