@@ -294,7 +294,69 @@ def scenario_left_open(root: str) -> dict[str, Any]:
     }
 
 
+def frozen_like(rank: int) -> dict[str, Any]:
+    """A target for rank ``rank``'s :func:`frozen_part`: the leaves it saved, no others."""
+    return {
+        "model": {
+            f"frozen{rank}": torch.empty(SHARD),
+            "replicated": torch.empty(4096, dtype=torch.bfloat16),
+        },
+        "small": {f"r{rank}-{i}": torch.empty(16) for i in range(30)},
+        "step": 0,
+    }
+
+
+def tiered(root: Any, local: str, **options: Any) -> ckptstore.distributed.CheckpointManager:
+    return ckptstore.distributed.CheckpointManager(
+        root, local=local, timeout=GROUP_TIMEOUT, **options
+    )
+
+
+def scenario_tiers(root: str, local: str) -> dict[str, Any]:
+    """Issue 28 item 6: steps 1-4 of a fine-tuning state on a local tier per rank under
+    ``local``, every 2nd copied to the persistent tier ``root`` (incrementally: the copy of 4
+    references the frozen leaves of 2); what each tier holds, and where restores read."""
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    with tiered(opened(root), local, persistent_every=2, local_max_to_keep=2) as mgr:
+        for step in (1, 2, 3, 4):
+            mgr.save(step, frozen_part(rank, step))
+            dist.all_reduce(torch.ones(1))  # the training's collectives go on meanwhile
+        mgr.wait_until_finished()
+        listing = mgr.tiers()
+        out["local"], out["persistent"] = listing.local, listing.persistent
+        for step in (4, 3, 2):
+            got = mgr.restore(step, target=frozen_like(rank))
+            assert mgr.last_restore is not None
+            out[f"exact {step}"] = frozen_exact(got, rank, step)
+            out[f"tier {step}"] = mgr.last_restore.tier
+    return out
+
+
+def scenario_tiers_sigkill(root: str, local: str) -> dict[str, Any]:
+    """Step 1 saved and copied; step 2 committed on every rank's local tier, during whose
+    copy to the persistent tier the test SIGKILLs the failing rank."""
+    gate = Gate(opened(root))
+    return killed_in_step_2(gate, tiered(gate, local), frozen_part)
+
+
+def scenario_tiers_again(root: str, local: str) -> dict[str, Any]:
+    """After the SIGKILL, a new world on the same local directory: its start copies step 2,
+    which every rank's local tier holds, and the restore reads it from there."""
+    rank = dist.get_rank()
+    with tiered(opened(root), local) as mgr:
+        got = mgr.restore(target=frozen_like(rank))
+        assert mgr.last_restore is not None
+        out = {"exact 2": frozen_exact(got, rank, 2), "tier": mgr.last_restore.tier}
+        mgr.wait_until_finished()
+        out["persistent"] = mgr.tiers().persistent
+        return out
+
+
 SCENARIOS = {
+    "tiers": scenario_tiers,
+    "tiers_sigkill": scenario_tiers_sigkill,
+    "tiers_again": scenario_tiers_again,
     "left_open": scenario_left_open,
     "manager": scenario_manager,
     "sigkill": scenario_sigkill,

@@ -50,6 +50,17 @@ SIGKILL_TARGETS_AND_WORLDS = [
 ]
 
 
+#: the tiers tests: as TARGETS_AND_WORLDS, and SeaweedFS on 4 ranks too
+TIER_TARGETS_AND_WORLDS = [
+    *TARGETS_AND_WORLDS,
+    pytest.param("seaweedfs", 4, marks=_ON_S3, id="seaweedfs-4"),
+]
+TIER_SIGKILL_TARGETS_AND_WORLDS = [
+    *SIGKILL_TARGETS_AND_WORLDS,
+    pytest.param("seaweedfs", 4, marks=_ON_S3, id="seaweedfs-4"),
+]
+
+
 def step_dirs(target: Target) -> dict[str, set[str]]:
     """Which ranks' objects each step holds (``r0``, ``r1``...), by step."""
     found: dict[str, set[str]] = {}
@@ -242,3 +253,57 @@ def test_a_manager_left_open_commits_and_destroys_its_groups_at_exit(tmp_path: P
     )
     for out in results:
         assert out == {"groups": 2, "left": 0, "steps": [1]}
+
+
+@pytest.mark.parametrize(("target", "world"), TIER_TARGETS_AND_WORLDS, indirect=["target"])
+def test_tiers_on_ranks_commit_each_part_locally_and_each_chosen_step_once_persistently(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """Issue 28 item 6: a local tier per rank (one directory, a root per rank under it) and
+    the persistent tier committed once per chosen step, incrementally, with every rank's
+    part; restores read the nearest tier holding every rank's part."""
+    logs, env, local = tmp_path / "logs", target.env(), str(tmp_path / "local")
+    results = assert_all_ok(
+        run_ranks(WORKER, world, "tiers", target.base, local, logs=logs, env=env)
+    )
+    for rank, out in enumerate(results):
+        assert (out["local"], out["persistent"]) == ([3, 4], [2, 4]), f"rank {rank}"
+        assert [out[f"exact {s}"] for s in (4, 3, 2)] == [True] * 3, f"rank {rank}"
+        assert [out[f"tier {s}"] for s in (4, 3, 2)] == ["local", "local", "persistent"]
+    assert target.steps() == [2, 4]
+    assert step_dirs(target)["4"] == {f"r{rank}" for rank in range(world)}
+    second, fourth = (ckptstore.read_manifest(target.base, s, **target.options) for s in (2, 4))
+    assert fourth.own_bytes < 0.1 * second.own_bytes, (fourth.own_bytes, second.own_bytes)
+    assert {fourth.object_step(i) for i in fourth.references()} == {2}
+    from tests.manager_ranks import frozen_exact
+
+    got = ckptstore.load(target.base, 4, target="torch", **target.options)
+    assert all(frozen_exact(got, rank, 4) for rank in range(world))
+
+
+@pytest.mark.parametrize(("target", "world"), TIER_SIGKILL_TARGETS_AND_WORLDS, indirect=["target"])
+def test_rank_sigkilled_during_a_copy_to_the_persistent_tier_and_the_next_start_copies_it(
+    target: Target, world: int, tmp_path: Path
+) -> None:
+    """A rank SIGKILLed while it copies its part of step 2 (committed on every rank's local
+    tier) to the persistent tier: no step 2 there, a clear error on the survivors; the next
+    world on the same local directory copies step 2 at its start and restores it from the
+    local tier, bit-exact."""
+    from tests.manager_ranks import frozen_exact
+
+    logs, env, local = tmp_path / "logs", target.env(), str(tmp_path / "local")
+    errors = run_and_sigkill(
+        WORKER, world, "tiers_sigkill", target.base, local, victim=FAILING_RANK, logs=logs, env=env
+    )
+    for error in errors:
+        assert "step 2 was not saved" in error, error
+        assert "another rank died" in error, error
+    assert target.steps() == [1]
+    again = assert_all_ok(
+        run_ranks(WORKER, world, "tiers_again", target.base, local, logs=logs, env=env)
+    )
+    assert [(out["exact 2"], out["tier"], out["persistent"]) for out in again] == [
+        (True, "local", [1, 2])
+    ] * world
+    got = ckptstore.load(target.base, 2, target="torch", **target.options)
+    assert all(frozen_exact(got, rank, 2) for rank in range(world))

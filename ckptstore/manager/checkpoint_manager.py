@@ -254,12 +254,10 @@ class CheckpointManager:
                     f"local= and the run's URL are the same root ({local_store.url}); the "
                     "local tier must be a root of its own"
                 )
-            self._tiers = Tiers(
+            self._tiers = self._open_tiers(
                 local_store,
-                self._store,
                 owns_local=owns_local,
                 local_max_to_keep=local_max_to_keep,
-                after_copy=self._after_copy,
                 copy_backlog=copy_backlog,
             )
         saves_to = self._store if self._tiers is None else self._tiers.local
@@ -286,10 +284,33 @@ class CheckpointManager:
             # Steps a crash or a failure left on the local tier only are copied now; the
             # first save's local retention keeps them until they are.
             try:
-                self._tiers.resume()
+                self._resume_tiers()
             except BaseException:
                 self.close()
                 raise
+
+    def _open_tiers(
+        self,
+        local: Store,
+        *,
+        owns_local: bool,
+        local_max_to_keep: int | None,
+        copy_backlog: int | None,
+    ) -> Tiers:
+        """The local tier, its retention and the copies to the persistent tier."""
+        return Tiers(
+            local,
+            self._store,
+            owns_local=owns_local,
+            local_max_to_keep=local_max_to_keep,
+            after_copy=self._after_copy,
+            copy_backlog=copy_backlog,
+        )
+
+    def _resume_tiers(self) -> None:
+        """Queue the copies a crash or a failure left pending (see :meth:`Tiers.resume`)."""
+        assert self._tiers is not None
+        self._tiers.resume()
 
     @property
     def store(self) -> Store:
@@ -368,13 +389,7 @@ class CheckpointManager:
         self._check_after_newest(step)
         manager_meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
         if tiers is not None:
-            assert self.persistent_every is not None
-            forced = bool(persist) or force  # the backlog bound never skips its copy
-            if persist is None:
-                persist = force or step % self.persistent_every == 0
-            manager_meta["persist"] = bool(persist)
-            if persist and forced:
-                manager_meta["persist_forced"] = True
+            persist = self._mark_persist(manager_meta, step, force, persist)
         document = self._document(manager_meta, metadata)
 
         every = self.full_every
@@ -415,6 +430,20 @@ class CheckpointManager:
         if not self.async_save:
             self.wait_until_finished()
         return True
+
+    def _mark_persist(
+        self, manager_meta: dict[str, Any], step: int, force: bool, persist: bool | None
+    ) -> bool:
+        """Whether a tiered save of ``step`` is meant for the persistent tier, marked in
+        ``manager_meta`` (with whether the user asked, so the backlog bound never skips it)."""
+        assert self.persistent_every is not None
+        forced = bool(persist) or force
+        if persist is None:
+            persist = force or step % self.persistent_every == 0
+        manager_meta["persist"] = bool(persist)
+        if persist and forced:
+            manager_meta["persist_forced"] = True
+        return bool(persist)
 
     def _save_and_stop(
         self, step: int, state: Any, metadata: Any, metrics: Any, notice: Notice

@@ -51,14 +51,17 @@ step is committed; its outcome is broadcast so that a failed deletion surfaces o
 from __future__ import annotations
 
 import asyncio
+import bisect
+import contextlib
 import datetime
+import logging
 import os
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, Literal
 
 from ckptstore import background
-from ckptstore.errors import CkptStoreError
+from ckptstore.errors import CkptStoreError, CorruptCheckpointError, NotFoundError
 from ckptstore.manager.checkpoint_manager import CheckpointManager as _SingleProcessManager
 from ckptstore.manager.distributed import (
     Collectives,
@@ -69,14 +72,29 @@ from ckptstore.manager.distributed import (
     load,
 )
 from ckptstore.manager.preemption import Notice, save_margin
+from ckptstore.manager.rank_tiers import RankTiers, everywhere, rank_root
+from ckptstore.manager.tiers import RestoreInfo, read_later_nearest
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.codec import FlatState
+from ckptstore.pipeline.restore import Request, Selection, read, rebuild, request
 from ckptstore.pipeline.save import StagedState, Stager
-from ckptstore.pipeline.steps import CommitInfo, check_step, delete_step, set_aside
+from ckptstore.pipeline.steps import (
+    CommitInfo,
+    check_step,
+    committed_steps,
+    delete_step,
+    read_manifest,
+    set_aside,
+)
 from ckptstore.store.base import Store
 from ckptstore.threads import Pool
 
 __all__ = ["CheckpointManager"]
+
+_log = logging.getLogger("ckptstore.tiers")
+
+#: What a save with a local tier failed to do, when a rank could not commit its part there.
+_LOCAL_SAVE = "step {step} was not saved: committing the ranks' parts on their local tiers"
 
 
 class CheckpointManager(_SingleProcessManager):
@@ -102,6 +120,12 @@ class CheckpointManager(_SingleProcessManager):
             copy finishes in the background, fenced before the next optimizer step (or by
             :meth:`fence`), and a leaf changed before its copy fails that save on every
             rank (``TornSnapshotError`` on its own).
+        local, local_every, persistent_every, local_max_to_keep, local_options,
+            copy_backlog: a local tier, as for :class:`~ckptstore.CheckpointManager`, on
+            every rank: rank ``r`` of ``n`` commits its part under ``<local>/rank{r}-of-{n}``
+            (``local`` is a directory or a URL, not an open Store), and each chosen step is
+            committed once on the persistent tier with every rank's part
+            (:mod:`ckptstore.manager.rank_tiers`).
         group: the ``torch.distributed`` process group whose ranks save (default: the
             world). The manager's collectives run on a new gloo group over the same ranks,
             created here; constructing the manager is then a collective of the whole world
@@ -119,12 +143,17 @@ class CheckpointManager(_SingleProcessManager):
             runs one small collective to agree (a second gloo group, made here).
         preemption_comm: with ``comm=`` and ``preemption``/``save_before``: collectives of
             their own for that agreement (e.g. ``JaxCollectives("manager-preemption")``).
+        tier_comm: with ``comm=`` and ``local=``: collectives of their own for the copies to
+            the persistent tier (e.g. ``JaxCollectives("manager-tiers")``); with
+            ``torch.distributed`` the manager makes a third gloo group for them.
         **store_options: options for a URL ``url``, as on every face.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised and no ``comm`` is given.
         ValueError: ``comm`` with ``group`` or ``timeout``; a coordinator outside the group;
-            ``preemption`` with ``comm`` but no ``preemption_comm``.
+            ``preemption`` with ``comm`` but no ``preemption_comm``; ``local`` with ``comm``
+            but no ``tier_comm``.
+        TypeError: ``local`` is an open Store.
     """
 
     # Its close() runs collectives of its own, which at interpreter exit could pair with a
@@ -146,6 +175,12 @@ class CheckpointManager(_SingleProcessManager):
         stager: Stager | None = None,
         full_every: int | None = None,
         snapshot: Literal["eager", "lazy"] = "eager",
+        local: str | os.PathLike[str] | None = None,
+        local_every: int | None = None,
+        persistent_every: int | None = None,
+        local_max_to_keep: int | None = 2,
+        local_options: dict[str, Any] | None = None,
+        copy_backlog: int | None = 2,
         group: Any = None,
         comm: Collectives | None = None,
         coordinator: int = 0,
@@ -153,11 +188,18 @@ class CheckpointManager(_SingleProcessManager):
         preemption: bool | int | Iterable[int] = False,
         save_before: float | datetime.datetime | None = None,
         preemption_comm: Collectives | None = None,
+        tier_comm: Collectives | None = None,
         **store_options: Any,
     ) -> None:
         self._own_group: Any = None
         self._flags_group: Any = None
+        self._tier_group: Any = None
         watching = preemption is not False or save_before is not None
+        if isinstance(local, Store):
+            raise TypeError(
+                f"local= of a multi-rank manager is a directory or a URL, not an open Store "
+                f"({local.url}): each rank keeps its part in a root of its own under it"
+            )
         if comm is not None:
             if group is not None or timeout is not None:
                 raise ValueError(
@@ -169,22 +211,39 @@ class CheckpointManager(_SingleProcessManager):
                     'of their own (e.g. JaxCollectives("manager-preemption")), on which every '
                     "save() agrees whether any rank was told to stop"
                 )
-        else:
-            if preemption_comm is not None:
+            if (local is None) != (tier_comm is None):
                 raise ValueError(
-                    "preemption_comm= goes with comm=; without it the manager "
-                    "makes a group of its own for it"
+                    "with comm=, local= and tier_comm= go together: the copies to the "
+                    "persistent tier run on collectives of their own (e.g. JaxCollectives("
+                    '"manager-tiers")) while the saves go on'
+                )
+        else:
+            if preemption_comm is not None or tier_comm is not None:
+                raise ValueError(
+                    "preemption_comm= and tier_comm= go with comm=; without it the manager "
+                    "makes groups of its own for them"
                 )
             comm, self._own_group = _group_of_its_own(group, timeout)
-            if watching:
-                try:
+            try:
+                if watching:
                     preemption_comm, self._flags_group = _group_of_its_own(group, timeout)
-                except BaseException:
-                    self._destroy_group()
-                    raise
+                if local is not None:
+                    tier_comm, self._tier_group = _group_of_its_own(group, timeout)
+            except BaseException:
+                self._destroy_group()
+                raise
         self._flags = preemption_comm if watching else None
+        self._tier_comm = tier_comm
+        self._comm = comm
+        self.coordinator = coordinator
+        # One thread: the background collectives of successive saves run in save order.
+        # ckptstore's pool, which takes work while the interpreter exits: a save accepted
+        # just before the script's end reaches it after Python's own pools refuse work.
+        self._thread = Pool(1, "ckptstore-ranks")
         try:
             check_coordinator(comm, coordinator)
+            if local is not None:
+                local = rank_root(local, comm.rank, comm.world)
             super().__init__(
                 url,
                 max_to_keep=max_to_keep,
@@ -198,23 +257,50 @@ class CheckpointManager(_SingleProcessManager):
                 stager=stager,
                 full_every=full_every,
                 snapshot=snapshot,
+                local=local,
+                local_every=local_every,
+                persistent_every=persistent_every,
+                local_max_to_keep=local_max_to_keep,
+                local_options=local_options,
+                copy_backlog=copy_backlog,
                 preemption=preemption,
                 save_before=save_before,
                 **store_options,
             )
         except BaseException:
+            self._thread.shutdown(wait=True)
             self._destroy_group()
             raise
-        self._comm = comm
-        self.coordinator = coordinator
-        # One thread: the background collectives of successive saves run in save order.
-        # ckptstore's pool, which takes work while the interpreter exits: a save accepted
-        # just before the script's end reaches it after Python's own pools refuse work.
-        self._thread = Pool(1, "ckptstore-ranks")
         self._finish_at_exit = _FinishSaves(self)
         background.close_at_exit(
             self._finish_at_exit, "a save this rank accepted was not committed"
         )
+
+    def _open_tiers(
+        self,
+        local: Store,
+        *,
+        owns_local: bool,
+        local_max_to_keep: int | None,
+        copy_backlog: int | None,
+    ) -> RankTiers:
+        assert self._tier_comm is not None
+        return RankTiers(
+            local,
+            self._store,
+            self._tier_comm,
+            self.coordinator,
+            owns_local=owns_local,
+            local_max_to_keep=local_max_to_keep,
+            after_copy=self._after_copy,
+            copy_backlog=copy_backlog,
+        )
+
+    async def _after_copy(self, step: int) -> None:
+        # every rank runs it (RankReplicator): the persistent tier's retention is the
+        # coordinator's, whose metrics rank the steps
+        if self.rank == self.coordinator:
+            await self._retain()
 
     @property
     def rank(self) -> int:
@@ -249,7 +335,8 @@ class CheckpointManager(_SingleProcessManager):
             full: write every leaf and reference no earlier step (as for
                 :meth:`ckptstore.CheckpointManager.save`; ``full_every`` makes some saves
                 full too).
-            persist: refused: a multi-rank manager has no local tier.
+            persist: with a local tier, as for :meth:`ckptstore.CheckpointManager.save`
+                (the coordinator's decides).
 
         Returns:
             Whether a save was started.
@@ -264,8 +351,11 @@ class CheckpointManager(_SingleProcessManager):
                 stored (the other ranks' saves of this step then fail, naming this rank).
         """
         self._check_open()
-        if persist is not None:
-            raise ValueError("persist= needs a local tier; a multi-rank manager has none")
+        tiers = self._tiers
+        if tiers is None and persist is not None:
+            raise ValueError("persist= needs a local tier (CheckpointManager(local=...))")
+        if tiers is not None:
+            tiers.replicator.raise_errors()
         if self._watch is not None:
             notice = self._agreed_notice()
             if notice is not None:  # on every rank, at the same step
@@ -275,6 +365,8 @@ class CheckpointManager(_SingleProcessManager):
             return False
         self._check_after_newest(step)
         meta: dict[str, Any] = {"time": self._clock(), "metrics": metrics}
+        if tiers is not None:
+            self._mark_persist(meta, step, force, persist)
         document = self._document(meta, metadata)
         every = self.full_every
         full = full or (every is not None and self._saves % every == 0)
@@ -338,6 +430,8 @@ class CheckpointManager(_SingleProcessManager):
     ) -> CommitInfo:
         """The background half of a save, in the manager's thread: the staged copies'
         ``fences``, the multi-rank protocol, then retention on the coordinator."""
+        if self._tiers is not None:
+            return self._commit_locally(staged, fences, step, document, meta, full)
         flat: FlatState | None = None
         error: Exception | None = None
         try:
@@ -356,6 +450,53 @@ class CheckpointManager(_SingleProcessManager):
         self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
         return info
 
+    def _commit_locally(
+        self,
+        staged: StagedState,
+        fences: list[Callable[[], None]],
+        step: int,
+        document: dict[str, Any],
+        meta: dict[str, Any],
+        full: bool,
+    ) -> CommitInfo:
+        """The background half of a save with a local tier: this rank commits its part on
+        its own local tier, every rank learns how every rank's went (a step is on the local
+        tier only if it is on every rank's), then the copy to the persistent tier is queued
+        (the coordinator's ``persist`` decides) and each rank applies its local retention."""
+        tiers = self._tiers
+        assert tiers is not None
+        info: CommitInfo | None = None
+
+        def commit() -> tuple[bool, bool]:
+            nonlocal info
+            for fence in fences:
+                fence()
+            info = background.run(
+                save_path.save_staged(tiers.local, staged, step=step, metadata=document, full=full)
+            )
+            return bool(meta.get("persist")), bool(meta.get("persist_forced"))
+
+        try:
+            said = everywhere(self._comm, commit, _LOCAL_SAVE.format(step=step), tiers.local.url)
+        except BaseException:
+            if info is not None:  # not on every rank's local tier: this part alone is no step
+                background.run(_delete_quietly(tiers.local, step))
+            raise
+        assert info is not None
+        self._committed(step)
+        if self.rank == self.coordinator:
+            self._info[step] = (meta["time"], meta["metrics"])
+        persist, forced = said[self.coordinator]
+        if persist:  # pending from here: local retention keeps it
+            tiers.replicator.submit(step, forced=forced)
+        everywhere(
+            self._comm,
+            lambda: background.run(tiers.retain_local()),
+            f"step {step} is committed; the local tier's retention after it",
+            tiers.local.url,
+        )
+        return info
+
     def _check_after_newest(self, step: int) -> None:
         # Every rank must refuse the same saves: decide with no save of this rank in flight
         # (the next save waits for that anyway), so every rank knows the same commits.
@@ -367,7 +508,15 @@ class CheckpointManager(_SingleProcessManager):
         """Take part in the collectives of a save this rank could not stage, so the others
         fail naming it; ``error`` was raised to this rank's caller already."""
         try:
-            commit_parts(self._comm, self._store, None, error, step, None, self.coordinator)
+            if self._tiers is not None:
+                everywhere(
+                    self._comm,
+                    _raiser(error),
+                    _LOCAL_SAVE.format(step=step),
+                    self._tiers.local.url,
+                )
+            else:
+                commit_parts(self._comm, self._store, None, error, step, None, self.coordinator)
         except Exception as raised:
             if raised is not error:
                 raise
@@ -424,8 +573,127 @@ class CheckpointManager(_SingleProcessManager):
         """
         self._check_open()
         self.wait_until_finished()
+        if self._tiers is not None:
+            state = self._restore_tiered(step, target, keys, broadcast, shared_memory, stream)
+        else:
+            state = load(
+                self._store,
+                step,
+                keys=keys,
+                target=target,
+                comm=self._comm,
+                coordinator=self.coordinator,
+                broadcast=broadcast,
+                shared_memory=shared_memory,
+                stream=stream,
+            )
+        if rollback:
+            if step is None:  # the newest: nothing above it to set aside
+                return state
+            self._roll_back_everywhere(step)
+        return state
+
+    def _roll_back_everywhere(self, step: int) -> None:
+        aside: list[int] = []
+
+        async def set_aside_after() -> None:
+            aside.extend(await set_aside(self._store, step))
+
+        self._on_coordinator(set_aside_after, f"setting aside the steps after {step}")
+        found = set(self._comm.broadcast(aside, self.coordinator))
+        if self._tiers is not None:
+            local = self._tiers.local
+            said = everywhere(
+                self._comm,
+                lambda: background.run(set_aside(local, step)),
+                f"setting aside the steps after {step} on the local tiers",
+                local.url,
+            )
+            found.update(*said)
+        self.set_aside = sorted(found)
+        for gone in self.set_aside:
+            self._info.pop(gone, None)
+        self._newest, self._newest_known = step, True
+
+    def _restore_tiered(
+        self,
+        step: int | None,
+        target: Any,
+        keys: Any,
+        broadcast: bool | None,
+        shared_memory: bool,
+        stream: bool | str | Iterable[str],
+    ) -> Any:
+        """Restore with a local tier (see :mod:`ckptstore.manager.rank_tiers`): the step
+        from every rank's own local part when every rank can read its request there, else
+        from the persistent tier on every rank."""
+        tiers = self._tiers
+        assert tiers is not None
+        asked = request(keys, target, stream)
+        coordinator, persistent = self.coordinator, self._store
+
+        def listing() -> tuple[list[int], list[int] | None]:
+            mine = background.run(committed_steps(tiers.local))
+            if self.rank != coordinator:
+                return mine, None
+            return mine, background.run(committed_steps(persistent))
+
+        said = everywhere(self._comm, listing, "listing the tiers' steps", tiers.local.url)
+        on_every_local = set(said[0][0]).intersection(*(set(s[0]) for s in said[1:]))
+        on_persistent = set(said[coordinator][1])
+        if step is None:
+            step = max(on_every_local | on_persistent, default=None)
+            if step is None:
+                raise NotFoundError(
+                    f"{tiers.local.url} (every rank's) and {persistent.url}: no committed "
+                    "checkpoint to restore"
+                )
+        elif step not in on_every_local | on_persistent:
+            raise NotFoundError(
+                f"no step {step} on every rank's local tier ({tiers.local.url} here) nor on "
+                f"the persistent tier {persistent.url}"
+            )
+        fallback = f"step {step} is not on every rank's local tier"
+        if step in on_every_local:
+            reasons = self._local_parts_serve(step, asked)
+            spread = bool(reasons)  # the leaves asked for are not all in each rank's part
+            if not reasons:
+                selection: Selection | None = None
+                why: str | None = None
+                try:
+                    selection = background.run(read(tiers.local, step, asked))
+                except Exception as exc:
+                    why = f"{type(exc).__name__}: {exc}"
+                told = self._comm.all_gather(why)
+                reasons = [f"rank {r}: {w}" for r, w in enumerate(told) if w is not None]
+                if not reasons:
+                    assert selection is not None
+                    info = RestoreInfo(step, "local", tiers.local.url)
+                    self.last_restore = info
+                    later = read_later_nearest(tiers.local, persistent, selection, info)
+                    return rebuild(selection, store=persistent, reader=later)
+            fallback = "; ".join(reasons)
+            if step not in on_persistent:
+                where = f"step {step} is on every rank's local tier ({tiers.local.url} here)"
+                if spread:
+                    raise NotFoundError(
+                        f"{where} but not on the persistent tier {persistent.url}, and not "
+                        f"every rank's part holds what its restore asks for ({fallback}): "
+                        "restore each rank's own part (target= that part), or the step once "
+                        "its copy to the persistent tier is committed"
+                    )
+                raise CorruptCheckpointError(
+                    f"{where} but not every rank could read its request there ({fallback}), "
+                    f"and the persistent tier {persistent.url} does not have it"
+                )
+            _log.warning(
+                "step %d: %s; restoring it from the persistent tier %s",
+                step,
+                fallback,
+                persistent.url,
+            )
         state = load(
-            self._store,
+            persistent,
             step,
             keys=keys,
             target=target,
@@ -435,31 +703,82 @@ class CheckpointManager(_SingleProcessManager):
             shared_memory=shared_memory,
             stream=stream,
         )
-        if rollback:
-            if step is None:  # the newest: nothing above it to set aside
-                return state
-            aside: list[int] = []
-
-            async def set_aside_after() -> None:
-                aside.extend(await set_aside(self._store, step))
-
-            self._on_coordinator(set_aside_after, f"setting aside the steps after {step}")
-            self.set_aside = sorted(self._comm.broadcast(aside, self.coordinator))
-            for gone in self.set_aside:
-                self._info.pop(gone, None)
-            self._newest, self._newest_known = step, True
+        self.last_restore = RestoreInfo(step, "persistent", persistent.url, fallback)
         return state
+
+    def _local_parts_serve(self, step: int, asked: Request) -> list[str]:
+        """Whether every rank's local part of ``step`` holds what its request names, decided
+        on every rank from every rank's manifest: why not, by rank (empty: they do).
+
+        A request with a target names its own leaves; one without asks for the merged step
+        (under ``keys``), which a rank's part holds only if no other rank's part has a leaf
+        it lacks."""
+        assert self._tiers is not None
+        why: str | None = None
+        paths: list[str] = []
+        try:
+            manifest = background.run(read_manifest(self._tiers.local, step))
+            paths = sorted(manifest.all_paths())
+            if asked.like is not None:
+                lacking = [k for k in asked.keys or () if not _names_something(paths, k)]
+                if lacking:
+                    why = f"its part has no leaf {lacking[0]!r}"
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        told = self._comm.all_gather((why, paths))
+        reasons = [f"rank {r}: {w}" for r, (w, _) in enumerate(told) if w is not None]
+        if reasons or asked.like is not None:
+            return reasons
+        union = set().union(*(set(p) for _, p in told))
+        wanted = {p for p in union if _asked_for(p, asked.keys)}
+        for rank, (_, held) in enumerate(told):
+            lacking = sorted(wanted - set(held))
+            if lacking:
+                reasons.append(
+                    f"rank {rank}: its part lacks {len(lacking)} of the {len(wanted)} leaves "
+                    f"asked for ({lacking[0]!r}...), which other ranks saved"
+                )
+        return reasons
 
     def delete(self, step: int) -> None:
         """Delete a committed step, on the coordinator (its manifest first, so it is never
-        half visible); every rank calls it and raises if the deletion failed."""
+        half visible); with a local tier, every rank's part there too. Every rank calls it
+        and raises if the deletion failed.
+
+        Raises:
+            NotFoundError: no tier holds ``step`` (with a local tier: on any rank).
+        """
         self._check_open()
         self.wait_until_finished()
+        tiers = self._tiers
+        if tiers is None:
 
-        async def remove() -> None:
-            await delete_step(self._store, step)
+            async def remove() -> None:
+                await delete_step(self._store, step)
 
-        self._on_coordinator(remove, f"deleting step {step}")
+            self._on_coordinator(remove, f"deleting step {step}")
+        else:
+
+            async def remove_part() -> bool:
+                stores = [tiers.local] + ([self._store] if self.rank == self.coordinator else [])
+                found = False
+                for store in stores:
+                    with contextlib.suppress(NotFoundError):
+                        await delete_step(store, step)
+                        found = True
+                return found
+
+            found = everywhere(
+                self._comm,
+                lambda: background.run(remove_part()),
+                f"deleting step {step}",
+                tiers.local.url,
+            )
+            if not any(found):
+                raise NotFoundError(
+                    f"no step {step} to delete on any rank's local tier ({tiers.local.url} "
+                    f"here) or on the persistent tier {self._store.url}"
+                )
         self._info.pop(step, None)
         self._newest_known = False  # the newest step may be the one deleted
 
@@ -475,11 +794,13 @@ class CheckpointManager(_SingleProcessManager):
             super().close()
         finally:
             self._thread.shutdown(wait=True)
+            if isinstance(self._tiers, RankTiers):
+                self._tiers.replicator.shutdown()
             self._destroy_group()
 
     def _destroy_group(self) -> None:
-        groups = (self._own_group, self._flags_group)
-        self._own_group = self._flags_group = None
+        groups = (self._own_group, self._flags_group, self._tier_group)
+        self._own_group = self._flags_group = self._tier_group = None
         for group in groups:
             if group is not None:
                 import torch.distributed as dist
@@ -492,6 +813,35 @@ class CheckpointManager(_SingleProcessManager):
             f"ckptstore.distributed.CheckpointManager({self._store.url!r}, "
             f"rank={self.rank}, world={self._comm.world})"
         )
+
+
+def _raiser(error: Exception) -> Callable[[], None]:
+    def fail() -> None:
+        raise error
+
+    return fail
+
+
+def _names_something(paths: list[str], key: str) -> bool:
+    """Whether ``key`` is one of ``paths`` (sorted) or a prefix of one."""
+    at = bisect.bisect_left(paths, key)
+    if at < len(paths) and paths[at] == key:
+        return True
+    at = bisect.bisect_left(paths, key + "/")
+    return key == "" or (at < len(paths) and paths[at].startswith(key + "/"))
+
+
+def _asked_for(path: str, keys: list[str] | None) -> bool:
+    """Whether ``keys`` (``None``: everything) name ``path`` or a prefix of it."""
+    if keys is None:
+        return True
+    return any(key in ("", path) or path.startswith(key + "/") for key in keys)
+
+
+async def _delete_quietly(store: Store, step: int) -> None:
+    """Delete this rank's part of a step that is not on every rank, if it is there."""
+    with contextlib.suppress(NotFoundError):
+        await delete_step(store, step)
 
 
 class _FinishSaves:
@@ -508,7 +858,11 @@ class _FinishSaves:
 
     def close(self) -> None:
         try:
-            self.manager._saver.wait_until_finished()
+            try:
+                self.manager._saver.wait_until_finished()
+            finally:  # the copies every rank queued pair up as the saves do
+                if self.manager._tiers is not None:
+                    self.manager._tiers.replicator.wait_until_finished()
         finally:
             self.manager._destroy_group()
 

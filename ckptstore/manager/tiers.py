@@ -229,6 +229,13 @@ class Replicator(BackgroundWork):
         """Queue the copy of committed local ``step``; safe from any thread, the loop's too.
         ``forced``: the user asked for it; the backlog bound never skips it. The future's
         result is the :class:`CopyReport`, or ``None`` if the copy was skipped."""
+        self._queue(step, forced)
+        future = self._start(step)
+        self.track(step, future)
+        return future
+
+    def _queue(self, step: int, forced: bool) -> None:
+        """Mark ``step`` pending, and skip the oldest waiting copies beyond the backlog."""
         with self._pending_lock:
             self._pending.add(step)
             if step in self.skipped:  # asked again: pending again
@@ -249,9 +256,10 @@ class Replicator(BackgroundWork):
                 skip,
                 self.backlog,
             )
-        future = background.submit(self._replicate(step))
-        self.track(step, future)
-        return future
+
+    def _start(self, step: int) -> concurrent.futures.Future[Any]:
+        """Run the copy of ``step`` after those queued before it."""
+        return background.submit(self._replicate(step))
 
     async def _replicate(self, step: int) -> CopyReport | None:
         if self._lane is None:
