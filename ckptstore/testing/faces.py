@@ -133,6 +133,56 @@ def _save_distributed_manager(place: Place, state: Any, step: int) -> None:
         m.save(step, state)
 
 
+#: The local tier of each place's tiered faces, by place root: a directory of its own,
+#: kept for the process's life, so a tiered loader finds what a tiered saver left there.
+_LOCAL_TIERS: dict[str, str] = {}
+
+
+def _local_tier(place: Place) -> str:
+    if place.root not in _LOCAL_TIERS:
+        import atexit
+        import shutil
+        import tempfile
+
+        _LOCAL_TIERS[place.root] = local = tempfile.mkdtemp(prefix="ckptstore-local-tier-")
+        atexit.register(shutil.rmtree, local, True)
+    return _LOCAL_TIERS[place.root]
+
+
+def _tiered_manager(place: Place, *, distributed: bool) -> Any:
+    """A manager whose persistent tier is the place and whose local tier is the place's
+    own (:func:`_local_tier`): one process, or one rank of a multi-rank job."""
+    if distributed:
+        import ckptstore.distributed as cd
+
+        return cd.CheckpointManager(
+            place.url(),
+            local=_local_tier(place),
+            comm=_one_rank(),
+            tier_comm=_one_rank(),
+            **place.keywords(),
+        )
+    import ckptstore
+
+    return ckptstore.CheckpointManager(place.url(), local=_local_tier(place), **place.keywords())
+
+
+def _tiered_saver(*, distributed: bool) -> Saver:
+    def save(place: Place, state: Any, step: int) -> None:
+        with _tiered_manager(place, distributed=distributed) as m:
+            m.save(step, state, persist=True)  # closing waits for the copy to the place
+
+    return save
+
+
+def _tiered_loader(*, distributed: bool) -> Loader:
+    def load(place: Place, step: int, keys: Any, target: Any, like: Any) -> Any:
+        with _tiered_manager(place, distributed=distributed) as m:
+            return m.restore(step, keys=keys, target=target)
+
+    return load
+
+
 def _save_dcp(place: Place, state: Any, step: int) -> None:
     from torch.distributed.checkpoint.state_dict_saver import save
 
@@ -257,6 +307,8 @@ SAVERS: list[Face] = [
     Face("manager-lazy", save=_manager_saver(snapshot="lazy")),
     Face("distributed", save=_save_distributed),
     Face("distributed-manager", save=_save_distributed_manager),
+    Face("manager-tiered", save=_tiered_saver(distributed=False)),
+    Face("distributed-manager-tiered", save=_tiered_saver(distributed=True)),
     Face("dcp", save=_save_dcp, fmt="dcp", url_step=True),
     Face("lightning", save=_save_lightning, url_step=True, ordered=True),
     Face("cp", save=_save_cp),
@@ -270,6 +322,8 @@ LOADERS: list[Face] = [
     Face("manager-stream", load=_load_manager_streaming),
     Face("distributed", load=_load_distributed),
     Face("distributed-manager", load=_load_distributed_manager),
+    Face("manager-tiered", load=_tiered_loader(distributed=False)),
+    Face("distributed-manager-tiered", load=_tiered_loader(distributed=True)),
     Face("dcp", load=_load_dcp, keys=False, target=False, fmt="dcp", url_step=True),
     Face(
         "lightning",
