@@ -254,3 +254,34 @@ def test_local_must_be_a_url_and_comm_needs_tier_comm(shared: Store, tmp_path: P
         ckptstore.distributed.CheckpointManager(shared, local=shared, comm=group.member(0))
     with pytest.raises(ValueError, match="tier_comm"):
         ckptstore.distributed.CheckpointManager(shared, local=tmp_path / "l", comm=group.member(0))
+
+
+def test_rollback_sets_the_newer_steps_aside_on_both_tiers_of_every_rank(
+    shared: Store, tmp_path: Path
+) -> None:
+    local = tmp_path / "local"
+
+    def body(rank: int, comm: Any, tier_comm: Any) -> dict[str, Any]:
+        with ckptstore.distributed.CheckpointManager(
+            shared,
+            local=local,
+            persistent_every=2,
+            local_max_to_keep=None,
+            comm=comm,
+            tier_comm=tier_comm,
+        ) as mgr:
+            for step in range(1, 5):
+                mgr.save(step, part(rank, step))
+            state = mgr.restore(2, target=part(rank, 0), rollback=True)
+            assert_equal_trees(state, part(rank, 2))
+            out = {"aside": mgr.set_aside, "from": mgr.last_restore.tier}
+            out["listing"] = mgr.tiers()
+            mgr.save(3, part(rank, 33))  # the steps after 2 are saved again
+            mgr.wait_until_finished()
+            assert_equal_trees(mgr.restore(target=part(rank, 0)), part(rank, 33))
+            return out
+
+    for out in run_tiered(2, body):
+        assert out["aside"] == [3, 4]  # 4 on both tiers, 3 on the local ones
+        assert out["from"] == "local"
+        assert (out["listing"].local, out["listing"].persistent) == ([1, 2], [2])
