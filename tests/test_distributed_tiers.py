@@ -285,3 +285,49 @@ def test_rollback_sets_the_newer_steps_aside_on_both_tiers_of_every_rank(
         assert out["aside"] == [3, 4]  # 4 on both tiers, 3 on the local ones
         assert out["from"] == "local"
         assert (out["listing"].local, out["listing"].persistent) == ([1, 2], [2])
+
+
+def test_a_start_that_fails_raises_its_own_error(
+    shared: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copies a crash left pending are listed at the start; when that fails, the manager
+    closes what it opened and the caller sees that failure, not one of the closing."""
+    from ckptstore.manager.rank_tiers import RankTiers
+
+    def fail(self: RankTiers) -> list[int]:
+        raise RuntimeError("listing the local tiers failed")
+
+    monkeypatch.setattr(RankTiers, "resume", fail)
+
+    def body(rank: int, comm: Any, tier_comm: Any) -> str:
+        with pytest.raises(RuntimeError, match="listing the local tiers failed") as caught:
+            ckptstore.distributed.CheckpointManager(
+                shared, local=tmp_path / "local", comm=comm, tier_comm=tier_comm
+            )
+        return type(caught.value).__name__
+
+    assert run_tiered(2, body) == ["RuntimeError"] * 2
+
+
+def test_a_target_one_rank_gets_wrong_fails_the_local_restore_on_every_rank(
+    shared: Store, tmp_path: Path
+) -> None:
+    """Rank 1 asks for its shard in the wrong shape: no rank returns alone (the others would
+    go on to collectives rank 1 never joins); every rank raises, naming rank 1's error."""
+    import numpy as np
+
+    def body(rank: int, comm: Any, tier_comm: Any) -> str:
+        with ckptstore.distributed.CheckpointManager(
+            shared, local=tmp_path / "local", persistent_every=10, comm=comm, tier_comm=tier_comm
+        ) as mgr:
+            mgr.save(1, part(rank, 1))
+            mgr.wait_until_finished()
+            like = part(rank, 0)
+            if rank == 1:
+                like["model"]["shard1"] = np.zeros(3, np.float32)
+            with pytest.raises(ckptstore.CkptStoreError) as caught:
+                mgr.restore(target=like)
+            return str(caught.value)
+
+    for message in run_tiered(2, body):
+        assert "rank 1: ValueError" in message, message

@@ -240,6 +240,8 @@ class CheckpointManager(_SingleProcessManager):
         # ckptstore's pool, which takes work while the interpreter exits: a save accepted
         # just before the script's end reaches it after Python's own pools refuse work.
         self._thread = Pool(1, "ckptstore-ranks")
+        # made before the base class's start, whose failure closes the manager
+        self._finish_at_exit = _FinishSaves(self)
         try:
             check_coordinator(comm, coordinator)
             if local is not None:
@@ -271,7 +273,6 @@ class CheckpointManager(_SingleProcessManager):
             self._thread.shutdown(wait=True)
             self._destroy_group()
             raise
-        self._finish_at_exit = _FinishSaves(self)
         background.close_at_exit(
             self._finish_at_exit, "a save this rank accepted was not committed"
         )
@@ -658,20 +659,20 @@ class CheckpointManager(_SingleProcessManager):
             reasons = self._local_parts_serve(step, asked)
             spread = bool(reasons)  # the leaves asked for are not all in each rank's part
             if not reasons:
-                selection: Selection | None = None
+                info = RestoreInfo(step, "local", tiers.local.url)
+                state: Any = None
                 why: str | None = None
-                try:
-                    selection = background.run(read(tiers.local, step, asked))
+                try:  # read and rebuild here, so that no rank raises alone (a target's shape)
+                    selection: Selection = background.run(read(tiers.local, step, asked))
+                    later = read_later_nearest(tiers.local, persistent, selection, info)
+                    state = rebuild(selection, store=persistent, reader=later)
                 except Exception as exc:
                     why = f"{type(exc).__name__}: {exc}"
                 told = self._comm.all_gather(why)
                 reasons = [f"rank {r}: {w}" for r, w in enumerate(told) if w is not None]
                 if not reasons:
-                    assert selection is not None
-                    info = RestoreInfo(step, "local", tiers.local.url)
                     self.last_restore = info
-                    later = read_later_nearest(tiers.local, persistent, selection, info)
-                    return rebuild(selection, store=persistent, reader=later)
+                    return state
             fallback = "; ".join(reasons)
             if step not in on_persistent:
                 where = f"step {step} is on every rank's local tier ({tiers.local.url} here)"
