@@ -331,3 +331,35 @@ def test_a_target_one_rank_gets_wrong_fails_the_local_restore_on_every_rank(
 
     for message in run_tiered(2, body):
         assert "rank 1: ValueError" in message, message
+
+
+def test_a_local_restore_reads_each_rank_manifest_once(
+    shared: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deciding whether the local parts serve a restore reads each rank's manifest; the
+    restore then reads its leaves with that manifest instead of reading it again."""
+    local = tmp_path / "local"
+    reads: list[str] = []
+    get = Store.get
+
+    async def counting_get(self: Store, key: str) -> bytes:
+        if key.endswith("manifest.json"):
+            reads.append(self.url)
+        return await get(self, key)
+
+    def body(rank: int, comm: Any, tier_comm: Any) -> None:
+        with ckptstore.distributed.CheckpointManager(
+            shared, local=local, persistent_every=2, comm=comm, tier_comm=tier_comm
+        ) as mgr:
+            mgr.save(1, part(rank, 1))
+            mgr.wait_until_finished()
+            comm.all_gather(None)
+            if rank == 0:
+                monkeypatch.setattr(Store, "get", counting_get)
+            comm.all_gather(None)
+            assert_equal_trees(mgr.restore(1, target=part(rank, 0)), part(rank, 1))
+            assert mgr.last_restore.tier == "local"
+            comm.all_gather(None)
+
+    run_tiered(2, body)
+    assert sorted(reads) == sorted("file://" + rank_root(local, rank, 2) for rank in range(2))

@@ -546,3 +546,39 @@ async def test_a_copy_over_the_destinations_manifest_cap_copies_nothing() -> Non
     with pytest.raises(ValueError, match=r"over Settings\.manifest_max_bytes"):
         await copy_step(src, dst, 1)
     assert await dst.list_keys() == []  # refused before any byte was copied
+
+
+def test_missing_keys_and_select_paths_are_one_rule() -> None:
+    from ckptstore.pipeline.restore import missing_keys, select_paths
+
+    known = sorted(["model/w", "model/b", "opt/m/w", "step"])
+    assert missing_keys(known, ["model", "model/w", "", "opt/m", "step"]) == []
+    assert missing_keys(known, ["mod", "model/w/x", "steps", "opt/m/"]) == [
+        "mod",
+        "model/w/x",
+        "steps",
+        "opt/m/",
+    ]
+    assert missing_keys([], [""]) == [""]  # an empty step holds nothing to name
+    accept = select_paths(["model", "step"])
+    assert [p for p in known if accept(p)] == ["model/b", "model/w", "step"]
+    assert all(select_paths([""])(p) for p in known)
+
+
+def test_a_restore_reads_with_a_manifest_it_is_given(tmp_path: Path) -> None:
+    from ckptstore import background
+    from ckptstore.pipeline.restore import read, request
+    from ckptstore.pipeline.steps import read_manifest
+    from ckptstore.store import open_store
+
+    ckptstore.save(tmp_path, {"a": np.arange(4), "b": 2}, step=3)
+    store = open_store(str(tmp_path))
+    try:
+        manifest = background.run(read_manifest(store, 3))
+        selection = background.run(read(store, 3, request(), manifest=manifest))
+        assert selection.manifest is manifest
+        np.testing.assert_array_equal(selection.arrays[0], np.arange(4))
+        with pytest.raises(ValueError, match="step 3's, not step 4's"):
+            background.run(read(store, 4, request(), manifest=manifest))
+    finally:
+        background.run(store.close())

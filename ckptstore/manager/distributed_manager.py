@@ -51,7 +51,6 @@ step is committed; its outcome is broadcast so that a failed deletion surfaces o
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import datetime
 import logging
@@ -76,10 +75,19 @@ from ckptstore.manager.rank_tiers import RankTiers, everywhere, rank_root
 from ckptstore.manager.tiers import RestoreInfo, read_later_nearest
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.codec import FlatState
-from ckptstore.pipeline.restore import Request, Selection, read, rebuild, request
+from ckptstore.pipeline.restore import (
+    Request,
+    Selection,
+    missing_keys,
+    read,
+    rebuild,
+    request,
+    select_paths,
+)
 from ckptstore.pipeline.save import StagedState, Stager
 from ckptstore.pipeline.steps import (
     CommitInfo,
+    Manifest,
     check_step,
     committed_steps,
     delete_step,
@@ -656,14 +664,16 @@ class CheckpointManager(_SingleProcessManager):
             )
         fallback = f"step {step} is not on every rank's local tier"
         if step in on_every_local:
-            reasons = self._local_parts_serve(step, asked)
+            reasons, mine = self._local_parts_serve(step, asked)
             spread = bool(reasons)  # the leaves asked for are not all in each rank's part
             if not reasons:
                 info = RestoreInfo(step, "local", tiers.local.url)
                 state: Any = None
                 why: str | None = None
                 try:  # read and rebuild here, so that no rank raises alone (a target's shape)
-                    selection: Selection = background.run(read(tiers.local, step, asked))
+                    selection: Selection = background.run(
+                        read(tiers.local, step, asked, manifest=mine)
+                    )
                     later = read_later_nearest(tiers.local, persistent, selection, info)
                     state = rebuild(selection, store=persistent, reader=later)
                 except Exception as exc:
@@ -707,9 +717,10 @@ class CheckpointManager(_SingleProcessManager):
         self.last_restore = RestoreInfo(step, "persistent", persistent.url, fallback)
         return state
 
-    def _local_parts_serve(self, step: int, asked: Request) -> list[str]:
+    def _local_parts_serve(self, step: int, asked: Request) -> tuple[list[str], Manifest | None]:
         """Whether every rank's local part of ``step`` holds what its request names, decided
-        on every rank from every rank's manifest: why not, by rank (empty: they do).
+        on every rank from every rank's manifest: why not, by rank (empty: they do), and this
+        rank's manifest (read once: the restore reads its leaves with it).
 
         A request with a target names its own leaves; one without asks for the merged step
         (under ``keys``), which a rank's part holds only if no other rank's part has a leaf
@@ -717,11 +728,12 @@ class CheckpointManager(_SingleProcessManager):
         assert self._tiers is not None
         why: str | None = None
         paths: list[str] = []
+        manifest: Manifest | None = None
         try:
             manifest = background.run(read_manifest(self._tiers.local, step))
             paths = sorted(manifest.all_paths())
             if asked.like is not None:
-                lacking = [k for k in asked.keys or () if not _names_something(paths, k)]
+                lacking = missing_keys(paths, asked.keys or ())
                 if lacking:
                     why = f"its part has no leaf {lacking[0]!r}"
         except Exception as exc:
@@ -729,9 +741,10 @@ class CheckpointManager(_SingleProcessManager):
         told = self._comm.all_gather((why, paths))
         reasons = [f"rank {r}: {w}" for r, (w, _) in enumerate(told) if w is not None]
         if reasons or asked.like is not None:
-            return reasons
+            return reasons, manifest
         union = set().union(*(set(p) for _, p in told))
-        wanted = {p for p in union if _asked_for(p, asked.keys)}
+        accept = select_paths(asked.keys if asked.keys is not None else [""])
+        wanted = {p for p in union if accept(p)}
         for rank, (_, held) in enumerate(told):
             lacking = sorted(wanted - set(held))
             if lacking:
@@ -739,7 +752,7 @@ class CheckpointManager(_SingleProcessManager):
                     f"rank {rank}: its part lacks {len(lacking)} of the {len(wanted)} leaves "
                     f"asked for ({lacking[0]!r}...), which other ranks saved"
                 )
-        return reasons
+        return reasons, manifest
 
     def delete(self, step: int) -> None:
         """Delete a committed step, on the coordinator (its manifest first, so it is never
@@ -821,22 +834,6 @@ def _raiser(error: Exception) -> Callable[[], None]:
         raise error
 
     return fail
-
-
-def _names_something(paths: list[str], key: str) -> bool:
-    """Whether ``key`` is one of ``paths`` (sorted) or a prefix of one."""
-    at = bisect.bisect_left(paths, key)
-    if at < len(paths) and paths[at] == key:
-        return True
-    at = bisect.bisect_left(paths, key + "/")
-    return key == "" or (at < len(paths) and paths[at].startswith(key + "/"))
-
-
-def _asked_for(path: str, keys: list[str] | None) -> bool:
-    """Whether ``keys`` (``None``: everything) name ``path`` or a prefix of it."""
-    if keys is None:
-        return True
-    return any(key in ("", path) or path.startswith(key + "/") for key in keys)
 
 
 async def _delete_quietly(store: Store, step: int) -> None:

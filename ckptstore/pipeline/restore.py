@@ -84,6 +84,7 @@ __all__ = [
     "arestore",
     "find_manifest",
     "later_reader",
+    "missing_keys",
     "read",
     "read_leaves",
     "read_selected",
@@ -91,6 +92,7 @@ __all__ = [
     "request",
     "restore",
     "select",
+    "select_paths",
     "select_step",
 ]
 
@@ -168,9 +170,10 @@ def _is_target_leaf(node: Any) -> bool:
     return target_kind(node) is not None
 
 
-def _missing(manifest: Manifest, keys: list[str]) -> list[str]:
-    """The keys that name no leaf (nor any prefix of one) of ``manifest``."""
-    known = sorted(manifest.all_paths())
+def missing_keys(known: Sequence[str], keys: Iterable[str]) -> list[str]:
+    """The keys that name none of the paths ``known`` (sorted), neither one of them nor a
+    prefix of one: the one rule of what a key names (``""`` names every path, if any).
+    :func:`select_paths` is its partner: which paths a key selects."""
     missing = []
     for key in keys:
         if key == "" and known:
@@ -183,6 +186,11 @@ def _missing(manifest: Manifest, keys: list[str]) -> list[str]:
             continue
         missing.append(key)
     return missing
+
+
+def _missing(manifest: Manifest, keys: list[str]) -> list[str]:
+    """The keys that name no leaf (nor any prefix of one) of ``manifest``."""
+    return missing_keys(sorted(manifest.all_paths()), keys)
 
 
 def _as_keys(keys: str | Iterable[str]) -> list[str]:
@@ -319,7 +327,14 @@ def _later(selection: Selection) -> list[int]:
     return [i for i in later if i not in boxed and len(manifest.shapes[i]) > 0]
 
 
-async def read(store: Store, step: int | None, asked: Request, *, into: Any = None) -> Selection:
+async def read(
+    store: Store,
+    step: int | None,
+    asked: Request,
+    *,
+    into: Any = None,
+    manifest: Manifest | None = None,
+) -> Selection:
     """Stages 1 and 2: select, then read and verify the selected leaves.
 
     Args:
@@ -328,6 +343,8 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
         asked: what to read (:func:`request`).
         into: a state of numpy arrays to fill in place, matched by path (dtype and shape
             must equal the checkpoint's); they become the result's arrays.
+        manifest: the step's manifest, if the caller has already read it from ``store``
+            (as :func:`find_manifest` does: validated); it is not read again.
 
     Raises:
         NotFoundError: no such step, a key or target leaf naming nothing, or a leaf of
@@ -336,16 +353,24 @@ async def read(store: Store, step: int | None, asked: Request, *, into: Any = No
         DeadlineExceededError: the restore took longer than ``Settings.restore_deadline``.
     """
     return await bounded(
-        _read(store, step, asked, into),
+        _read(store, step, asked, into, manifest),
         seconds=store.settings.restore_deadline,
         what=f"restore of {'the newest step' if step is None else f'step {step}'} from {store.url}",
         setting="restore_deadline",
     )
 
 
-async def _read(store: Store, step: int | None, asked: Request, into: Any) -> Selection:
+async def _read(
+    store: Store, step: int | None, asked: Request, into: Any, manifest: Manifest | None
+) -> Selection:
     began = time.monotonic()
-    selection = await select_step(store, step, asked)
+    if manifest is not None and step is not None and manifest.step != step:
+        raise ValueError(f"the manifest given is step {manifest.step}'s, not step {step}'s")
+    selection = (
+        select(manifest, store.url, asked)
+        if manifest is not None
+        else await select_step(store, step, asked)
+    )
     manifest = selection.manifest
     fill: dict[int, np.ndarray[Any, Any]] = {}
     if into is not None:
