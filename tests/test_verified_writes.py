@@ -13,6 +13,8 @@ the persistent tier) reads its copies back only where the destination does not v
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 import urllib.parse
 import uuid
 from pathlib import Path
@@ -23,6 +25,7 @@ import pytest
 
 import ckptstore
 from ckptstore.layout.maintenance import CopyReport, copy_step
+from ckptstore.pipeline.steps import read_manifest
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
@@ -192,3 +195,156 @@ def test_a_gcs_server_that_does_not_report_the_checksum_is_not_trusted(
     assert before  # no upload had answered yet
     assert report.read_back
     assert read >= ckptstore.read_manifest(str(tmp_path), 1).own_bytes
+
+
+# ----------------------------------------------------------------- every byte hashed once
+
+
+class _Hashed:
+    """Counts the bytes ckptstore hashes while it is entered: its calls of the ``crc32c``
+    package's one function, which every hashing path of ckptstore ends in (moto's server,
+    a thread of this process, hashes what it is sent too; it is not counted). Calls on
+    fewer than ``smallest`` bytes are not counted."""
+
+    def __init__(self, smallest: int = 0) -> None:
+        self.smallest = smallest
+        self.sizes: list[int] = []
+
+    def __enter__(self) -> _Hashed:
+        import crc32c
+
+        self._real = real = crc32c.crc32c
+
+        def counting(data: Any, value: int = 0) -> int:
+            size = memoryview(data).nbytes
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if size >= self.smallest and caller.startswith("ckptstore."):
+                self.sizes.append(size)
+            return real(data, value)
+
+        crc32c.crc32c = counting
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import crc32c
+
+        crc32c.crc32c = self._real
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+@pytest.mark.parametrize("size", [1 << 20, 12 << 20], ids=["one request", "multipart"])
+@pytest.mark.parametrize("way", ["upload", "download"])
+def test_a_copy_hashes_every_byte_once(
+    request: pytest.FixtureRequest, tmp_path: Path, kind: str, size: int, way: str
+) -> None:
+    """The copy's own crc32c and the one the server is sent (or, downloading, the one read
+    while the bytes arrive) are one computation: the bytes are hashed once, not twice."""
+    import crc32c
+
+    from ckptstore.store.transfer import copy_object
+
+    dialect, endpoint, bucket, options = _server(request, kind)
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    async def copy() -> tuple[int, int, bytes]:
+        async with (
+            open_store(str(tmp_path / "local")) as local,
+            open_store(_url(dialect, endpoint, bucket, {**options, **PARTS})) as remote,
+        ):
+            src, dst = (local, remote) if way == "upload" else (remote, local)
+            await src.put("obj", data)
+            with _Hashed() as hashed:
+                crc = await copy_object(src, dst, "obj", size, dst_key="copy")
+            return crc, hashed.total, await dst.get("copy")
+
+    crc, counted, stored = asyncio.run(copy())
+    assert crc == crc32c.crc32c(data)
+    assert stored == data
+    assert counted == size
+
+
+@pytest.mark.parametrize("kind", SERVERS)
+def test_a_save_hashes_each_object_once(request: pytest.FixtureRequest, kind: str) -> None:
+    """A pack's crc32c (built with it) and a large leaf's (combined from its parts') are
+    the ones sent with the bodies: each object's bytes are hashed once as a whole, besides
+    the packed leaves' own checksums."""
+    dialect, endpoint, bucket, options = _server(request, kind)
+    url = _url(dialect, endpoint, bucket, {**options, **PARTS})
+    rng = np.random.default_rng(7)
+    state = {
+        "big": rng.standard_normal(3 << 20).astype(np.float32),  # 12 MiB: 3 parts
+        "small": [rng.standard_normal(1024).astype(np.float32) for _ in range(100)],
+    }
+    with _Hashed(smallest=64 << 10) as hashed:  # objects and parts, not 4 KiB leaves
+        ckptstore.save(url, state, step=1)
+    assert_same_state(ckptstore.load(url, 1), state)
+
+    async def lengths() -> list[int]:
+        async with open_store(url) as store:
+            return list((await read_manifest(store, 1)).object_lengths)
+
+    sizes = asyncio.run(lengths())
+    assert len([n for n in sizes if n >= 64 << 10]) == 2  # the big leaf and the pack
+    assert hashed.total == sum(n for n in sizes if n >= 64 << 10)
+
+
+@pytest.mark.parametrize("kind", [k for k in SERVERS if k.values[0] != "moto"])
+@pytest.mark.parametrize("size", [1 << 20, 12 << 20], ids=["one request", "multipart"])
+def test_a_wrong_crc32c_given_with_a_write_is_refused(
+    request: pytest.FixtureRequest, kind: str, size: int
+) -> None:
+    """A caller's crc32c goes to the server in place of the body's own: where writes are
+    verified, one that is not the bytes' fails the write. An S3 server refuses the body;
+    the GCS store sees the server's checksum of what it stored differ from the one sent
+    (a fake server may keep the object, whose bytes are the ones sent)."""
+    import crc32c
+
+    from ckptstore.errors import CkptStoreError, NotFoundError
+
+    dialect, endpoint, bucket, options = _server(request, kind)
+    data = np.random.default_rng(3).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+    async def put_wrong(store: Store) -> None:
+        if size < 5 << 20:
+            await store.put("wrong", data, crc32c=crc32c.crc32c(data) ^ 1)
+            return
+        async with await store.create_multipart("wrong", part_size=5 << 20) as upload:
+            part = data[: 5 << 20]
+            await upload.put_part(0, part, crc32c=crc32c.crc32c(part) ^ 1)
+            await upload.complete()
+
+    async def attempt() -> None:
+        async with open_store(_url(dialect, endpoint, bucket, {**options, **PARTS})) as store:
+            await store.put("right", data, crc32c=crc32c.crc32c(data))
+            assert await store.get("right") == data
+            with pytest.raises(CkptStoreError):
+                await put_wrong(store)
+            if dialect == "s3":
+                with pytest.raises(NotFoundError):
+                    await store.head("wrong")
+            else:
+                with contextlib.suppress(NotFoundError):
+                    assert await store.get("wrong") == data[: 5 << 20]
+
+    asyncio.run(attempt())
+
+
+def test_a_ledger_gives_a_whole_from_the_parts_that_tile_it() -> None:
+    import crc32c
+
+    from ckptstore.store.checksum import Ledger
+
+    data = np.random.default_rng(5).integers(0, 256, 10_000, dtype=np.uint8)
+    book = Ledger()
+    for start in range(0, 10_000, 3_000):
+        part = data[start : start + 3_000]
+        book.record(part, crc32c.crc32c(part))
+    assert book.crc_of(data) == crc32c.crc32c(data)
+    assert book.crc_of(data[:6_000]) == crc32c.crc32c(data[:6_000])
+    assert book.crc_of(data[:5_000]) is None  # ends inside a part
+    assert book.crc_of(data[1:]) is None  # starts inside one
+    assert Ledger().crc_of(data) is None

@@ -62,7 +62,7 @@ from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
-from ckptstore.store.checksum import acrc32c, as_uint8, crc32c, in_hash_thread
+from ckptstore.store.checksum import as_uint8, crc32c, in_hash_thread
 from ckptstore.store.fanout import gather_all
 from ckptstore.store.transport import store_logger
 
@@ -514,7 +514,8 @@ class ObjectWriter:
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         view = as_uint8(array)
-        crc, _ = await asyncio.gather(acrc32c(view), self.store.put(self.prefix + obj.name, view))
+        # hashed once: with the put where the backend sends a checksum, else beside it
+        crc = await self.store.put_crc32c(self.prefix + obj.name, view)
         self.written.leaf_crc[leaf] = self.written.object_crc[index] = crc
 
     async def _write_pack(self, index: int) -> None:
@@ -530,7 +531,7 @@ class ObjectWriter:
                 return crcs, crc32c(buf)
 
             crcs, whole = await in_hash_thread(checksums)
-            await store.put(self.prefix + obj.name, buf)
+            await store.put(self.prefix + obj.name, buf, crc32c=whole)
         else:
             async with self._pack_slots:
                 pooled = host_buffers.acquire(max(obj.size, store.settings.pack_size))
@@ -542,7 +543,7 @@ class ObjectWriter:
 
                     async with self._build_lane:
                         crcs, whole = await in_hash_thread(build)
-                    await store.put(self.prefix + obj.name, buf)
+                    await store.put(self.prefix + obj.name, buf, crc32c=whole)
                 finally:
                     pooled.release()
         leaf_crc = self.written.leaf_crc

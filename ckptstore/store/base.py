@@ -39,7 +39,7 @@ from ckptstore.errors import (
     NotFoundError,
     NotSupportedError,
 )
-from ckptstore.store.checksum import acrc32c, crc32c_combine
+from ckptstore.store.checksum import acrc32c, crc32c_combine, ledger
 from ckptstore.store.fanout import gather_all
 from ckptstore.store.transport import ByteBudget, redact_url
 
@@ -210,8 +210,17 @@ class MultipartUpload(ABC):
         #: The opening store's bounds on transfers (set by :class:`Store`; None: unbounded).
         self.bounds: Callable[[int], contextlib.AbstractAsyncContextManager[None]] | None = None
 
-    async def put_part(self, index: int, data: Buffer) -> None:
-        """Upload part ``index`` (from 0) from a bytes-like object, without copying it."""
+    async def put_part(self, index: int, data: Buffer, *, crc32c: int | None = None) -> None:
+        """Upload part ``index`` (from 0) from a bytes-like object, without copying it.
+
+        ``crc32c``: the crc32c of ``data``, if the caller has it; a backend that sends one
+        with the body sends this one rather than hashing the bytes again
+        (:mod:`ckptstore.store.checksum`).
+        """
+        if crc32c is not None:
+            with ledger(data, crc32c):
+                await self.put_part(index, data)
+            return
         view = as_bytes_view(data, self.key)
         if index < 0:
             raise ValueError(f"part index must be >= 0, got {index}")
@@ -226,6 +235,14 @@ class MultipartUpload(ABC):
             async with self.bounds(len(view)):
                 await self._put_part(index, view)
         self._sizes[index] = len(view)
+
+    async def put_part_crc32c(self, index: int, data: Buffer) -> int:
+        """:meth:`put_part`, returning the crc32c of ``data``: the one the backend sent with
+        the body where it sends one, hashed after the upload otherwise."""
+        with ledger() as book:
+            await self.put_part(index, data)
+        crc = book.crc_of(data)
+        return crc if crc is not None else await acrc32c(data)
 
     async def complete(self) -> ObjectMeta:
         """Make the object visible; with ``mode="create"`` raise if the key already exists."""
@@ -340,7 +357,14 @@ class Store(ABC):
 
     # ----------------------------------------------------------------- writes
 
-    async def put(self, key: str, data: Buffer, *, mode: PutMode = "overwrite") -> None:
+    async def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: PutMode = "overwrite",
+        crc32c: int | None = None,
+    ) -> None:
         """Write one object from a bytes-like ``data``, replacing or refusing an existing one.
 
         Args:
@@ -349,6 +373,9 @@ class Store(ABC):
             mode: ``"overwrite"`` replaces an existing object; ``"create"`` is an atomic
                 put-if-absent that raises :class:`~ckptstore.errors.AlreadyExistsError` if the
                 key exists (exactly one of N concurrent creators wins).
+            crc32c: the crc32c of ``data``, if the caller has it: a backend that sends one with
+                the body (:attr:`sends_checksums`) sends this one rather than hashing the
+                bytes again; a wrong one makes the server refuse the write.
 
         The object is visible only complete: a reader sees the old object, the new one, or
         nothing, never a prefix. Objects of at least ``Settings.multipart_threshold`` bytes are
@@ -361,11 +388,35 @@ class Store(ABC):
                 "put(mode='create')", type(self).__name__, "this store has no atomic create"
             )
         view = as_bytes_view(data, key)
+        if crc32c is not None:
+            with ledger(view, crc32c):
+                await self.put(key, view, mode=mode)
+            return
         caps = self.capabilities
         if caps.multipart and len(view) >= self.settings.multipart_threshold:
             await self._put_parallel(key, view, mode)
             return
         await self._put_one(key, view, mode)
+
+    async def put_crc32c(self, key: str, data: Buffer, *, mode: PutMode = "overwrite") -> int:
+        """:meth:`put`, returning the crc32c of ``data``, hashed once: where the backend sends
+        a crc32c with each body (:attr:`sends_checksums`), the one it sent (its parts'
+        combined); elsewhere hashed while the put runs."""
+        view = as_bytes_view(data, key)
+        if not self.sends_checksums:
+            crc, _ = await asyncio.gather(acrc32c(view), self.put(key, view, mode=mode))
+            return crc
+        with ledger() as book:
+            await self.put(key, view, mode=mode)
+        found = book.crc_of(view)
+        return found if found is not None else await acrc32c(view)
+
+    @property
+    def sends_checksums(self) -> bool:
+        """Whether each write's body goes to the server with its crc32c, computed once per
+        write (:func:`~ckptstore.store.checksum.request_crc32c`), so that
+        :meth:`put_crc32c` returns it rather than hashing the bytes a second time."""
+        return False
 
     async def create_multipart(
         self, key: str, *, mode: PutMode = "overwrite", part_size: int | None = None

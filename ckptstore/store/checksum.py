@@ -7,6 +7,19 @@ GIL on anything but ``bytes``: with it hashing nonstop on the other core, a Pyth
 made 46-48% of its normal progress, against 78-100% with ``crc32c``.) Large buffers are
 hashed in a worker thread by :func:`acrc32c` so the event loop keeps moving.
 
+A body is hashed once on its way to a store that sends a checksum with it (S3's
+``x-amz-checksum-crc32c``, GCS's upload metadata) although the checkpoint layer needs the same
+crc32c for its manifest: the two meet in a :class:`Ledger`. A caller that already has the
+crc32c of what it writes hands it to ``Store.put(..., crc32c=)`` or ``put_part``, and the
+backend sends that one (:func:`request_crc32c`) instead of hashing again; a caller that needs
+it asks ``Store.put_crc32c``, which returns what the backend computed for its requests (the
+parts' checksums combined) or, for a backend that sends none, hashes while the put runs. The
+ledger reaches the backend through a context variable, so every wrapper, retry and part task
+between the caller and the request passes it on untouched. A crc32c sent that is not the
+bytes' fails the write: an S3 server refuses the body, and the GCS store finds the crc32c the
+server reports for what it stored differ from the one sent. A wrong entry fails a write; it
+cannot make one store other bytes than the ones given.
+
 This is the one place ckptstore hashes bytes: the backends (request checksums), the transfer
 and maintenance code (copies) and the checkpoint layout (every object and leaf in a manifest)
 all call it, so every layer hashes the same way.
@@ -24,9 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import contextvars
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import crc32c as _crc32c
@@ -36,14 +51,18 @@ from ckptstore.threads import Pool
 
 __all__ = [
     "CHUNK",
+    "Ledger",
     "OFFLOAD_THRESHOLD",
     "acrc32c",
     "as_uint8",
+    "b64_crc32c",
     "crc32c",
     "crc32c_b64",
     "crc32c_combine",
     "hash_threads",
     "in_hash_thread",
+    "ledger",
+    "request_crc32c",
 ]
 
 _T = TypeVar("_T")
@@ -72,7 +91,12 @@ def crc32c(data: Any, crc: int = 0) -> int:
 
 def crc32c_b64(data: Any) -> str:
     """crc32c of ``data`` as object stores send it in headers: 4 big-endian bytes, base64."""
-    return base64.b64encode(crc32c(data).to_bytes(4, "big")).decode("ascii")
+    return b64_crc32c(crc32c(data))
+
+
+def b64_crc32c(crc: int) -> str:
+    """A crc32c as object stores send it in headers: 4 big-endian bytes, base64."""
+    return base64.b64encode(crc.to_bytes(4, "big")).decode("ascii")
 
 
 async def acrc32c(data: Any) -> int:
@@ -162,3 +186,80 @@ def crc32c_combine(crc1: int, crc2: int, len2: int) -> int:
         n >>= 1
         k += 1
     return _multmodp(p, crc1) ^ crc2
+
+
+# ----------------------------------------------------------------- hashing a body once
+
+
+def _span(data: Any) -> tuple[int, int]:
+    """Where a buffer's bytes are: ``(address, length)``."""
+    view = as_uint8(data)
+    return view.ctypes.data, int(view.nbytes)
+
+
+class Ledger:
+    """The crc32c of byte ranges in memory, by address and length, for the length of one
+    write (see the module docstring): what a caller knew before it, and what the backend
+    hashed for its requests during it."""
+
+    def __init__(self) -> None:
+        self._crcs: dict[tuple[int, int], int] = {}
+
+    def record(self, data: Any, crc: int) -> None:
+        """Note that the bytes of ``data`` have crc32c ``crc``."""
+        self._crcs[_span(data)] = crc
+
+    def lookup(self, data: Any) -> int | None:
+        """The crc32c noted for exactly the bytes of ``data``, if any."""
+        return self._crcs.get(_span(data))
+
+    def crc_of(self, data: Any) -> int | None:
+        """The crc32c of ``data``: noted for it, or combined from noted pieces that tile it
+        end to end (the parts of a multipart put); ``None`` if they do not."""
+        address, length = _span(data)
+        whole = self._crcs.get((address, length))
+        if whole is not None:
+            return whole
+        starts = {a: (n, crc) for (a, n), crc in self._crcs.items() if n}
+        at, end, crc = address, address + length, 0
+        while at < end:
+            piece = starts.get(at)
+            if piece is None:
+                return None
+            n, piece_crc = piece
+            crc = crc32c_combine(crc, piece_crc, n) if at > address else piece_crc
+            at += n
+        return crc if at == end and length else None
+
+
+_LEDGER: contextvars.ContextVar[Ledger | None] = contextvars.ContextVar(
+    "ckptstore_crc32c_ledger", default=None
+)
+
+
+@contextlib.contextmanager
+def ledger(data: Any = None, crc: int | None = None) -> Iterator[Ledger]:
+    """A fresh :class:`Ledger` for the writes made inside, with ``crc`` noted for ``data``
+    if given; the one outside (if any) is back after."""
+    book = Ledger()
+    if crc is not None:
+        book.record(data, crc)
+    token = _LEDGER.set(book)
+    try:
+        yield book
+    finally:
+        _LEDGER.reset(token)
+
+
+async def request_crc32c(data: Any) -> int:
+    """The crc32c a backend sends with a request's body: the one the write's ledger holds for
+    exactly these bytes, else hashed now (:func:`acrc32c`) and noted there."""
+    book = _LEDGER.get()
+    if book is not None:
+        crc = book.lookup(data)
+        if crc is not None:
+            return crc
+    crc = await acrc32c(data)
+    if book is not None:
+        book.record(data, crc)
+    return crc

@@ -247,11 +247,18 @@ class FsspecStore(base.Store):
             "single_writer=True if only one process ever writes this root",
         )
 
-    async def put(self, key: str, data: Buffer, *, mode: base.PutMode = "overwrite") -> None:
+    async def put(
+        self,
+        key: str,
+        data: Buffer,
+        *,
+        mode: base.PutMode = "overwrite",
+        crc32c: int | None = None,
+    ) -> None:
         # docstring inherited
         if mode == "create" and not self.capabilities.atomic_create:
             self._refuse_create("put(mode='create')")
-        await super().put(key, data, mode=mode)
+        await super().put(key, data, mode=mode, crc32c=crc32c)
 
     async def create_multipart(
         self, key: str, *, mode: base.PutMode = "overwrite", part_size: int | None = None

@@ -52,7 +52,7 @@ import yarl
 from ckptstore import errors
 from ckptstore.config import Settings
 from ckptstore.store import base, transport
-from ckptstore.store.checksum import crc32c, crc32c_b64
+from ckptstore.store.checksum import b64_crc32c, crc32c, crc32c_b64, request_crc32c
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["GCSStore"]
@@ -275,6 +275,11 @@ class GCSStore(base.Store):
         # a server whose answers left the crc32c out (GCS always gives it) is not trusted
         return self._crc_reported
 
+    @property
+    def sends_checksums(self) -> bool:
+        # docstring inherited: every upload names its crc32c in its metadata
+        return True
+
     async def settle(self) -> None:
         # docstring inherited
         await self._transport.settle()
@@ -386,7 +391,7 @@ class GCSStore(base.Store):
     ) -> dict[str, Any]:
         """One multipart upload (metadata + bytes in one request); returns the object JSON
         after checking the stored size and crc32c against what was sent."""
-        crc = crc32c_b64(data)
+        crc = b64_crc32c(await request_crc32c(data))
         params = {"uploadType": "multipart"}
         if create:
             # If a first attempt commits but its response is lost, the retry gets 412 and

@@ -47,7 +47,6 @@ Why each piece is the way it is:
 from __future__ import annotations
 
 import asyncio
-import base64
 import binascii
 import builtins
 import contextlib
@@ -70,7 +69,7 @@ from aiobotocore.session import AioSession
 from ckptstore import errors
 from ckptstore.config import Settings
 from ckptstore.store import base, transport
-from ckptstore.store.checksum import acrc32c
+from ckptstore.store.checksum import b64_crc32c, request_crc32c
 from ckptstore.store.options import parse_bool, split_settings
 
 __all__ = ["S3Store", "StaleUpload"]
@@ -85,10 +84,6 @@ _DELETE_BATCH = 1000  # DeleteObjects limit
 _READ_CHUNK = 1 << 20
 _FIRST_SLICE = 64 << 10  # of a request body: sent together with the headers
 _BODY_SLICE = 1 << 20  # of a request body: what one socket write may leave to the transport
-
-
-def _b64_crc(value: int) -> str:
-    return base64.b64encode(value.to_bytes(4, "big")).decode("ascii")
 
 
 class _ViewBody(aiohttp.payload.Payload):
@@ -553,7 +548,7 @@ class S3Store(base.Store):
         client = await self._get_client()
         full = self._root + f"{base.TEMP_PREFIX}probe-{uuid.uuid4().hex}"
         body = b"ckptstore crc32c probe"
-        wrong = _b64_crc(_crc32c.crc32c(body) ^ 1)
+        wrong = b64_crc32c(_crc32c.crc32c(body) ^ 1)
         upload_id: str | None = None
 
         async def refused(call: Callable[..., Awaitable[Any]], **params: Any) -> bool:
@@ -828,7 +823,12 @@ class S3Store(base.Store):
     # ------------------------------------------------------------------ writes
 
     async def _checksum(self, data: memoryview) -> str:
-        return _b64_crc(await acrc32c(data))
+        return b64_crc32c(await request_crc32c(data))
+
+    @property
+    def sends_checksums(self) -> bool:
+        # docstring inherited: every PutObject and UploadPart carries x-amz-checksum-crc32c
+        return True
 
     async def _put(self, key: str, data: memoryview, mode: base.PutMode) -> None:
         # docstring inherited

@@ -9,7 +9,10 @@ half-copied becomes visible.
 
 The crc32c of the bytes copied is computed on the way, part by part, and the parts' checksums
 are combined (:func:`~ckptstore.store.checksum.crc32c_combine`), so a caller can check the
-copy against a recorded checksum without reading anything twice.
+copy against a recorded checksum without reading anything twice. Each piece is hashed once:
+as it arrives from a source that hashes while reading (S3, GCS), then handed to the
+destination's put; else by the destination for its request where it sends a checksum with
+each body (S3, GCS); else after the read.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from collections.abc import Callable
 
 from ckptstore.store.base import PutMode, Store
 from ckptstore.store.buffers import host_buffers
-from ckptstore.store.checksum import acrc32c, crc32c_combine
+from ckptstore.store.checksum import crc32c_combine
 from ckptstore.store.fanout import gather_all
 
 __all__ = ["copy_object"]
@@ -60,12 +63,15 @@ async def copy_object(
         pooled = host_buffers.acquire(size)
         try:
             buf = memoryview(pooled.data)[:size]  # type: ignore[arg-type]
-            if size:
-                await src.read_into(key, 0, buf)
-            else:
+            if not size:
                 await src.head(key)  # a missing source is an error, even when empty
-            crc = await acrc32c(buf)
-            await dst.put(target, buf, mode=mode)
+                crc = await dst.put_crc32c(target, buf, mode=mode)
+            elif src.hashes_while_reading:
+                crc = await src.read_into_crc32c(key, 0, buf)
+                await dst.put(target, buf, mode=mode, crc32c=crc)
+            else:
+                await src.read_into(key, 0, buf)
+                crc = await dst.put_crc32c(target, buf, mode=mode)
         finally:
             pooled.release()
         if progress is not None:
@@ -87,9 +93,12 @@ async def copy_object(
                 buf = host_buffers.acquire(part)
                 try:
                     view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
-                    await src.read_into(key, start, view)
-                    crcs[index] = await acrc32c(view)
-                    await upload.put_part(index, view)
+                    if src.hashes_while_reading:
+                        crcs[index] = await src.read_into_crc32c(key, start, view)
+                        await upload.put_part(index, view, crc32c=crcs[index])
+                    else:
+                        await src.read_into(key, start, view)
+                        crcs[index] = await upload.put_part_crc32c(index, view)
                 finally:
                     buf.release()
             if progress is not None:

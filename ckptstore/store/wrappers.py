@@ -115,6 +115,11 @@ class StoreWrapper(Store):
         # docstring inherited; no wrapper changes the bytes a write sends
         return await self.inner.writes_verified()
 
+    @property
+    def sends_checksums(self) -> bool:
+        # docstring inherited; writes reach the inner store's requests, ledger and all
+        return self.inner.sends_checksums
+
     async def settle(self) -> None:
         # docstring inherited
         await self.inner.settle()

@@ -124,6 +124,26 @@ class StoreTests:
         assert counting.requests["complete_multipart"] == 1
         assert counting.requests["put"] == 0
 
+    async def test_put_crc32c_returns_the_checksum_of_what_it_wrote(
+        self, store: Store, small_parts: Store
+    ) -> None:
+        for key, data in [
+            ("c/small", _pattern(1000, 5)),
+            ("c/big", _pattern(self.multipart_size + 9, 6)),
+        ]:
+            assert await store.put_crc32c(key, data) == crc32c(data)
+            assert await store.get(key) == data
+            # the caller's own crc32c (the right one) is taken with the bytes
+            await store.put(key + ".given", data, crc32c=crc32c(data))
+            assert await store.get(key + ".given") == data
+        part = max(store.capabilities.min_part_size, 1 << 16)
+        data = _pattern(part + 10, 12)
+        async with await store.create_multipart("c/parts", part_size=part) as upload:
+            assert await upload.put_part_crc32c(0, data[:part]) == crc32c(data[:part])
+            await upload.put_part(1, data[part:], crc32c=crc32c(data[part:]))
+            await upload.complete()
+        assert await store.get("c/parts") == data
+
     async def test_explicit_multipart_out_of_order(self, store: Store) -> None:
         part = max(store.capabilities.min_part_size, 1 << 16)
         data = _pattern(part * 3 + 10, 11)
