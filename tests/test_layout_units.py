@@ -6,6 +6,7 @@ import itertools
 import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -582,3 +583,42 @@ def test_a_restore_reads_with_a_manifest_it_is_given(tmp_path: Path) -> None:
             background.run(read(store, 4, request(), manifest=manifest))
     finally:
         background.run(store.close())
+
+
+async def test_a_cancelled_save_never_lends_out_a_pack_buffer_its_build_still_fills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pack is built in a hashing thread that cancelling the save does not stop: its
+    pooled buffer is discarded, not handed to the next user while the build writes on."""
+    import asyncio
+    import threading
+
+    from ckptstore.store.buffers import host_buffers
+
+    started, go, done = threading.Event(), threading.Event(), threading.Event()
+    fill = PackPlan.fill
+
+    def slow_fill(self: PackPlan, index: int, arrays: Any, out: Any) -> list[int]:
+        started.set()
+        go.wait(30)
+        try:
+            return fill(self, index, arrays, out)
+        finally:
+            done.set()
+
+    monkeypatch.setattr(PackPlan, "fill", slow_fill)
+    state = {f"w{i}": np.full(1024, 7, np.float32) for i in range(64)}  # one pack
+    host_buffers.clear()
+    saving = asyncio.ensure_future(ckptstore.asave(str(tmp_path), state, step=1))
+    assert await asyncio.to_thread(started.wait, 30)
+    saving.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await saving
+    nxt = host_buffers.acquire(Settings().pack_size)
+    try:
+        nxt.data[:] = 0
+        go.set()
+        assert await asyncio.to_thread(done.wait, 30)
+        assert not nxt.data.any(), "a cancelled build wrote into a buffer lent to someone else"
+    finally:
+        nxt.release()

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import os
+import threading
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import Any
 
 import google_crc32c
 import pytest
@@ -12,10 +17,12 @@ from hypothesis import strategies as st
 
 from ckptstore.errors import AlreadyExistsError, NotFoundError, StoreError
 from ckptstore.store import open_store
+from ckptstore.store.base import Store
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import crc32c, crc32c_combine
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.transfer import copy_object
-from ckptstore.store.wrappers import CountingStore, Fault, FaultStore
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper
 
 
 @given(st.binary(max_size=2000), st.binary(max_size=2000))
@@ -90,3 +97,74 @@ async def test_failed_part_aborts_and_leaves_nothing(tmp_path: Path) -> None:
         await copy_object(src, dst, "obj", len(data))
     assert await dst.list_keys() == []
     assert [files for _, _, files in os.walk(tmp_path) if files] == []  # no temp file left
+
+
+class _ThreadRead(StoreWrapper):
+    """Reads run in a thread that waits for ``go`` and that cancelling the caller does not
+    stop, as a local store's reads do."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.done = threading.Event()
+
+    async def _read_into(self, key: str, start: int, out: memoryview) -> None:
+        def fill() -> None:
+            self.started.set()
+            self.go.wait(30)
+            out[:] = b"\xee" * len(out)  # the bytes "arrive" after the caller has gone
+            self.done.set()
+
+        await asyncio.wrap_future(_READERS.submit(fill))
+
+
+_READERS = concurrent.futures.ThreadPoolExecutor(1)
+
+
+async def _cancel_while_reading(src: _ThreadRead, work: Awaitable[Any], nbytes: int) -> None:
+    """Cancel ``work`` once its read is running, lend a buffer of ``nbytes`` to the next
+    user, let the stale read end, and check that it did not write into that buffer."""
+    host_buffers.clear()  # the only idle buffer afterwards would be the cancelled work's
+    running = asyncio.ensure_future(work)
+    assert await asyncio.to_thread(src.started.wait, 30)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    nxt = host_buffers.acquire(nbytes)
+    try:
+        nxt.data[:] = 0
+        src.go.set()
+        assert await asyncio.to_thread(src.done.wait, 30)
+        assert not nxt.data.any(), "a stale read wrote into a buffer lent to someone else"
+    finally:
+        nxt.release()
+
+
+@pytest.mark.parametrize("size", [1 << 20, 12 << 20], ids=["one put", "parts"])
+async def test_a_cancelled_copy_never_lends_out_a_buffer_a_read_still_fills(
+    tmp_path: Path, size: int
+) -> None:
+    """A copy cancelled while a read runs in a thread discards that read's pooled buffer:
+    released, the next user (a save's pack) would get memory the stale read overwrites."""
+    src = _ThreadRead(MemoryStore())
+    await src.inner.put("k", bytes(size))
+    dst = open_store(str(tmp_path), part_size=4 << 20, multipart_threshold=8 << 20)
+    try:
+        await _cancel_while_reading(src, copy_object(src, dst, "k", size), min(size, 4 << 20))
+    finally:
+        await dst.close()
+
+
+async def test_a_cancelled_verify_never_lends_out_a_buffer_a_read_still_fills() -> None:
+    import numpy as np
+
+    import ckptstore
+    from ckptstore.pipeline.maintenance import verify_manifest
+    from ckptstore.pipeline.steps import read_manifest
+
+    inner = MemoryStore()
+    await ckptstore.asave(inner, {"w": np.ones(1 << 18, np.float32)}, step=1)
+    src = _ThreadRead(inner)
+    manifest = await read_manifest(src, 1)
+    await _cancel_while_reading(src, verify_manifest(src, manifest), 1 << 20)

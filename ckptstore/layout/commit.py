@@ -544,6 +544,9 @@ class ObjectWriter:
                     async with self._build_lane:
                         crcs, whole = await in_hash_thread(build)
                     await store.put(self.prefix + obj.name, buf, crc32c=whole)
+                except BaseException:
+                    pooled.discard()  # a cancelled build's thread may still fill it
+                    raise
                 finally:
                     pooled.release()
         leaf_crc = self.written.leaf_crc

@@ -450,6 +450,9 @@ async def verify_manifest(
                 view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
                 await store.read_into(key, start, view)
                 crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
+            except BaseException:
+                buf.discard()  # a cancelled local read's thread may still fill it
+                raise
             finally:
                 buf.release()
         for leaf, piece_crc in pieces:

@@ -14,6 +14,12 @@ durable or consumed:
   included, are built in buffers of :data:`host_buffers`, the process-wide pool;
 * :func:`ckptstore.store.transfer.copy_object` and ``verify`` stream parts through it too.
 
+A buffer goes back only when nothing can write into it any more. A read of a local file and a
+pack build run in threads that cancelling their caller does not stop, so a user that fails or
+is cancelled while such work may be running *discards* its buffer (:meth:`HostBuffer.discard`)
+instead of releasing it: released, the next save's pack could be built in memory a stale
+read still fills.
+
 The pool lives in ``store/`` because that is the lowest layer that needs it (a copy between
 two stores); it knows nothing of tensors. Page-locked memory for CUDA sources is allocated by
 a function the caller passes (the stage layer passes torch's), so ``store/`` never imports a
@@ -95,6 +101,16 @@ class HostBuffer:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool._give_back(self)
+
+    def discard(self) -> None:
+        """Leave the pool without going back to it: for a buffer that work which could not be
+        stopped may still write into (a cancelled read or pack build running in a thread).
+        Reused, it would be another user's bytes that thread overwrites; discarded, its memory
+        is freed once the last reference to it (that thread's) is gone. Safe to call more
+        than once, and after :meth:`release` does nothing."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool._forget(self)
 
     def __repr__(self) -> str:
         kind = "pinned" if self.pinned else "pageable"
@@ -198,6 +214,10 @@ class BufferPool:
                 idle = sum(b.capacity for b in self._idle)
                 while self._idle and idle > self.max_idle_bytes:
                     idle -= self._idle.pop(0).capacity
+
+    def _forget(self, buf: HostBuffer) -> None:
+        with self._lock:
+            self._lent -= buf.capacity
 
     def clear(self) -> None:
         """Free every idle arena (lent ones are freed when given back and no longer held)."""

@@ -69,6 +69,7 @@ from ckptstore.store.base import (
     Store,
     validate_prefix,
 )
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.options import split_settings
 from ckptstore.threads import Pool
 
@@ -86,8 +87,6 @@ DIRECT_MIN = 1 << 20
 #: the page-cache writes of a head or tail.
 _ALIGN = mmap.PAGESIZE
 _BOUNCE_BYTES = 8 << 20
-_bounce_lock = threading.Lock()
-_bounce_free: list[memoryview] = []
 
 
 def _write_all(fd: int, data: memoryview, offset: int) -> None:
@@ -117,16 +116,12 @@ def _write_direct(direct: int, data: memoryview, offset: int) -> None:
 
 @contextlib.contextmanager
 def _bounce() -> Iterator[memoryview]:
-    """A pooled, page-aligned buffer of _BOUNCE_BYTES."""
-    with _bounce_lock:
-        bounce = _bounce_free.pop() if _bounce_free else None
-    if bounce is None:
-        bounce = memoryview(mmap.mmap(-1, _BOUNCE_BYTES))  # mmap memory is page aligned
+    """A page-aligned buffer of _BOUNCE_BYTES, lent by the process-wide pool."""
+    pooled = host_buffers.acquire(_BOUNCE_BYTES)
     try:
-        yield bounce
+        yield memoryview(pooled.data)[:_BOUNCE_BYTES]  # type: ignore[arg-type]
     finally:
-        with _bounce_lock:
-            _bounce_free.append(bounce)
+        pooled.release()
 
 
 class _TempFile:

@@ -72,6 +72,9 @@ async def copy_object(
             else:
                 await src.read_into(key, 0, buf)
                 crc = await dst.put_crc32c(target, buf, mode=mode)
+        except BaseException:
+            pooled.discard()  # a cancelled local read's thread may still fill it
+            raise
         finally:
             pooled.release()
         if progress is not None:
@@ -99,6 +102,9 @@ async def copy_object(
                     else:
                         await src.read_into(key, start, view)
                         crcs[index] = await upload.put_part_crc32c(index, view)
+                except BaseException:
+                    buf.discard()  # a cancelled local read's thread may still fill it
+                    raise
                 finally:
                     buf.release()
             if progress is not None:
