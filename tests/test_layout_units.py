@@ -530,6 +530,38 @@ def test_a_manifest_draft_places_plans_references_and_hashes() -> None:
     assert parsed.metadata == {"m": 1}
 
 
+def test_a_manifest_draft_of_a_manifest_keeps_its_leaves_with_new_objects() -> None:
+    """A copy's draft: the source's leaves as they are, placed in the copy's own objects
+    (added in the source's order), or in one the destination already holds."""
+    from ckptstore.layout.session import ManifestDraft
+
+    draft = ManifestDraft.of_leaves(4, A1, ["a", "b"], ["<f4", "|u1"], [[4], [3]], [16, 3])
+    draft.add_objects([f"{A1}/pack-0", f"{A1}/big"], [80, 3], [11, 12])
+    draft.place(0, 0, 64, 7)
+    draft.place(1, 1, 0, 12)
+    draft.set_hashes([(0, "a" * 32), (1, "b" * 32)])
+    source = Manifest.parse(
+        draft.build(tree={"d": ["a", "b"], "c": [0, 1]}, metadata={"m": 2}, created=5.0).encode(),
+        step=4,
+    )
+    copy = ManifestDraft.of_manifest(source, A2)
+    copy.add_objects([f"{A2}/pack-0"], [80], [11])
+    copy.add_objects([f"{A0}/big"], [3], [12], step=2)  # held at the destination
+    built = Manifest.parse(
+        copy.build(tree=source.tree, metadata=source.metadata, created=source.created).encode(),
+        step=4,
+    )
+    assert (built.attempt, built.object_keys, built.object_steps) == (
+        A2,
+        [f"{A2}/pack-0", f"{A0}/big"],
+        [4, 2],
+    )
+    for column in ("paths", "dtypes", "shapes", "leaf_object", "leaf_offset", "leaf_length"):
+        assert getattr(built, column) == getattr(source, column), column
+    assert (built.leaf_crc, built.leaf_hash) == (source.leaf_crc, source.leaf_hash)
+    assert (built.tree, built.metadata, built.created) == (source.tree, {"m": 2}, 5.0)
+
+
 def test_a_manifest_draft_needs_one_entry_per_leaf() -> None:
     from ckptstore.layout.session import ManifestDraft
 

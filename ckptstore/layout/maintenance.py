@@ -24,8 +24,9 @@ the destination with the commit protocol of :mod:`ckptstore.layout.commit`:
    any save in progress), each object streamed in parallel parts, its crc32c computed on the
    way and compared with the manifest: damaged source bytes are never committed;
 3. the copied objects are read back and verified at the destination;
-4. the manifest, rewritten to name the new attempt, is put with put-if-absent. Like a save,
-   a copy holds a lease on its attempt from the first object to the commit
+4. the manifest, drafted from the source's (its leaves as they are, the copy's objects:
+   :meth:`~ckptstore.layout.session.ManifestDraft.of_manifest`), is put with put-if-absent.
+   Like a save, a copy holds a lease on its attempt from the first object to the commit
    (:mod:`ckptstore.layout.lease`), and does not commit if the lease lapsed.
 
 On any failure before step 4 the new attempt prefix is deleted once every write under it has
@@ -37,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
-import dataclasses
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
@@ -75,6 +75,7 @@ from ckptstore.layout.references import (
     hold_references,
 )
 from ckptstore.layout.rollback import SET_ASIDE_NAME
+from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import host_buffers
@@ -699,16 +700,20 @@ async def copy_step(
 def _copied(manifest: Manifest, attempt: str, links: dict[int, tuple[int, str]]) -> Manifest:
     """The copy's manifest: every object under the copy's attempt, except those ``links``
     names, which it references at the destination (step, key)."""
-    return dataclasses.replace(
-        manifest,
-        attempt=attempt,
-        object_keys=[
-            links[i][1] if i in links else _copied_name(manifest, attempt, i)
-            for i in range(len(manifest.object_keys))
-        ],
-        object_steps=[
-            links[i][0] if i in links else manifest.step for i in range(len(manifest.object_keys))
-        ],
+    draft = ManifestDraft.of_manifest(manifest, attempt)
+    for i, (length, crc) in enumerate(
+        zip(manifest.object_lengths, manifest.object_crcs, strict=True)
+    ):
+        if i in links:
+            step, key = links[i]
+            draft.add_objects([key], [length], [crc], step=step)
+        else:
+            draft.add_objects([_copied_name(manifest, attempt, i)], [length], [crc])
+    return draft.build(
+        tree=manifest.tree,
+        metadata=manifest.metadata,
+        chunks=manifest.chunks,
+        created=manifest.created,
     )
 
 

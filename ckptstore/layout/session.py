@@ -11,7 +11,9 @@ describes what was written to a :class:`ManifestDraft`, in the terms it has at h
 * where each leaf's bytes lie (object, offset, crc32c), from a :class:`PackPlan` and the
   checksums its writer returned, or leaf by leaf as ranks report;
 * each leaf's xxh3-128 (an incremental save's record), the chunks of sharded leaves, and
-  the leaves that reuse a base step's bytes (:meth:`ManifestDraft.reference`).
+  the leaves that reuse a base step's bytes (:meth:`ManifestDraft.reference`);
+* for a copy of a committed step to another root (``cp``, the persistent tier), the source
+  manifest's leaves as they are (:meth:`ManifestDraft.of_manifest`), with the copy's objects.
 
 :meth:`ManifestDraft.build` then makes the :class:`Manifest`, which
 :func:`ckptstore.layout.commit.commit_attempt` validates (through its encoding, size cap
@@ -94,6 +96,26 @@ class ManifestDraft:
             leaf_crc=[0] * n,
             leaf_hash=[None] * n if hashes is None else list(hashes),
         )
+
+    @classmethod
+    def of_manifest(cls, manifest: Manifest, attempt: str) -> ManifestDraft:
+        """A draft of ``manifest``'s leaves, placed as they are there, for another attempt of
+        the same step (a copy of the step to another root). Its objects are added anew, in
+        the manifest's order, so the placements' object indices hold."""
+        draft = cls.of_leaves(
+            manifest.step,
+            attempt,
+            manifest.paths,
+            manifest.dtypes,
+            manifest.shapes,
+            manifest.leaf_length,
+            manifest.attrs,
+            manifest.leaf_hash,
+        )
+        draft.leaf_object = list(manifest.leaf_object)
+        draft.leaf_offset = list(manifest.leaf_offset)
+        draft.leaf_crc = list(manifest.leaf_crc)
+        return draft
 
     @classmethod
     def empty(cls, step: int, attempt: str) -> ManifestDraft:
