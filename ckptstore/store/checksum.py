@@ -204,10 +204,14 @@ class Ledger:
 
     def __init__(self) -> None:
         self._crcs: dict[tuple[int, int], int] = {}
+        # the buffers noted, kept alive with the ledger: memory a noted buffer held cannot be
+        # freed and reused by another one (same address, other bytes) while it is in use
+        self._held: list[Any] = []
 
     def record(self, data: Any, crc: int) -> None:
         """Note that the bytes of ``data`` have crc32c ``crc``."""
         self._crcs[_span(data)] = crc
+        self._held.append(data)
 
     def lookup(self, data: Any) -> int | None:
         """The crc32c noted for exactly the bytes of ``data``, if any."""
