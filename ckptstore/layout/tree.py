@@ -230,10 +230,15 @@ class FlatState:
             UnsupportedLeafError: naming the first leaf whose dtype no checkpoint can hold.
         """
         names = []
+        known: dict[np.dtype[Any], str] = {}  # a state has few dtypes and many leaves
         for path, array in zip(self.paths, self.arrays, strict=True):
-            name = dtype_name(array.dtype)
+            dtype = array.dtype
+            name = known.get(dtype)
             if name is None:
-                raise UnsupportedLeafError(path, f"dtype {array.dtype} cannot be stored")
+                name = dtype_name(dtype)
+                if name is None:
+                    raise UnsupportedLeafError(path, f"dtype {dtype} cannot be stored")
+                known[dtype] = name
             names.append(name)
         return names
 
