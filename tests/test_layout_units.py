@@ -83,6 +83,28 @@ def test_tree_paths_takes_the_depth_limit_at_a_leaf_as_at_any_node() -> None:
         tree_paths({"d": ["a", "x"], "c": [0, {"l": [0]}]}, 2)
 
 
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        (["a", 1.5], r"tree dict at 'x' has a float key"),
+        (["a", True], r"tree dict at 'x' has a bool key"),
+        (["a", None], r"tree dict at 'x' has a NoneType key"),
+        ([1, "1"], r"tree dict at 'x' repeats key '1'"),
+        (["a/b", "a~1b", "a/b"], r"tree dict at 'x' repeats key 'a~1b'"),
+    ],
+)
+def test_tree_paths_refuse_a_dict_with_bad_or_repeated_keys(keys: list[Any], message: str) -> None:
+    """A dict's keys are str or int, and no two spell one path segment (escaped)."""
+    tree = {"d": ["x"], "c": [{"d": keys, "c": list(range(len(keys)))}]}
+    with pytest.raises(ValueError, match=message):
+        tree_paths(tree, len(keys))
+
+
+def test_tree_paths_escape_and_join_keys_at_every_depth() -> None:
+    tree = {"d": ["a/b", 7], "c": [{"d": ["~c", 0], "c": [0, {"l": [1]}]}, 2]}
+    assert tree_paths(tree, 3)[0] == ["a~1b/~0c", "a~1b/0/0", "7"]
+
+
 def test_paths_escape_separators() -> None:
     flat = flatten({"a/b": {"~c": np.zeros(1)}, 7: [np.ones(1)], "top": np.zeros(2)})
     assert flat.paths == ["a~1b/~0c", "7/0", "top"]
