@@ -118,6 +118,39 @@ def test_a_lazy_stage_holds_what_save_saw() -> None:
     stager.close()
 
 
+@pytest.mark.torch
+def test_a_lazy_stage_walks_the_state_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save's half of a lazy stage is one walk of the state, as an eager stage's: the
+    flat view the writer reads is built by that walk, and the staged tree (a second walk)
+    only when asked for. (It walked three times: find the leaves, rebuild the tree, flatten
+    it; on the transformer's 496 tensors that was most of the call's time.)"""
+    import torch
+
+    import ckptstore.stage.stager as stager_module
+
+    walks: list[str] = []
+    for name in ("flatten", "iter_leaves", "map_leaves"):
+        real = getattr(stager_module, name)
+
+        def counted(*args: Any, _real: Any = real, _name: str = name, **kwargs: Any) -> Any:
+            walks.append(_name)
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(stager_module, name, counted)
+    stager = Stager()
+    source = {"w": torch.arange(64, dtype=torch.float32), "n": np.ones(3), "step": 7}
+    staged = stager.stage(source, lazy=True)
+    flat = staged.flat()
+    assert walks == ["flatten"]
+    staged.wait_ready()
+    assert flat.paths == ["w", "n"]
+    np.testing.assert_array_equal(flat.arrays[0], np.arange(64, dtype=np.float32))
+    np.testing.assert_array_equal(staged.tree["n"], np.ones(3))  # the tree, built on demand
+    assert walks == ["flatten", "map_leaves"]
+    staged.release()
+    stager.close()
+
+
 # ---------------------------------------------------------------------- torch
 
 

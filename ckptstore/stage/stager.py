@@ -383,85 +383,54 @@ class Stager:
             return self._lazy(state) if lazy else self._copied(state, copy=copy)
 
     def _lazy(self, state: Any) -> StagedState:
-        """``stage(state, lazy=True)``: the arena laid out, the copies left to
-        :meth:`_stage_lazy`."""
-        kinds = array_kinds()
-        found: list[tuple[Path, Any, ArrayKind]] = []
-        for path, leaf in iter_leaves(state):
-            for kind in kinds:
-                if kind.owns(leaf):
-                    found.append((path, leaf, kind))
-                    break
-        for kind in kinds:
-            mine = [leaf for _, leaf, k in found if k is kind]
-            if mine:
-                kind.start(mine)
-
-        specs: list[LeafSpec] = []
-        for path, leaf, kind in found:
-            specs.append(_spec(kind, leaf, path))
-
-        views: dict[Path, NDArray[Any]] = {}
-        if not found:
-            staged = self._staged(state, found, specs, views, None)
-            staged.flat()
-            return staged
-        buffer, slots = self._arena(specs)
-        try:
-            dsts: dict[int, NDArray[Any]] = {}
-            for i, ((path, _, _), dst) in enumerate(zip(found, slots, strict=True)):
-                dsts[i] = views[path] = dst
-            return self._stage_lazy(state, found, specs, views, buffer, dsts)
-        except BaseException:
-            buffer.release()
-            raise
-
-    def _stage_lazy(
-        self,
-        state: Any,
-        found: list[tuple[Path, Any, ArrayKind]],
-        specs: list[LeafSpec],
-        views: dict[Path, NDArray[Any]],
-        buffer: HostBuffer,
-        dsts: dict[int, NDArray[Any]],
-    ) -> StagedState:
-        """The lazy half of :meth:`stage`: copy now what cannot be checked, defer the rest."""
+        """``stage(state, lazy=True)``: the state walked once and the arena laid out as for
+        a copy (:meth:`_walked`), the copies left to a background thread where the leaf's
+        framework keeps a mutation counter to check them by, made now where it does not."""
         from ckptstore.stage.lazy import LazyCopy, LeafCopy
 
-        versions = {i: found[i][2].version(found[i][1]) for i in dsts}
-        now: list[CopyTask] = []
-        for i, version in versions.items():
-            if version is None:
-                _, leaf, kind = found[i]
-                now += kind.copies(leaf, dsts[i], self.chunk_bytes)
-        if now:
-            copying = _Copying(now, self.threads, self.chunk_bytes)
-            copying.start(self._helpers)
-            copying.finish()
-        # Only what must happen now happens here (the counters, the events CUDA copies wait
-        # for); even the copy tasks are built by the background thread.
-        devices: list[DeviceCopies] = []
-        by_kind: dict[int, DeviceCopies | None] = {}
-        later: list[LeafCopy] = []
-        for i, version in versions.items():
-            if version is None:
-                continue
-            path, leaf, kind = found[i]
-            if id(kind) not in by_kind:
-                mine = [found[j][1] for j, v in versions.items() if v is not None]
-                device = by_kind[id(kind)] = kind.device_copies([x for x in mine if kind.owns(x)])
-                if device is not None:
-                    devices.append(device)
-            device = by_kind[id(kind)]
-            if device is not None and not device.owns(leaf):
-                device = None
-            later.append(LeafCopy(path, leaf, kind, version, dsts[i], device, self.chunk_bytes))
-        staged = self._staged(state, found, specs, views, buffer)
-        staged.flat()
-        snapshot = LazyCopy(later, devices, self.chunk_bytes)
-        staged.snapshot = snapshot
-        staged.fences.append(snapshot.result)
-        snapshot.start(self._lazy_thread())
+        staged, paths, sources, slots = self._laid_out(state, copy=True)
+        if staged.buffer is None:
+            return staged
+        try:
+            versions = [kind.version(leaf) for leaf, kind, _ in sources]
+            now: list[CopyTask] = []
+            for (leaf, kind, _), dst, version in zip(sources, slots, versions, strict=True):
+                if version is None:
+                    now += kind.copies(leaf, dst, self.chunk_bytes)
+            if now:
+                copying = _Copying(now, self.threads, self.chunk_bytes)
+                copying.start(self._helpers)
+                copying.finish()
+            # Only what must happen now happens here (the counters, the events CUDA copies
+            # wait for); even the copy tasks are built by the background thread.
+            devices: list[DeviceCopies] = []
+            by_kind: dict[int, DeviceCopies | None] = {}
+            later: list[LeafCopy] = []
+            for path, (leaf, kind, _), dst, version in zip(
+                paths, sources, slots, versions, strict=True
+            ):
+                if version is None:
+                    continue
+                if id(kind) not in by_kind:
+                    mine = [
+                        x
+                        for (x, k, _), v in zip(sources, versions, strict=True)
+                        if v is not None and k is kind
+                    ]
+                    device = by_kind[id(kind)] = kind.device_copies(mine)
+                    if device is not None:
+                        devices.append(device)
+                device = by_kind[id(kind)]
+                if device is not None and not device.owns(leaf):
+                    device = None
+                later.append(LeafCopy(path, leaf, kind, version, dst, device, self.chunk_bytes))
+            snapshot = LazyCopy(later, devices, self.chunk_bytes)
+            staged.snapshot = snapshot
+            staged.fences.append(snapshot.result)
+            snapshot.start(self._lazy_thread())
+        except BaseException:
+            staged.buffer.release()
+            raise
         return staged
 
     def _lazy_thread(self) -> ThreadPoolExecutor:
@@ -491,16 +460,71 @@ class Stager:
         return buffer, slots
 
     def _copied(self, state: Any, *, copy: bool) -> StagedState:
-        """``stage(state)`` (not lazy) in one walk of the state.
+        """``stage(state)`` (not lazy): the state walked once (:meth:`_walked`), the arena
+        laid out, each stand-in replaced by its slot, and the copies run. With nothing to
+        copy there is no arena at all."""
+        staged, _, sources, slots = self._laid_out(state, copy=copy)
+        if staged.buffer is None:
+            return staged
+        try:
+            tasks: list[CopyTask] = []
+            for (leaf, kind, _), dst in zip(sources, slots, strict=True):
+                tasks += kind.copies(leaf, dst, self.chunk_bytes)
+            copying = _Copying(tasks, self.threads, self.chunk_bytes)
+            copying.start(self._helpers)
+            copying.finish()
+            for kind, mine in _kinds_of(sources):
+                fence = kind.fence(mine)
+                if fence is not None:
+                    staged.fences.append(fence)
+        except BaseException:
+            staged.buffer.release()
+            raise
+        return staged
+
+    def _laid_out(
+        self, state: Any, *, copy: bool
+    ) -> tuple[StagedState, list[Path], list[tuple[Any, ArrayKind, LeafSpec]], list[NDArray[Any]]]:
+        """A stage's state walked once (:meth:`_walked`) and its arena laid out:
+        ``(staged state, the path of each leaf to copy, its (leaf, kind, spec), its slot in
+        the arena)``. Each leaf's framework has been told of the copies to come
+        (``ArrayKind.start``) and the flat view shows the slots. With nothing to copy the
+        staged state has no buffer."""
+        flat, to_copy, sources, staged, views = self._walked(state, copy=copy)
+        if not to_copy:
+            return staged, [], [], []
+        for kind, mine in _kinds_of(sources):
+            kind.start(mine)
+        buffer, slots = self._arena([spec for _, _, spec in sources])
+        paths = [flat.paths[i] for i in to_copy]
+        for i, path, dst in zip(to_copy, paths, slots, strict=True):
+            flat.arrays[i] = views[path] = dst
+        staged.buffer = buffer
+        staged.nbytes = sum(flat.nbytes)
+        return staged, paths, sources, slots
+
+    @staticmethod
+    def _walked(
+        state: Any, *, copy: bool
+    ) -> tuple[
+        FlatState,
+        list[int],
+        list[tuple[Any, ArrayKind, LeafSpec]],
+        StagedState,
+        dict[Path, NDArray[Any]],
+    ]:
+        """One walk of ``state`` for a stage, lazy or not: ``(flat view, the flat indices of
+        the leaves to copy, each one's (leaf, kind, spec), the staged state, its host views by
+        path)``.
 
         The one walker builds the format layer's flat view straight from ``state``, taking
         each framework's leaf apart (its spec) on the way and giving each leaf to copy a
-        zero-length stand-in of its dtype; then the arena is laid out, each stand-in replaced
-        by its slot, and the copies run. With ``copy=False`` a leaf in host memory goes into
+        zero-length stand-in of its dtype, which the caller replaces by the leaf's slot in
+        the arena (and in the views). With ``copy=False`` a leaf in host memory goes into
         the flat view as itself (numpy) or as its host view (a CPU tensor), and only the rest
-        is copied; with nothing to copy there is no arena at all. (The general path walked the
-        state three times: find the leaves, rebuild the staged tree, flatten it.) The staged
-        tree is built only if someone asks for it; a save never does.
+        is to be copied. (The general path walked the state three times: find the leaves,
+        rebuild the staged tree, flatten it.) The staged tree is built only if someone asks
+        for it; a save never does.
         """
         kinds = array_kinds()
         numpy_kind = next(kind for kind in kinds if kind.name == "numpy")
@@ -547,52 +571,7 @@ class Stager:
             else None,
         )
         staged._flat = flat
-        if not to_copy:
-            return staged
-        for kind in others:
-            mine = [leaf for leaf, k, _ in sources if k is kind]
-            if mine:
-                kind.start(mine)
-        buffer, slots = self._arena([spec for _, _, spec in sources])
-        try:
-            tasks: list[CopyTask] = []
-            for i, (leaf, kind, _), dst in zip(to_copy, sources, slots, strict=True):
-                flat.arrays[i] = views[flat.paths[i]] = dst
-                tasks += kind.copies(leaf, dst, self.chunk_bytes)
-            copying = _Copying(tasks, self.threads, self.chunk_bytes)
-            copying.start(self._helpers)
-            copying.finish()
-            staged.buffer = buffer
-            staged.nbytes = sum(flat.nbytes)
-            for kind in others:
-                mine = [leaf for leaf, k, _ in sources if k is kind]
-                fence = kind.fence(mine) if mine else None
-                if fence is not None:
-                    staged.fences.append(fence)
-        except BaseException:
-            buffer.release()
-            raise
-        return staged
-
-    @staticmethod
-    def _staged(
-        state: Any,
-        found: list[tuple[Path, Any, ArrayKind]],
-        specs: list[LeafSpec],
-        views: dict[Path, NDArray[Any]],
-        buffer: HostBuffer | None,
-    ) -> StagedState:
-        if buffer is None and all(views[path] is leaf for path, leaf, _ in found):
-            tree = state  # nothing copied or converted: the state is its own staged tree
-        else:
-            tree = map_leaves(lambda path, leaf: views.get(path, leaf), state)
-        attrs = {
-            path: spec.attrs
-            for (path, _, _), spec in zip(found, specs, strict=True)
-            if spec.attrs is not None
-        }
-        nbytes = sum(spec.nbytes for spec in specs)
-        return StagedState(tree=tree, attrs=attrs, nbytes=nbytes, buffer=buffer)
+        return flat, to_copy, sources, staged, views
 
     def _helpers(self, count: int) -> ThreadPoolExecutor:
         if self._executor is None:
@@ -842,3 +821,14 @@ def rebuild_leaf(
     if shape != array.shape:
         raise ValueError(f"the restore target has shape {shape}, the checkpoint {array.shape}")
     return like_kind.rebuild(array, attrs, like)
+
+
+def _kinds_of(sources: list[tuple[Any, ArrayKind, LeafSpec]]) -> list[tuple[ArrayKind, list[Any]]]:
+    """The kinds among ``sources``, each with its leaves, in order of first appearance."""
+    by_kind: dict[int, tuple[ArrayKind, list[Any]]] = {}
+    for leaf, kind, _ in sources:
+        entry = by_kind.get(id(kind))
+        if entry is None:
+            entry = by_kind[id(kind)] = (kind, [])
+        entry[1].append(leaf)
+    return list(by_kind.values())
