@@ -567,8 +567,9 @@ def _check_extents(
 
 # ---------------------------------------------------------------------- body encoding
 
-#: orjson's extensions refused (it would write a dataclass, a datetime or an enum that the
-#: json module refuses; refused here, they fall back to json and fail as they always did).
+#: orjson's extensions refused: it would write a dataclass or a datetime, which the json module
+#: refuses, and subclasses of str, int, dict and list by its own rules; refused here, they go
+#: to json, which writes or refuses them as it always did.
 _ORJSON_OPTIONS = (
     orjson.OPT_PASSTHROUGH_DATACLASS
     | orjson.OPT_PASSTHROUGH_DATETIME
