@@ -384,7 +384,7 @@ class Stager:
 
     def _lazy(self, state: Any) -> StagedState:
         """``stage(state, lazy=True)``: the state walked once and the arena laid out as for
-        a copy (:meth:`_walked`), the copies left to a background thread where the leaf's
+        a copy (:meth:`_laid_out`), the copies left to a background thread where the leaf's
         framework keeps a mutation counter to check them by, made now where it does not."""
         from ckptstore.stage.lazy import LazyCopy, LeafCopy
 
