@@ -403,27 +403,19 @@ class Stager:
                 copying.finish()
             # Only what must happen now happens here (the counters, the events CUDA copies
             # wait for); even the copy tasks are built by the background thread.
-            devices: list[DeviceCopies] = []
-            by_kind: dict[int, DeviceCopies | None] = {}
+            counted = [s for s, v in zip(sources, versions, strict=True) if v is not None]
+            device_of = {id(kind): kind.device_copies(mine) for kind, mine in _kinds_of(counted)}
             later: list[LeafCopy] = []
             for path, (leaf, kind, _), dst, version in zip(
                 paths, sources, slots, versions, strict=True
             ):
                 if version is None:
                     continue
-                if id(kind) not in by_kind:
-                    mine = [
-                        x
-                        for (x, k, _), v in zip(sources, versions, strict=True)
-                        if v is not None and k is kind
-                    ]
-                    device = by_kind[id(kind)] = kind.device_copies(mine)
-                    if device is not None:
-                        devices.append(device)
-                device = by_kind[id(kind)]
+                device = device_of[id(kind)]
                 if device is not None and not device.owns(leaf):
                     device = None
                 later.append(LeafCopy(path, leaf, kind, version, dst, device, self.chunk_bytes))
+            devices = [device for device in device_of.values() if device is not None]
             snapshot = LazyCopy(later, devices, self.chunk_bytes)
             staged.snapshot = snapshot
             staged.fences.append(snapshot.result)
