@@ -95,14 +95,16 @@ __all__ = [
 #: One INFO record per save (docs/reference.md, "Logging"), redacted like every record.
 _log = store_logger("ckptstore.save")
 
-#: Tries of the manifest put when the store reports a transient failure.
-MANIFEST_PUT_TRIES = 3
-
 #: Waits between reads of a manifest that the put-if-absent reported existing but a read did
 #: not find yet. On a FUSE mount of SeaweedFS under load a lookup missed the file that
 #: ``link()`` had just refused with EEXIST (in 4 and 3 of two runs of 300 races of 6
 #: savers); an NFS client's cached negative lookups lag the same way. About 6 s in all.
 MANIFEST_REREAD_WAITS = (0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.0)
+
+#: The first of those waits, for the reads that decide a manifest put that failed: the
+#: manifest is there only if the put landed and just its answer was lost, so a read that
+#: keeps missing it for a moment means the put most likely never landed. About 0.35 s.
+FAILED_PUT_REREAD_WAITS = MANIFEST_REREAD_WAITS[:4]
 
 
 @dataclass(frozen=True, slots=True)
@@ -694,11 +696,12 @@ async def commit_manifest(
     """Commit ``manifest`` for its attempt: the last step of the commit protocol.
 
     Call it only once every object the manifest names is durable (invariant 2). The manifest
-    is written to ``<step>/manifest.json`` with one put-if-absent. A put that fails with a
-    store error is tried again (up to :data:`MANIFEST_PUT_TRIES` times), since it may have
-    landed with only its response lost. When the manifest already exists it is read back: if
-    it carries ``manifest.attempt``, an earlier try of this put won and the commit succeeded;
-    otherwise another attempt committed the step first.
+    is written to ``<step>/manifest.json`` with one put-if-absent; the store's transport
+    retries it (``Settings.retry_attempts`` within ``Settings.request_deadline``), and this
+    function never puts it again: one retry policy, not a loop of retries around another.
+    When the manifest already exists, or the put failed (it may have landed with only its
+    answer lost), the manifest is read back: if it carries ``manifest.attempt``, this
+    attempt committed; if another attempt's, that one committed the step first.
 
     Args:
         store: the checkpoint root.
@@ -709,54 +712,83 @@ async def commit_manifest(
     Raises:
         CommitConflictError: another attempt's manifest (or an invalid one) holds the step;
             this attempt stays invisible and its objects may be deleted.
-        StoreError: every try of the put failed.
+        StoreError: the put failed and no manifest could be read back, or one exists that
+            could not be read: whether this attempt committed is unknown, so its data must
+            be left in place.
     """
     step, attempt = manifest.step, manifest.attempt
     data = manifest.encode() if encoded is None else encoded
     key = manifest_key(step)
-    for trial in range(MANIFEST_PUT_TRIES):
-        try:
-            await store.put(key, data, mode="create")
-        except AlreadyExistsError:
-            break
-        except StoreError:
-            # The put may have landed with only its response lost: try again, and a retry
-            # that finds the manifest decides by its attempt id below.
-            if trial == MANIFEST_PUT_TRIES - 1:
-                raise
-            continue
-        else:
-            return
+    failed: StoreError | None = None
     try:
-        existing = await _read_existing_manifest(store, step)
+        await store.put(key, data, mode="create")
+    except AlreadyExistsError:
+        pass
+    except StoreError as exc:
+        failed = exc
+    else:
+        return
+    try:
+        if failed is None:
+            existing = await _read_existing_manifest(store, step)
+        else:
+            existing = await _read_after_failed_put(store, step, failed)
     except CorruptCheckpointError as exc:
         raise CommitConflictError(
             f"{store.url}/{key}: step {step} already has a manifest, and it is invalid ({exc})"
         ) from None
     if existing.attempt == attempt:
-        return  # our own earlier put won; its response was lost
+        return  # our own put landed; only its answer was lost
     raise CommitConflictError(
         f"{store.url}/{key}: step {step} was committed by attempt {existing.attempt} first; "
         f"this attempt ({attempt}) stays invisible"
     )
 
 
+async def _read_back(store: Store, step: int, waits: tuple[float, ...]) -> Manifest | None:
+    """The manifest of ``step``, read again after each of ``waits`` while a read does not
+    find it (lookups can lag a create); ``None`` if the last read does not find it either."""
+    for wait in (*waits, None):
+        try:
+            return await read_manifest(store, step)
+        except NotFoundError:
+            if wait is None:
+                return None
+            _log.debug("%s: step %d manifest not visible yet; reading again", store.url, step)
+            await asyncio.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+async def _read_after_failed_put(store: Store, step: int, failed: StoreError) -> Manifest:
+    """Read the manifest of ``step`` after its put failed with ``failed``: the put may have
+    landed with only its answer lost. Raises ``failed`` when no manifest is found within
+    :data:`FAILED_PUT_REREAD_WAITS`, or the read fails too."""
+    try:
+        manifest = await _read_back(store, step, FAILED_PUT_REREAD_WAITS)
+    except StoreError as exc:
+        failed.add_note(f"reading the manifest back to see whether the put landed: {exc}")
+        raise failed from None
+    if manifest is not None:
+        return manifest
+    failed.add_note(
+        f"no manifest of step {step} was found after the failed put: the step is not "
+        "committed, or its manifest is not visible yet; this attempt's data is left for "
+        "garbage collection"
+    )
+    raise failed
+
+
 async def _read_existing_manifest(store: Store, step: int) -> Manifest:
-    """Read the manifest a put-if-absent was refused by: a read that does not find it yet is
-    tried again (:data:`MANIFEST_REREAD_WAITS`), since lookups can lag the create.
+    """Read the manifest a put-if-absent was refused by, within
+    :data:`MANIFEST_REREAD_WAITS` (lookups can lag the create).
 
     Raises:
         StoreError: it stayed unreadable: whether this attempt committed is unknown, so its
             data is left in place (garbage collection decides later).
     """
-    for wait in (*MANIFEST_REREAD_WAITS, None):
-        try:
-            return await read_manifest(store, step)
-        except NotFoundError:
-            if wait is None:
-                break
-            _log.debug("%s: step %d manifest not visible yet; reading again", store.url, step)
-            await asyncio.sleep(wait)
+    manifest = await _read_back(store, step, MANIFEST_REREAD_WAITS)
+    if manifest is not None:
+        return manifest
     waited = sum(MANIFEST_REREAD_WAITS)
     raise StoreError(
         f"{store.url}/{manifest_key(step)}: the put-if-absent found a manifest for step {step}, "

@@ -430,8 +430,12 @@ class CheckpointTests:
     async def test_failed_manifest_put_leaves_step_invisible(self, store: Store) -> None:
         await asave(store, {"v": np.ones(3)}, step=11)
         faulty = FaultStore(store, [Fault(frozenset({"put"}), _injected, key="manifest")])
-        with pytest.raises(StoreError):
+        with pytest.raises(StoreError) as raised:
             await asave(faulty, {"v": np.zeros(3)}, step=12)
+        # the store's transport alone retries a put; the commit never puts the manifest again
+        assert faulty.injected["put"] == 1
+        assert "no manifest of step 12 was found" in "".join(raised.value.__notes__)
+        assert len({k.split("/")[1] for k in await store.list_keys("12/")}) == 1  # data kept
         assert await alist_steps(store) == [11]
         assert_same_state(await aload(store), {"v": np.ones(3)})
 
