@@ -328,6 +328,58 @@ def test_verify_reports_a_corrupt_manifest(
     assert "invalid manifest" in out
 
 
+def test_verify_checks_references_as_a_restore_does(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """Step 2 of an incremental run references step 1's frozen leaf. With step 1's manifest
+    gone its bytes are intact but no longer a committed object: a load refuses the step, and
+    verify, a restore into a sink, reports it (it read every byte and passed it before)."""
+    root = tmp_path / "run"
+    frozen = np.arange(1 << 18, dtype=np.float32)
+    ckptstore.save(root, {"frozen": frozen, "head": np.zeros(8)}, step=1)
+    ckptstore.save(root, {"frozen": frozen, "head": np.ones(8)}, step=2)
+    assert ckptstore.read_manifest(root, 2).references()  # the frozen leaf is referenced
+    status, out, _ = run(capsys, "verify", str(root), "2")
+    assert (status, out.splitlines()[0][:11]) == (0, "step 2: ok ")
+    (root / "1" / "manifest.json").unlink()
+    with pytest.raises(ckptstore.errors.BrokenReferenceError):
+        ckptstore.load(root, 2)
+    status, out, _ = run(capsys, "verify", str(root), "2", "--json")
+    assert status == cli.EXIT_DAMAGED
+    damage = json.loads(out)["steps"][0]["damage"]
+    assert [d["kind"] for d in damage] == ["reference"], damage
+    assert damage[0]["name"] == "2/manifest.json"
+
+
+@pytest.mark.parametrize("damage", ["flip", "short", "long", "gone"])
+def test_verify_and_a_load_refuse_the_same_damage_in_the_same_words(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, damage: str
+) -> None:
+    """One read engine: what a load refuses, verify reports, with the load's own words."""
+    root = tmp_path / "run"
+    ckptstore.save(root, {"w": np.arange(1 << 16, dtype=np.float32)}, step=1)
+    (victim,) = data_files(root, 1)
+    data = victim.read_bytes()
+    if damage == "flip":
+        flip_byte(victim, 100)
+    elif damage == "gone":
+        victim.unlink()
+    else:
+        victim.write_bytes(data[:-4] if damage == "short" else data + b"\0" * 4)
+    with pytest.raises(ckptstore.errors.CorruptCheckpointError) as refused:
+        ckptstore.load(root, 1)
+    status, out, _ = run(capsys, "verify", str(root), "1", "--json")
+    assert status == cli.EXIT_DAMAGED
+    problems = [d["problem"] for d in json.loads(out)["steps"][0]["damage"]]
+    assert problems
+    for problem in problems:
+        if problem != "missing":  # a load says "is missing"
+            assert problem.split(" in ")[0] in str(refused.value), (problem, refused.value)
+    if damage == "gone":
+        assert problems == ["missing"]
+        assert "is missing" in str(refused.value)
+
+
 def test_verify_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
     status, _, err = run(capsys, "verify", str(run_dir), "11")
     assert status == cli.EXIT_ERROR

@@ -677,7 +677,9 @@ async def _verify(args: argparse.Namespace) -> Outcome:
                         )
                     )
                     continue
-                reports.append(await verify_manifest(store, manifest, progress=bar.update))
+                reports.append(
+                    await verify_manifest(store, manifest, progress=bar.update, references=True)
+                )
         url = store.url
     damaged = [r for r in reports if not r.ok]
     lines = []

@@ -3,11 +3,11 @@
 These sit above the layout layer, beside the CheckpointManager, and back the ``ckptstore``
 command (``ls``, ``show``, ``verify``, ``cp``); they are plain async functions for scripts too.
 
-**Verify** re-reads every byte of every data object a manifest names, in part-sized chunks
-read in parallel into a bounded pool of buffers, and checks the crc32c of every object and of
-every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces are combined
-(:func:`~ckptstore.store.checksum.crc32c_combine`), so no leaf is read twice and memory stays
-at ``max_concurrency`` chunks. It reports every problem found instead of stopping at the first.
+**Verify** is a restore into a sink that keeps nothing
+(:func:`ckptstore.layout.restore.read_into_sink`, beside the restore's own reads): every byte
+of every data object a manifest names is read in part-sized chunks through a bounded pool of
+buffers, and checked as a restore checks it (sizes, then the crc32c of every leaf, chunk block
+and object). It reports every problem found instead of stopping at the first.
 
 Both read an incremental step's referenced objects like its own: verify checks each
 reference against its attempt's committed record, then its bytes; copy writes them under the
@@ -36,7 +36,6 @@ ended (or left for gc if the delete fails), so a refused copy leaves nothing beh
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import time
 from collections import defaultdict
@@ -48,7 +47,6 @@ from ckptstore.errors import (
     BrokenReferenceError,
     CommitConflictError,
     CorruptCheckpointError,
-    InvalidRangeError,
     NotFoundError,
 )
 from ckptstore.layout.commit import (
@@ -74,12 +72,11 @@ from ckptstore.layout.references import (
     check_references,
     hold_references,
 )
+from ckptstore.layout.restore import Damage, Sink, read_into_sink
 from ckptstore.layout.rollback import SET_ASIDE_NAME
 from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import escape_key
 from ckptstore.store.base import Store
-from ckptstore.store.buffers import host_buffers
-from ckptstore.store.checksum import crc32c, crc32c_combine, in_hash_thread
 from ckptstore.store.transfer import copy_object
 from ckptstore.store.transport import store_logger
 
@@ -296,21 +293,6 @@ def plain_values(tree: Any) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------- verify
 
 
-@dataclass(frozen=True, slots=True)
-class Damage:
-    """One problem found by :func:`verify_step`.
-
-    Attributes:
-        kind: ``"manifest"``, ``"reference"``, ``"object"`` or ``"leaf"``.
-        name: the manifest key, object key (relative to the store root) or leaf path.
-        problem: what is wrong, e.g. ``"crc32c mismatch: recorded 1, read 2"``.
-    """
-
-    kind: str
-    name: str
-    problem: str
-
-
 @dataclass(slots=True)
 class VerifyReport:
     """What :func:`verify_step` checked and found.
@@ -334,77 +316,6 @@ class VerifyReport:
         return not self.damage
 
 
-@dataclass(frozen=True, slots=True)
-class _Span:
-    """A byte range of an object with a recorded crc32c: a leaf, or a block of a chunk of a
-    sharded leaf (see :mod:`ckptstore.layout.chunks`)."""
-
-    offset: int
-    length: int
-    crc: int
-    name: str
-    leaf: bool
-
-
-def _spans(manifest: Manifest) -> list[tuple[int, _Span]]:
-    """Every checksummed range of every object: ``(object, span)``."""
-    spans = [
-        (
-            obj,
-            _Span(
-                manifest.leaf_offset[leaf],
-                manifest.leaf_length[leaf],
-                manifest.leaf_crc[leaf],
-                manifest.paths[leaf],
-                True,
-            ),
-        )
-        for leaf, obj in enumerate(manifest.leaf_object)
-        if obj >= 0 and manifest.leaf_length[leaf] > 0
-    ]
-    chunks = manifest.chunks
-    if chunks is not None:
-        block = chunks.block_size
-        for c, leaf in enumerate(chunks.leaf):
-            length = chunks.length(c, manifest.dtype(leaf).itemsize)
-            where = f"{manifest.paths[leaf]} (chunk at {chunks.start[c]}"
-            for b, crc in enumerate(chunks.crc32c[c]):
-                size = min(block, length - b * block)
-                name = f"{where}, block {b})"
-                spans.append(
-                    (chunks.object[c], _Span(chunks.offset[c] + b * block, size, crc, name, False))
-                )
-    return spans
-
-
-def _leaf_index(
-    spans: list[tuple[int, _Span]],
-) -> dict[int, tuple[list[int], list[int], list[int]]]:
-    """Per object: its spans (indices into ``spans``) sorted by offset, their offsets and
-    their ends."""
-    by_object: dict[int, list[int]] = defaultdict(list)
-    for i, (obj, _) in enumerate(spans):
-        by_object[obj].append(i)
-    index = {}
-    for obj, members in by_object.items():
-        members.sort(key=lambda i: spans[i][1].offset)
-        offsets = [spans[i][1].offset for i in members]
-        ends = [spans[i][1].offset + spans[i][1].length for i in members]
-        index[obj] = (members, offsets, ends)
-    return index
-
-
-def _combine(pieces: list[tuple[int, int, int]]) -> int:
-    """crc32c of consecutive pieces given as ``(start, crc, length)``, in any order."""
-    if not pieces:
-        return 0
-    pieces.sort()
-    crc = pieces[0][1]  # most leaves are one piece: no combining (it costs ~50 us in Python)
-    for _, piece_crc, length in pieces[1:]:
-        crc = crc32c_combine(crc, piece_crc, length)
-    return crc
-
-
 async def verify_manifest(
     store: Store,
     manifest: Manifest,
@@ -412,8 +323,10 @@ async def verify_manifest(
     progress: Progress | None = None,
     chunk_size: int | None = None,
     objects: Collection[int] | None = None,
+    references: bool = False,
 ) -> VerifyReport:
-    """Re-read every data object ``manifest`` names on ``store`` and check every checksum.
+    """Re-read every data object ``manifest`` names on ``store`` and check every checksum:
+    a restore into a sink that keeps nothing (:func:`~ckptstore.layout.restore.read_into_sink`).
 
     Args:
         store: the checkpoint root holding the objects.
@@ -423,103 +336,13 @@ async def verify_manifest(
         chunk_size: bytes per read (default ``Settings.part_size``).
         objects: check only these objects (by index) and the leaves in them (a copy checks
             what it wrote, not the earlier steps' objects it references).
+        references: also check that each object referenced from an earlier step is a
+            committed object of its attempt (:func:`~ckptstore.layout.references.
+            check_references`), as a restore does; a broken one is damage.
     """
-    report = VerifyReport(manifest.step)
-    chunk = chunk_size or store.settings.part_size
-    buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
-    spans = _spans(manifest)
-    leaf_index = _leaf_index(spans)
-    leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-
-    def hash_chunk(obj: int, start: int, view: memoryview) -> tuple[int, list[tuple[int, int]]]:
-        """crc of the chunk, and ``(leaf, crc)`` of each leaf's piece inside it."""
-        leaves, offsets, ends = leaf_index.get(obj, ([], [], []))
-        end = start + len(view)
-        pieces = []
-        i = bisect.bisect_right(ends, start)
-        while i < len(leaves) and offsets[i] < end:
-            lo, hi = max(offsets[i], start), min(ends[i], end)
-            pieces.append((leaves[i], crc32c(view[lo - start : hi - start])))
-            i += 1
-        return crc32c(view), pieces
-
-    async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
-        async with slots:
-            buf = host_buffers.acquire(buffer_size)
-            try:
-                view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
-                await store.read_into(key, start, view)
-                crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
-            except BaseException:
-                buf.discard()  # a cancelled local read's thread may still fill it
-                raise
-            finally:
-                buf.release()
-        for leaf, piece_crc in pieces:
-            span = spans[leaf][1]
-            lo = max(span.offset, start)
-            hi = min(span.offset + span.length, start + length)
-            leaf_pieces[leaf].append((lo, piece_crc, hi - lo))
-        if progress is not None:
-            progress(length)
-        return start, crc, length
-
-    async def check_object(obj: int) -> None:
-        key = manifest.object_key(obj)
-        expected = manifest.object_lengths[obj]
-        try:
-            meta = await store.head(key)
-        except NotFoundError:
-            report.damage.append(Damage("object", key, "missing"))
-            return
-        if meta.size != expected:
-            report.damage.append(
-                Damage("object", key, f"{meta.size} bytes, the manifest says {expected}")
-            )
-            return
-        try:
-            pieces = await gather_all(
-                check_chunk(obj, key, start, min(chunk, expected - start))
-                for start in range(0, expected, chunk)
-            )
-        except (NotFoundError, InvalidRangeError) as exc:
-            report.damage.append(Damage("object", key, f"read failed: {exc}"))
-            return
-        report.objects += 1
-        report.nbytes += expected
-        crc = _combine(pieces)
-        if crc != manifest.object_crcs[obj]:
-            report.damage.append(
-                Damage(
-                    "object",
-                    key,
-                    f"crc32c mismatch: recorded {manifest.object_crcs[obj]}, read {crc}",
-                )
-            )
-        for leaf in leaf_index.get(obj, ([], [], []))[0]:
-            span = spans[leaf][1]
-            report.leaves += int(span.leaf)
-            leaf_crc = _combine(leaf_pieces.pop(leaf, []))
-            if leaf_crc != span.crc:
-                report.damage.append(
-                    Damage(
-                        "leaf",
-                        span.name,
-                        f"crc32c mismatch in {key}: recorded {span.crc}, read {leaf_crc}",
-                    )
-                )
-
-    # Objects run concurrently; the chunk slots bound how many reads are in flight.
-    checked = range(len(manifest.object_keys)) if objects is None else sorted(objects)
-    await gather_all(check_object(i) for i in checked)
-    report.leaves += sum(
-        1
-        for leaf, obj in enumerate(manifest.leaf_object)
-        if obj < 0 or not manifest.leaf_length[leaf]
-    )
-    report.damage.sort(key=lambda d: (d.kind != "object", d.name))
-    return report
+    sink = Sink(chunk_size or store.settings.part_size, progress)
+    await read_into_sink(store, manifest, sink, objects=objects, references=references)
+    return VerifyReport(manifest.step, sink.objects, sink.leaves, sink.nbytes, sink.damage)
 
 
 async def verify_step(store: Store, step: int, *, progress: Progress | None = None) -> VerifyReport:
@@ -536,14 +359,7 @@ async def verify_step(store: Store, step: int, *, progress: Progress | None = No
         manifest = await read_manifest(store, step)
     except CorruptCheckpointError as exc:
         return VerifyReport(step, damage=[Damage("manifest", manifest_key(step), str(exc))])
-    broken: list[Damage] = []
-    try:
-        await check_references(store, manifest)
-    except BrokenReferenceError as exc:
-        broken.append(Damage("reference", manifest_key(step), str(exc)))
-    report = await verify_manifest(store, manifest, progress=progress)
-    report.damage[:0] = broken
-    return report
+    return await verify_manifest(store, manifest, progress=progress, references=True)
 
 
 # ----------------------------------------------------------------- copy

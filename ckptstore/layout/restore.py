@@ -54,14 +54,21 @@ from the whole leaf, read and checked as always.
 A mismatch, a short, long or missing object raises
 :class:`~ckptstore.errors.CorruptCheckpointError` naming the object and, where one is to
 blame, the leaf, with the recorded and the computed checksums when they differ.
+
+A verify is a restore into a :class:`Sink` that keeps nothing (:func:`read_into_sink`): the
+same size check before any read, the same references check, every leaf's, chunk block's and
+object's crc32c, with the same messages; but each object is read in part-sized chunks through
+a bounded pool of buffers whatever its size, and every problem is recorded rather than raised
+at the first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
 from collections import Counter, defaultdict
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import crc32c
@@ -76,12 +83,23 @@ from ckptstore.errors import (
 from ckptstore.layout.chunks import Box, read_boxes
 from ckptstore.layout.commit import gather_all
 from ckptstore.layout.dtypes import dtype_from_name
+from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import check_references
+from ckptstore.store import checksum
 from ckptstore.store.base import Store
+from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 
-__all__ = ["Pieces", "check_object_size", "empty_array", "read_leaves"]
+__all__ = [
+    "Damage",
+    "Pieces",
+    "Sink",
+    "check_object_size",
+    "empty_array",
+    "read_into_sink",
+    "read_leaves",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -348,11 +366,16 @@ async def check_object_size(store: Store, key: str, length: int) -> None:
         CorruptCheckpointError: the object has another size.
         NotFoundError: it is missing.
     """
+    problem = await _size_problem(store, key, length)
+    if problem is not None:
+        raise CorruptCheckpointError(f"{store.url}: object {key!r} {problem}")
+
+
+async def _size_problem(store: Store, key: str, length: int) -> str | None:
+    """What is wrong with object ``key``'s size (one ``head``), or ``None`` if it is
+    ``length`` bytes. Raises :class:`NotFoundError` if it is missing."""
     size = (await store.head(key)).size
-    if size != length:
-        raise CorruptCheckpointError(
-            f"{store.url}: object {key!r} is {size} bytes, but the manifest says {length}"
-        )
+    return None if size == length else f"is {size} bytes, but the manifest says {length}"
 
 
 def _mismatch(recorded: int, read: int) -> str:
@@ -376,3 +399,255 @@ def _first_mismatch(
         if crc != recorded[leaf]:
             return leaf, crc
     return None
+
+
+# ------------------------------------------------------------------ reading into a sink
+#
+# A verify re-reads every byte of every data object a manifest names, in part-sized chunks
+# read in parallel into a bounded pool of buffers, and checks the crc32c of every object and
+# of every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces are
+# combined (:func:`~ckptstore.store.checksum.crc32c_combine`), so no leaf is read twice and
+# memory stays at ``max_concurrency`` chunks.
+
+
+@dataclass(frozen=True, slots=True)
+class Damage:
+    """One problem found by a read into a :class:`Sink` (a verify).
+
+    Attributes:
+        kind: ``"manifest"``, ``"reference"``, ``"object"`` or ``"leaf"``.
+        name: the manifest key, object key (relative to the store root) or leaf path.
+        problem: what is wrong, e.g. ``"crc32c mismatch (recorded 1, read 2)"``.
+    """
+
+    kind: str
+    name: str
+    problem: str
+
+
+@dataclass(frozen=True, slots=True)
+class _Span:
+    """A byte range of an object with a recorded crc32c: a leaf, or a block of a chunk of a
+    sharded leaf (see :mod:`ckptstore.layout.chunks`)."""
+
+    offset: int
+    length: int
+    crc: int
+    name: str
+    leaf: bool
+
+
+def _spans(manifest: Manifest) -> list[tuple[int, _Span]]:
+    """Every checksummed range of every object: ``(object, span)``."""
+    spans = [
+        (
+            obj,
+            _Span(
+                manifest.leaf_offset[leaf],
+                manifest.leaf_length[leaf],
+                manifest.leaf_crc[leaf],
+                manifest.paths[leaf],
+                True,
+            ),
+        )
+        for leaf, obj in enumerate(manifest.leaf_object)
+        if obj >= 0 and manifest.leaf_length[leaf] > 0
+    ]
+    chunks = manifest.chunks
+    if chunks is not None:
+        block = chunks.block_size
+        for c, leaf in enumerate(chunks.leaf):
+            length = chunks.length(c, manifest.dtype(leaf).itemsize)
+            where = f"{manifest.paths[leaf]} (chunk at {chunks.start[c]}"
+            for b, crc in enumerate(chunks.crc32c[c]):
+                size = min(block, length - b * block)
+                name = f"{where}, block {b})"
+                spans.append(
+                    (chunks.object[c], _Span(chunks.offset[c] + b * block, size, crc, name, False))
+                )
+    return spans
+
+
+def _leaf_index(
+    spans: list[tuple[int, _Span]],
+) -> dict[int, tuple[list[int], list[int], list[int]]]:
+    """Per object: its spans (indices into ``spans``) sorted by offset, their offsets and
+    their ends."""
+    by_object: dict[int, list[int]] = defaultdict(list)
+    for i, (obj, _) in enumerate(spans):
+        by_object[obj].append(i)
+    index = {}
+    for obj, members in by_object.items():
+        members.sort(key=lambda i: spans[i][1].offset)
+        offsets = [spans[i][1].offset for i in members]
+        ends = [spans[i][1].offset + spans[i][1].length for i in members]
+        index[obj] = (members, offsets, ends)
+    return index
+
+
+def _combine(pieces: list[tuple[int, int, int]]) -> int:
+    """crc32c of consecutive pieces given as ``(start, crc, length)``, in any order."""
+    if not pieces:
+        return 0
+    pieces.sort()
+    crc = pieces[0][1]  # most leaves are one piece: no combining (it costs ~50 us in Python)
+    for _, piece_crc, length in pieces[1:]:
+        crc = checksum.crc32c_combine(crc, piece_crc, length)
+    return crc
+
+
+@dataclass(slots=True)
+class Sink:
+    """Where a verifying read puts what it reads: nowhere. It keeps what was checked and
+    every problem found (:func:`read_into_sink`).
+
+    Attributes:
+        chunk_size: bytes per read; memory stays at ``Settings.max_concurrency`` of them.
+        progress: called with the byte count of each chunk checked.
+        objects: data objects read whole.
+        leaves: leaves checked.
+        nbytes: bytes read and checked.
+        damage: every problem found; empty means intact.
+    """
+
+    chunk_size: int
+    progress: Callable[[int], None] | None = None
+    objects: int = 0
+    leaves: int = 0
+    nbytes: int = 0
+    damage: list[Damage] = field(default_factory=list)
+
+
+async def read_into_sink(
+    store: Store,
+    manifest: Manifest,
+    sink: Sink,
+    *,
+    objects: Collection[int] | None = None,
+    references: bool = False,
+) -> None:
+    """Read every data object ``manifest`` names into ``sink``, which keeps nothing: every
+    byte is checked as a restore checks it (the object's size before anything is read; each
+    leaf's crc32c, each chunk block's, the object's), and every problem is recorded in
+    ``sink.damage`` instead of raised at the first.
+
+    Args:
+        objects: read only these objects (by index) and the leaves in them (a copy checks
+            what it wrote, not the earlier steps' objects it references).
+        references: also check, as :func:`read_leaves` does, that each object referenced
+            from an earlier step is a committed object of its attempt; a broken reference is
+            recorded as damage of kind ``"reference"``.
+    """
+    checking = (
+        asyncio.ensure_future(check_references(store, manifest))
+        if references and manifest.references()
+        else None
+    )
+    try:
+        await _read_into_sink(store, manifest, sink, objects)
+    except BaseException:
+        if checking is not None:
+            checking.cancel()
+        raise
+    if checking is not None:
+        try:
+            await checking
+        except BrokenReferenceError as exc:
+            sink.damage.insert(0, Damage("reference", manifest_key(manifest.step), str(exc)))
+
+
+async def _read_into_sink(
+    store: Store, manifest: Manifest, sink: Sink, objects: Collection[int] | None
+) -> None:
+    chunk = sink.chunk_size
+    progress = sink.progress
+    buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
+    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+    spans = _spans(manifest)
+    leaf_index = _leaf_index(spans)
+    leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+
+    def hash_chunk(obj: int, start: int, view: memoryview) -> tuple[int, list[tuple[int, int]]]:
+        """crc of the chunk, and ``(leaf, crc)`` of each leaf's piece inside it."""
+        leaves, offsets, ends = leaf_index.get(obj, ([], [], []))
+        end = start + len(view)
+        pieces = []
+        i = bisect.bisect_right(ends, start)
+        while i < len(leaves) and offsets[i] < end:
+            lo, hi = max(offsets[i], start), min(ends[i], end)
+            pieces.append((leaves[i], checksum.crc32c(view[lo - start : hi - start])))
+            i += 1
+        return checksum.crc32c(view), pieces
+
+    async def check_chunk(obj: int, key: str, start: int, length: int) -> tuple[int, int, int]:
+        async with slots:
+            buf = host_buffers.acquire(buffer_size)
+            try:
+                view = memoryview(buf.data)[:length]  # type: ignore[arg-type]
+                await store.read_into(key, start, view)
+                crc, pieces = await in_hash_thread(hash_chunk, obj, start, view)
+            except BaseException:
+                buf.discard()  # a cancelled local read's thread may still fill it
+                raise
+            finally:
+                buf.release()
+        for leaf, piece_crc in pieces:
+            span = spans[leaf][1]
+            lo = max(span.offset, start)
+            hi = min(span.offset + span.length, start + length)
+            leaf_pieces[leaf].append((lo, piece_crc, hi - lo))
+        if progress is not None:
+            progress(length)
+        return start, crc, length
+
+    async def check_object(obj: int) -> None:
+        key = manifest.object_key(obj)
+        expected = manifest.object_lengths[obj]
+        try:
+            problem = await _size_problem(store, key, expected)
+        except NotFoundError:
+            problem = "missing"
+        if problem is not None:
+            sink.damage.append(Damage("object", key, problem))
+            return
+        try:
+            pieces = await gather_all(
+                check_chunk(obj, key, start, min(chunk, expected - start))
+                for start in range(0, expected, chunk)
+            )
+        except (NotFoundError, InvalidRangeError) as exc:
+            sink.damage.append(Damage("object", key, f"read failed: {exc}"))
+            return
+        sink.objects += 1
+        sink.nbytes += expected
+        crc = _combine(pieces)
+        if crc != manifest.object_crcs[obj]:
+            sink.damage.append(
+                Damage(
+                    "object",
+                    key,
+                    _mismatch(manifest.object_crcs[obj], crc),
+                )
+            )
+        for leaf in leaf_index.get(obj, ([], [], []))[0]:
+            span = spans[leaf][1]
+            sink.leaves += int(span.leaf)
+            leaf_crc = _combine(leaf_pieces.pop(leaf, []))
+            if leaf_crc != span.crc:
+                sink.damage.append(
+                    Damage(
+                        "leaf",
+                        span.name,
+                        f"{_mismatch(span.crc, leaf_crc)} in {key}",
+                    )
+                )
+
+    # Objects run concurrently; the chunk slots bound how many reads are in flight.
+    checked = range(len(manifest.object_keys)) if objects is None else sorted(objects)
+    await gather_all(check_object(i) for i in checked)
+    sink.leaves += sum(
+        1
+        for leaf, obj in enumerate(manifest.leaf_object)
+        if obj < 0 or not manifest.leaf_length[leaf]
+    )
+    sink.damage.sort(key=lambda d: (d.kind != "object", d.name))
