@@ -696,9 +696,10 @@ async def commit_manifest(
     """Commit ``manifest`` for its attempt: the last step of the commit protocol.
 
     Call it only once every object the manifest names is durable (invariant 2). The manifest
-    is written to ``<step>/manifest.json`` with one put-if-absent; the store's transport
-    retries it (``Settings.retry_attempts`` within ``Settings.request_deadline``), and this
-    function never puts it again: one retry policy, not a loop of retries around another.
+    is written to ``<step>/manifest.json`` with one put-if-absent, retried as the store
+    retries every request (a network backend's transport: ``Settings.retry_attempts`` within
+    ``Settings.request_deadline``; a local or NFS directory: not at all), and this function
+    never puts it again: one retry policy, not a loop of retries around another.
     When the manifest already exists, or the put failed (it may have landed with only its
     answer lost), the manifest is read back: if it carries ``manifest.attempt``, this
     attempt committed; if another attempt's, that one committed the step first.

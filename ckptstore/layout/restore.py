@@ -548,6 +548,9 @@ async def read_into_sink(
     except BaseException:
         if checking is not None:
             checking.cancel()
+            await asyncio.wait([checking])
+            if not checking.cancelled():
+                checking.exception()  # retrieved: the read's own error is the one raised
         raise
     if checking is not None:
         try:
