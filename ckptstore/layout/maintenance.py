@@ -40,7 +40,7 @@ import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptstore.errors import (
@@ -72,7 +72,7 @@ from ckptstore.layout.references import (
     check_references,
     hold_references,
 )
-from ckptstore.layout.restore import Damage, Sink, read_into_sink
+from ckptstore.layout.restore import Damage, VerifyReport, read_into_sink
 from ckptstore.layout.rollback import SET_ASIDE_NAME
 from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import escape_key
@@ -293,29 +293,6 @@ def plain_values(tree: Any) -> list[tuple[str, Any]]:
 # ----------------------------------------------------------------- verify
 
 
-@dataclass(slots=True)
-class VerifyReport:
-    """What :func:`verify_step` checked and found.
-
-    Attributes:
-        step: the step checked.
-        objects: data objects checked.
-        leaves: leaves checked.
-        nbytes: bytes read and checked.
-        damage: every problem found; empty means intact.
-    """
-
-    step: int
-    objects: int = 0
-    leaves: int = 0
-    nbytes: int = 0
-    damage: list[Damage] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return not self.damage
-
-
 async def verify_manifest(
     store: Store,
     manifest: Manifest,
@@ -340,9 +317,14 @@ async def verify_manifest(
             committed object of its attempt (:func:`~ckptstore.layout.references.
             check_references`), as a restore does; a broken one is damage.
     """
-    sink = Sink(chunk_size or store.settings.part_size, progress)
-    await read_into_sink(store, manifest, sink, objects=objects, references=references)
-    return VerifyReport(manifest.step, sink.objects, sink.leaves, sink.nbytes, sink.damage)
+    return await read_into_sink(
+        store,
+        manifest,
+        chunk_size=chunk_size,
+        progress=progress,
+        objects=objects,
+        references=references,
+    )
 
 
 async def verify_step(store: Store, step: int, *, progress: Progress | None = None) -> VerifyReport:

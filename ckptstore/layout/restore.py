@@ -55,11 +55,12 @@ A mismatch, a short, long or missing object raises
 :class:`~ckptstore.errors.CorruptCheckpointError` naming the object and, where one is to
 blame, the leaf, with the recorded and the computed checksums when they differ.
 
-A verify is a restore into a :class:`Sink` that keeps nothing (:func:`read_into_sink`): the
-same size check before any read, the same references check, every leaf's, chunk block's and
-object's crc32c, with the same messages; but each object is read in part-sized chunks through
-a bounded pool of buffers whatever its size, and every problem is recorded rather than raised
-at the first.
+A verify is a restore that keeps nothing (:func:`read_into_sink`, which fills a
+:class:`VerifyReport`): the same size check before any read, the same references check, every
+leaf's, chunk block's and object's crc32c, with the same messages; but each object is read in
+part-sized chunks through a bounded pool of buffers whatever its size (a chunk boundary may
+cut a leaf in two: the pieces' checksums are combined, so no leaf is read twice), and every
+problem is recorded rather than raised at the first.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ from ckptstore.store.checksum import acrc32c, as_uint8, in_hash_thread
 __all__ = [
     "Damage",
     "Pieces",
-    "Sink",
+    "VerifyReport",
     "check_object_size",
     "empty_array",
     "read_into_sink",
@@ -402,17 +403,11 @@ def _first_mismatch(
 
 
 # ------------------------------------------------------------------ reading into a sink
-#
-# A verify re-reads every byte of every data object a manifest names, in part-sized chunks
-# read in parallel into a bounded pool of buffers, and checks the crc32c of every object and
-# of every leaf. A chunk boundary may cut a leaf in two; the checksums of the pieces are
-# combined (:func:`~ckptstore.store.checksum.crc32c_combine`), so no leaf is read twice and
-# memory stays at ``max_concurrency`` chunks.
 
 
 @dataclass(frozen=True, slots=True)
 class Damage:
-    """One problem found by a read into a :class:`Sink` (a verify).
+    """One problem found by a verify (:func:`read_into_sink`).
 
     Attributes:
         kind: ``"manifest"``, ``"reference"``, ``"object"`` or ``"leaf"``.
@@ -497,41 +492,46 @@ def _combine(pieces: list[tuple[int, int, int]]) -> int:
 
 
 @dataclass(slots=True)
-class Sink:
-    """Where a verifying read puts what it reads: nowhere. It keeps what was checked and
-    every problem found (:func:`read_into_sink`).
+class VerifyReport:
+    """What a verify (:func:`read_into_sink`) checked and found: the sink it reads into,
+    which keeps no byte.
 
     Attributes:
-        chunk_size: bytes per read; memory stays at ``Settings.max_concurrency`` of them.
-        progress: called with the byte count of each chunk checked.
+        step: the step checked.
         objects: data objects read whole.
         leaves: leaves checked.
         nbytes: bytes read and checked.
         damage: every problem found; empty means intact.
     """
 
-    chunk_size: int
-    progress: Callable[[int], None] | None = None
+    step: int
     objects: int = 0
     leaves: int = 0
     nbytes: int = 0
     damage: list[Damage] = field(default_factory=list)
 
+    @property
+    def ok(self) -> bool:
+        return not self.damage
+
 
 async def read_into_sink(
     store: Store,
     manifest: Manifest,
-    sink: Sink,
     *,
+    chunk_size: int | None = None,
+    progress: Callable[[int], None] | None = None,
     objects: Collection[int] | None = None,
     references: bool = False,
-) -> None:
-    """Read every data object ``manifest`` names into ``sink``, which keeps nothing: every
-    byte is checked as a restore checks it (the object's size before anything is read; each
-    leaf's crc32c, each chunk block's, the object's), and every problem is recorded in
-    ``sink.damage`` instead of raised at the first.
+) -> VerifyReport:
+    """Read every data object ``manifest`` names and keep nothing: every byte is checked as
+    a restore checks it (the object's size before anything is read; each leaf's crc32c, each
+    chunk block's, the object's), and every problem is recorded in the report's ``damage``
+    instead of raised at the first. Each object is read in chunks of ``chunk_size`` bytes
+    (default ``Settings.part_size``), ``Settings.max_concurrency`` of them in flight.
 
     Args:
+        progress: called with the byte count of each chunk checked.
         objects: read only these objects (by index) and the leaves in them (a copy checks
             what it wrote, not the earlier steps' objects it references).
         references: also check, as :func:`read_leaves` does, that each object referenced
@@ -543,8 +543,11 @@ async def read_into_sink(
         if references and manifest.references()
         else None
     )
+    sink = VerifyReport(manifest.step)
     try:
-        await _read_into_sink(store, manifest, sink, objects)
+        await _read_into_sink(
+            store, manifest, sink, chunk_size or store.settings.part_size, progress, objects
+        )
     except BaseException:
         if checking is not None:
             checking.cancel()
@@ -557,13 +560,17 @@ async def read_into_sink(
             await checking
         except BrokenReferenceError as exc:
             sink.damage.insert(0, Damage("reference", manifest_key(manifest.step), str(exc)))
+    return sink
 
 
 async def _read_into_sink(
-    store: Store, manifest: Manifest, sink: Sink, objects: Collection[int] | None
+    store: Store,
+    manifest: Manifest,
+    sink: VerifyReport,
+    chunk: int,
+    progress: Callable[[int], None] | None,
+    objects: Collection[int] | None,
 ) -> None:
-    chunk = sink.chunk_size
-    progress = sink.progress
     buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
     slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
     spans = _spans(manifest)
