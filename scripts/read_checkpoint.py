@@ -11,13 +11,14 @@ code: everything here follows from the format's facts, and nothing imports ckpts
 What it checks, before returning anything:
 
 * the manifest: the envelope (``{"format":"ckptstore","version":N,"crc32c":C,"body":...}``),
-  a version this reader knows (1, 2 or 3), the crc32c of the body's exact bytes, a size under
+  a version this reader knows (1 to 4), the crc32c of the body's exact bytes, a size under
   :data:`MANIFEST_MAX_BYTES`, and the body's structure: the columns of each version and
   nothing else, one length per table, the step it was read as, attempt-shaped object keys
   (so no key leaves the root), dtypes from the allow-list, ``prod(shape) * itemsize ==
   length``, every leaf and chunk inside its object and none overlapping another, the chunks
   of each sharded leaf tiling it exactly once as a grid, and a tree that places every array
-  exactly once at the path the leaf table gives it;
+  exactly once at the path the leaf table gives it, its typed values (version 4) of a known
+  kind and well-formed name;
 * references to earlier steps' objects (version 2): each referenced attempt is committed
   (``<step>/manifest.json`` names it, or it holds ``committed.json``) and that record lists
   the object with the same length and crc32c;
@@ -34,7 +35,9 @@ What it does not do:
   leaves' ``attrs`` (a tensor's device, ``requires_grad``) are not interpreted; named tuples
   come back as tuples, dataclasses and pytree nodes as dicts (ckptstore's ``target=``
   rebuilds those types, which a manifest does not name); a checkpoint of the DCP
-  integration loads as DCP's flattened items;
+  integration loads as DCP's flattened items; a typed value (version 4: a ``torch.dtype``,
+  a ``torch.device``) comes back as a :class:`TypedValue` of its kind and name, without
+  importing torch; an ordered dict (version 4) as a ``collections.OrderedDict``;
 * the ``hash`` column (xxh3-128 of each leaf, what an incremental save compares) is checked
   for its shape but not recomputed: the crc32c checks guard the bytes;
 * leases, gc markers and anything else a running save or collector writes: a step deleted
@@ -52,6 +55,7 @@ turns it into the typed array later.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import math
@@ -59,15 +63,40 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["MANIFEST_MAX_BYTES", "VERSIONS", "crc32c", "list_steps", "load", "read_manifest"]
+__all__ = [
+    "MANIFEST_MAX_BYTES",
+    "VERSIONS",
+    "TypedValue",
+    "crc32c",
+    "list_steps",
+    "load",
+    "read_manifest",
+]
 
 #: Manifest format versions this reader reads: 1 (plain), 2 (references to earlier steps'
-#: objects, per-leaf hashes) and 3 (leaves sharded across ranks, stored as chunks).
-VERSIONS = (1, 2, 3)
+#: objects, per-leaf hashes), 3 (leaves sharded across ranks, stored as chunks) and 4 (typed
+#: values and ordered dicts in the tree).
+VERSIONS = (1, 2, 3, 4)
+
+#: The kinds of typed value (version 4) and the names each may have (docs/format.md).
+TYPED_VALUE_NAMES = {
+    "torch.dtype": re.compile(r"[a-z][a-z0-9_]{0,39}"),
+    "torch.device": re.compile(r"[a-z][a-z0-9_]{0,19}(:[0-9]{1,6})?"),
+}
+
+
+class TypedValue(NamedTuple):
+    """A typed value of the tree (version 4), as this reader returns it: its kind
+    (``"torch.dtype"``) and its name (``"bfloat16"``)."""
+
+    kind: str
+    name: str
+
+
 #: A manifest larger than this is refused before it is read (ckptstore's default cap,
 #: ``Settings.manifest_max_bytes``).
 MANIFEST_MAX_BYTES = 256 << 20
@@ -491,7 +520,7 @@ def _validate(doc: Any, version: int, expected_step: int) -> None:
             )
             last = (obj, start + length, what)
 
-    tree_paths = _tree_paths(doc.get("tree"), n)
+    tree_paths = _tree_paths(doc.get("tree"), n, version)
     _require(tree_paths == paths, "the tree and the leaf paths disagree")
 
 
@@ -585,7 +614,7 @@ def _join(path: str, segment: str, depth: int) -> str:
     return segment if depth == 0 else f"{path}/{segment}"
 
 
-def _tree_paths(tree: Any, count: int) -> list[str | None]:
+def _tree_paths(tree: Any, count: int, version: int) -> list[str | None]:
     """The path of each of ``count`` array leaves the tree places; raise if it is malformed."""
     found: list[str | None] = [None] * count
 
@@ -603,7 +632,24 @@ def _tree_paths(tree: Any, count: int) -> list[str | None]:
                 node["v"] is None or type(node["v"]) in (bool, int, float, str),
                 f"tree value at {path!r} is not a plain value",
             )
-        elif set(node) == {"d", "c"}:
+        elif len(node) == 1 and "x" in node:
+            _require(version >= 4, f"a version-{version} manifest has a typed value")
+            typed = node["x"]
+            _require(
+                type(typed) is list and len(typed) == 2 and all(type(t) is str for t in typed),
+                f"typed value at {path!r} is not a [kind, name] pair",
+            )
+            names = TYPED_VALUE_NAMES.get(typed[0])
+            _require(
+                names is not None and names.fullmatch(typed[1]) is not None,
+                f"typed value at {path!r} is not a known kind and name",
+            )
+        elif set(node) == {"d", "c"} or set(node) == {"d", "c", "o"}:
+            _require(
+                node.get("o", 1) == 1 and type(node.get("o", 1)) is int,
+                f"tree dict at {path!r} has a bad ordered flag",
+            )
+            _require("o" not in node or version >= 4, f"a version-{version} tree orders a dict")
             keys, children = node["d"], node["c"]
             _require(
                 type(keys) is list and type(children) is list and len(keys) == len(children),
@@ -831,8 +877,11 @@ def _build(node: Any, arrays: list[Any]) -> Any:
         return arrays[node["s"]][()]  # a numpy scalar (raw bytes stay an array)
     if "v" in node:
         return node["v"]
+    if "x" in node:
+        return TypedValue(*node["x"])
     if "d" in node:
-        return {k: _build(c, arrays) for k, c in zip(node["d"], node["c"], strict=True)}
+        out = {k: _build(c, arrays) for k, c in zip(node["d"], node["c"], strict=True)}
+        return collections.OrderedDict(out) if "o" in node else out
     if "l" in node:
         return [_build(c, arrays) for c in node["l"]]
     return tuple(_build(c, arrays) for c in node["t"])

@@ -152,3 +152,25 @@ def lightning_dict() -> dict[str, object]:
         "hyper_parameters": {"dtype": torch.bfloat16, "device": torch.device("cpu")},
         "loops": {"fit_loop": {"epoch_progress": {"current": {"ready": 1}}}},
     }
+
+
+def typed_state() -> dict[str, Any]:
+    """What the version-4 golden checkpoint holds: numpy arrays in ``OrderedDict`` s (a
+    model's state dict, a nested one with int keys) beside torch dtypes and devices, the
+    typed values of the tree; imports torch for those values only."""
+    from collections import OrderedDict
+
+    import torch
+
+    return {
+        "model": OrderedDict(
+            [
+                ("layer.weight", values("float32", 12, 13).reshape(3, 4)),
+                ("layer.bias", values("float32", 3, 14)),
+            ]
+        ),
+        "optimizer": {"state": OrderedDict([(1, {"lr": 0.5}), (0, {"lr": 0.25})])},
+        "dtypes": [torch.bfloat16, torch.float8_e4m3fn, torch.int64],
+        "devices": (torch.device("cpu"), torch.device("cuda", 1), torch.device("meta")),
+        "plain": {"name": "v4", "step": 5},
+    }

@@ -19,6 +19,7 @@ Two kinds of pair cannot work, by design, and assert the clear error instead:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,8 @@ def described(value: Any) -> tuple[str, Any, tuple[int, ...], bytes]:
 def assert_same(out: Any, saved: Any, arrays: str, where: str = "") -> None:
     """``out`` has ``saved``'s structure and bits; ``arrays`` says which framework its arrays
     must be: "numpy" for all, or "saved" for each one's own."""
-    if isinstance(saved, dict):
-        assert type(out) is dict, where
+    if isinstance(saved, dict):  # an OrderedDict (a module's state_dict) stays one
+        assert type(out) is (OrderedDict if type(saved) is OrderedDict else dict), where
         assert list(out) == list(saved), where
         for key in saved:
             assert_same(out[key], saved[key], arrays, f"{where}/{key}")

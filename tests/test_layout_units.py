@@ -141,6 +141,76 @@ def test_convert_hook_supplies_arrays_and_attrs() -> None:
     assert flat.attrs == [{"framework": "opaque", "path": "a"}, None]
 
 
+def test_typed_values_and_ordered_dicts_round_trip_through_the_tree() -> None:
+    torch = pytest.importorskip("torch")
+    from collections import OrderedDict
+
+    state = {
+        "sd": OrderedDict([("z", np.ones(2)), ("a", OrderedDict([(1, "x")]))]),
+        "dtypes": [torch.bfloat16, torch.float8_e5m2, torch.complex64],
+        "device": (torch.device("cuda", 3), torch.device("cpu")),
+        "plain": {"o": 1, "x": ["torch.dtype", "int8"]},  # user keys shaped like the nodes
+    }
+    flat = flatten(state)
+    assert flat.tree["c"][0]["o"] == 1
+    assert "o" not in flat.tree["c"][3]
+    assert flat.tree["c"][1]["l"][0] == {"x": ["torch.dtype", "bfloat16"]}
+    assert flat.tree["c"][2]["t"][0] == {"x": ["torch.device", "cuda:3"]}
+    leaf_paths, value_paths = tree_paths(flat.tree, len(flat.arrays))
+    assert leaf_paths == ["sd/z"]
+    assert "dtypes/0" in value_paths
+    assert "device/1" in value_paths
+    out = unflatten(flat.tree, flat.arrays)
+    assert type(out["sd"]) is OrderedDict
+    assert type(out["sd"]["a"]) is OrderedDict
+    assert list(out["sd"]) == ["z", "a"]
+    assert out["dtypes"] == state["dtypes"]
+    assert out["device"] == state["device"]
+    assert type(out["plain"]) is dict
+    assert out["plain"] == state["plain"]
+    with pytest.raises(ValueError, match="needs format version 4"):
+        tree_paths(flat.tree, len(flat.arrays), version_4=False)
+    selected = unflatten(flat.tree, flat.arrays, selected=select_paths(["dtypes/1"]))
+    assert selected == {"dtypes": [None, torch.float8_e5m2, None]}
+
+
+def test_a_manifest_is_version_4_only_when_its_tree_needs_it() -> None:
+    """The version is found by a search of the tree's JSON: a user's keys and strings that
+    spell the new fields do not count, an ordered dict or a typed value does."""
+    from collections import OrderedDict
+
+    def version(state: Any) -> int:
+        flat = flatten(state)
+        manifest = Manifest(
+            step=1,
+            attempt="attempt-000000000001-0000000000000001",
+            created=0.0,
+            metadata={"o": 1, "x": '{"x":'},
+            tree=flat.tree,
+            object_keys=[],
+            object_lengths=[],
+            object_crcs=[],
+            paths=[],
+            dtypes=[],
+            shapes=[],
+            leaf_object=[],
+            leaf_offset=[],
+            leaf_length=[],
+            leaf_crc=[],
+            attrs=[],
+        )
+        data = manifest.encode()
+        assert Manifest.parse(data, step=1).tree == flat.tree
+        return int(data[len(b'{"format":"ckptstore","version":') :].split(b",")[0])
+
+    shaped = {"o": 1, "x": {"x": '{"x": "o":', "o": ['"o":', '{"x":']}, '"o":': 2}
+    assert version(shaped) == 1
+    assert version({"a": OrderedDict(b=1)}) == 4
+    assert version(OrderedDict()) == 4
+    torch = pytest.importorskip("torch")
+    assert version({"a": [torch.int8]}) == 4
+
+
 def test_dtype_names_round_trip_and_keep_byte_order() -> None:
     for dt in [np.dtype(">f4"), np.dtype("<i2"), np.dtype("?"), np.dtype(ml_dtypes.bfloat16)]:
         name = dtype_name(dt)

@@ -164,7 +164,7 @@ def test_roundtrip_is_exact_and_verified(tmp_path: Path) -> None:
     assert loaded["epoch"] == 3
 
     manifest = ckptstore.read_manifest(path, 0)  # an ordinary ckptstore checkpoint
-    assert manifest.metadata == {"format": "ckptstore.lightning/3", "values": {}, "ordered": []}
+    assert manifest.metadata == {"format": "ckptstore.lightning/4"}
     assert set(manifest.paths) == {"big", "nested/0/bf16", "nested/1/0", "empty"}
     plain = ckptstore.load(path, 0)  # which every face reads
     assert plain["nested"][1][1] == "x"
@@ -257,11 +257,18 @@ def test_the_non_tensor_part_is_json_never_a_pickle(tmp_path: Path) -> None:
     # every stored object is a tensor's bytes; the rest is the manifest's JSON, no pickle
     assert sorted(manifest.paths) == ["int_keys/0/step", "od/a"]
     json.loads(json.dumps(manifest.tree))
-    assert manifest.metadata["values"] == {
-        "dtype": ["dtype", "bfloat16"],
-        "device": ["device", "cpu"],
-    }
-    assert manifest.metadata["ordered"] == ["od"]
+    # the tree itself says which values are torch's and which dict is ordered (format 4)
+    assert manifest.metadata == {"format": "ckptstore.lightning/4"}
+    tree = dict(zip(manifest.tree["d"], manifest.tree["c"], strict=True))
+    assert tree["dtype"] == {"x": ["torch.dtype", "bfloat16"]}
+    assert tree["device"] == {"x": ["torch.device", "cpu"]}
+    assert tree["od"]["o"] == 1
+    assert "o" not in tree["int_keys"]
+    assert (
+        (tmp_path / "ck" / "0" / "manifest.json")
+        .read_bytes()
+        .startswith(b'{"format":"ckptstore","version":4,')
+    )
     out = io.load_checkpoint(path)
     assert type(out["od"]) is collections.OrderedDict
     assert list(out["od"]) == ["b", "a"]
@@ -273,6 +280,12 @@ def test_the_non_tensor_part_is_json_never_a_pickle(tmp_path: Path) -> None:
     assert out["dtype"] is torch.bfloat16
     assert out["device"] == torch.device("cpu")
     assert out["tag_like"] == {"t": 0, "d": "x"}
+    # and every other face gives back the same kinds: one tree codec
+    plain = ckptstore.load(path, 0)
+    assert type(plain["od"]) is collections.OrderedDict
+    assert list(plain["od"]) == ["b", "a"]
+    assert plain["dtype"] is torch.bfloat16
+    assert plain["device"] == torch.device("cpu")
 
     class Opaque:
         pass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import json
 import os
@@ -137,25 +138,68 @@ HOSTILE: dict[str, Callable[[dict[str, Any]], None]] = {
     "tree value not plain": _set("tree", "c", 4, {"v": [1, 2]}),
     "tree too deep": _deep_tree,
     "attrs not objects": _set("leaves", "attrs", [1, 2, 3, 4]),
+    # typed values and ordered dicts came with version 4; these manifests say version 2
+    "typed value before version 4": _set("tree", "c", 4, {"x": ["torch.dtype", "float32"]}),
+    "ordered dict before version 4": _set("tree", "o", 1),
+}
+
+#: Trees a version-4 manifest may not hold: each is refused before any data is read.
+HOSTILE_V4: dict[str, Callable[[dict[str, Any]], None]] = {
+    "typed value of an unknown kind": _set("tree", "c", 4, {"x": ["os.system", "ls"]}),
+    "typed value naming code": _set("tree", "c", 4, {"x": ["torch.dtype", "__import__('os')"]}),
+    "typed device naming code": _set("tree", "c", 4, {"x": ["torch.device", "cpu;rm"]}),
+    "typed value not a pair": _set("tree", "c", 4, {"x": ["torch.dtype"]}),
+    "typed value not strings": _set("tree", "c", 4, {"x": ["torch.dtype", 7]}),
+    "typed value with extra fields": _set("tree", "c", 4, {"x": ["torch.dtype", "int8"], "v": 1}),
+    "ordered flag not 1": _set("tree", "o", 2),
+    "ordered flag a bool": _set("tree", "o", True),
+    "ordered flag on a list": _set("tree", "c", 4, {"l": [], "o": 1}),
 }
 
 
-def _data_reads(counting: CountingStore) -> int:
-    return counting.requests["read"] + counting.requests["get"] - 1  # minus the manifest get
+VERSIONED = {
+    **{c: (m, 2) for c, m in HOSTILE.items()},
+    **{c: (m, 4) for c, m in HOSTILE_V4.items()},
+}
 
 
-@pytest.mark.parametrize("case", sorted(HOSTILE))
+@pytest.mark.parametrize("case", sorted(VERSIONED))
 async def test_hostile_manifest_rejected_before_data(
     base: tuple[MemoryStore, dict[str, Any]], case: str
 ) -> None:
     store, doc = base
     doc = copy.deepcopy(doc)
-    HOSTILE[case](doc)
-    await store.put(manifest_key(STEP), encode(doc))
+    mutate, version = VERSIONED[case]
+    mutate(doc)
+    await store.put(
+        manifest_key(STEP),
+        envelope(json.dumps(doc, separators=(",", ":")).encode(), version=version),
+    )
     counting = CountingStore(store)
     with pytest.raises(CorruptCheckpointError, match="invalid manifest"):
         await aload(counting, step=STEP)
     assert _data_reads(counting) == 0
+
+
+async def test_a_version_4_tree_of_typed_values_and_ordered_dicts_loads(
+    base: tuple[MemoryStore, dict[str, Any]],
+) -> None:
+    """The control of the cases above: the same manifest with well-formed version-4 nodes."""
+    torch = pytest.importorskip("torch")
+    store, doc = base
+    doc = copy.deepcopy(doc)
+    doc["tree"]["c"][4] = {"x": ["torch.dtype", "bfloat16"]}
+    doc["tree"]["o"] = 1
+    await store.put(
+        manifest_key(STEP), envelope(json.dumps(doc, separators=(",", ":")).encode(), version=4)
+    )
+    out = await aload(store, step=STEP)
+    assert type(out) is collections.OrderedDict
+    assert out[doc["tree"]["d"][4]] is torch.bfloat16
+
+
+def _data_reads(counting: CountingStore) -> int:
+    return counting.requests["read"] + counting.requests["get"] - 1  # minus the manifest get
 
 
 @pytest.mark.parametrize(
@@ -167,7 +211,7 @@ async def test_hostile_manifest_rejected_before_data(
         ("not json", lambda good: b"\x80\x04\x95pickle"),
         ("flipped body byte", lambda good: good[:-20] + bytes([good[-20] ^ 1]) + good[-19:]),
         ("wrong crc", lambda good: good.replace(b'"crc32c":', b'"crc32c":1', 1)),
-        ("future version", lambda good: good.replace(b'"version":2', b'"version":4', 1)),
+        ("future version", lambda good: good.replace(b'"version":2', b'"version":5', 1)),
         ("no envelope", lambda good: good[good.index(b'"body":') + 7 : -1]),
         ("deep json", lambda good: envelope(b"[" * 100_000 + b"]" * 100_000)),
         ("body not object", lambda good: envelope(b"[1,2]")),

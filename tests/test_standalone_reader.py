@@ -22,7 +22,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import crc32c as crc32c_package
 import ml_dtypes
@@ -66,14 +66,18 @@ body = read_checkpoint.read_manifest(args["root"], args["step"])
 assert not any(m == "ckptstore" or m.startswith("ckptstore.") for m in sys.modules)
 assert args["ml_dtypes"] or sys.modules.get("ml_dtypes") is None
 
-ARRAY = "<array>"
+ARRAY, TYPED, ORDERED = "<array>", "<typed>", "<ordered>"
 
 def portable(node):
     if isinstance(node, np.ndarray | np.generic):
         array = np.asarray(node)
         return {ARRAY: (array.dtype, array.shape, array.tobytes(), isinstance(node, np.generic))}
+    if type(node) is read_checkpoint.TypedValue:
+        return {TYPED: (node.kind, node.name)}
     if type(node) is dict:
         return {key: portable(value) for key, value in node.items()}
+    if isinstance(node, dict):  # an OrderedDict
+        return {ORDERED: [(key, portable(value)) for key, value in node.items()]}
     if type(node) in (list, tuple):
         return type(node)(portable(value) for value in node)
     return node
@@ -81,7 +85,16 @@ def portable(node):
 with open(args["out"], "wb") as file:
     pickle.dump({"state": portable(state), "version": body["version"]}, file)
 """
-ARRAY = "<array>"  # the child's stand-in for an array
+# the child's stand-ins for an array, a typed value and an OrderedDict
+ARRAY, TYPED, ORDERED = "<array>", "<typed>", "<ordered>"
+
+
+class Typed(NamedTuple):
+    """A typed value as the reader gives it (its ``TypedValue``, which only the child can
+    import): kind and name."""
+
+    kind: str
+    name: str
 
 
 def from_child(node: Any) -> Any:
@@ -90,6 +103,10 @@ def from_child(node: Any) -> Any:
         dtype, shape, data, scalar = node[ARRAY]
         array = np.frombuffer(data, dtype).reshape(shape).copy()
         return array[()] if scalar else array
+    if type(node) is dict and TYPED in node:
+        return Typed(*node[TYPED])
+    if type(node) is dict and ORDERED in node:
+        return collections.OrderedDict((k, from_child(v)) for k, v in node[ORDERED])
     if type(node) is dict:
         return {key: from_child(value) for key, value in node.items()}
     if type(node) in (list, tuple):

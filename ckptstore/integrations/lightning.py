@@ -12,16 +12,16 @@ saves each Lightning checkpoint as a ckptstore checkpoint at the path Lightning 
   packed together, large ones uploaded in parallel parts, every leaf has a crc32c that is
   verified on load, and the manifest is written last with one put-if-absent. Loading is the
   restore path of :mod:`ckptstore.pipeline.restore`; ``ckptstore.load`` and
-  ``CheckpointManager.restore`` read the same checkpoint (torch dtypes and devices then
-  appear as their names);
-* the rest of the dict (structure, counters, hyper-parameters) is JSON in the manifest's tree:
-  dicts with str or int keys, lists, tuples, JSON scalars (nan and infinities too). What the
-  tree cannot say, Lightning's part of the manifest metadata records: which values were torch
-  dtypes or devices, and which dicts were ``OrderedDict`` s, so they come back as such.
-  Nothing is pickled, so nothing is unpickled on load and Lightning's ``weights_only``
-  changes nothing; a value of any other type (say a ``Namespace`` in the hyper-parameters)
-  is refused on save with an error naming its path. Checkpoints of the earlier format
-  (``ckptstore.lightning/2``: one tagged-JSON leaf for the structure) are still read;
+  ``CheckpointManager.restore`` read the same checkpoint, alike;
+* the rest of the dict (structure, counters, hyper-parameters) is in the manifest's tree, as
+  in every checkpoint: dicts with str or int keys (an ``OrderedDict`` stays one), lists,
+  tuples, JSON scalars (nan and infinities too), torch dtypes and devices. Nothing is
+  pickled, so nothing is unpickled on load and Lightning's ``weights_only`` changes nothing;
+  a value of any other type (say a ``Namespace`` in the hyper-parameters) is refused on save
+  with an error naming its path. Checkpoints of the earlier formats are still read:
+  ``ckptstore.lightning/3`` recorded the dtypes, devices and ``OrderedDict`` s in the
+  manifest's metadata (before the tree could hold them), ``ckptstore.lightning/2`` kept the
+  structure in one tagged-JSON leaf;
 * ``remove_checkpoint`` deletes the manifest first, so a half-removed checkpoint is invisible
   rather than corrupt.
 
@@ -68,7 +68,7 @@ from ckptstore.errors import (
 from ckptstore.integrations.dcp_manifest import FORMAT as DCP_FORMAT
 from ckptstore.integrations.tensor_objects import CheckpointTarget
 from ckptstore.pipeline import save as save_path
-from ckptstore.pipeline.codec import expand, map_leaves, rebuild_leaf
+from ckptstore.pipeline.codec import map_leaves, rebuild_leaf
 from ckptstore.pipeline.restore import Selection, read, rebuild, request
 from ckptstore.pipeline.root import aopened, check_options
 from ckptstore.pipeline.save import Stager
@@ -98,7 +98,7 @@ _LAST = re.compile(r"^last(-v?\d+)?\.ckpt$")
 _log = logging.getLogger("ckptstore.lightning")
 
 #: Marks a manifest's ``metadata`` as holding a Lightning checkpoint, and its version.
-FORMAT = "ckptstore.lightning/3"
+FORMAT = "ckptstore.lightning/4"
 
 
 class StoreCheckpointIO(CheckpointIO):
@@ -327,42 +327,17 @@ class SaveOnPreemption(Callback):
 
 
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
-    plain, extras = _encode(checkpoint)
     stager = Stager(leaf_alignment=store.settings.leaf_alignment)
     try:
         # copy=False: CPU tensors are written from their own memory, as the save blocks
-        staged = save_path.stage(stager, plain, copy=False)
+        staged = save_path.stage(stager, checkpoint, copy=False)
         try:
-            metadata = {"format": FORMAT, **extras}
+            metadata = {"format": FORMAT}
             background.run(save_path.save_staged(store, staged, step=step, metadata=metadata))
         finally:
             staged.release()
     finally:
         stager.close()
-
-
-def _encode(checkpoint: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The checkpoint with torch dtypes and devices as their names, and what the manifest's
-    metadata must say to put them (and the ``OrderedDict`` s) back on load."""
-    values: dict[str, list[str]] = {}
-    ordered: list[str] = []
-
-    def value(path: str, leaf: Any) -> Any:
-        if isinstance(leaf, torch.dtype):
-            values[path] = ["dtype", str(leaf).removeprefix("torch.")]
-            return values[path][1]
-        if isinstance(leaf, torch.device):
-            values[path] = ["device", str(leaf)]
-            return values[path][1]
-        return leaf
-
-    def container(path: str, node: Any) -> Any:
-        if type(node) is collections.OrderedDict:
-            ordered.append(path)
-        return node
-
-    plain = map_leaves(value, checkpoint, expand=expand, on_branch=container)
-    return plain, {"values": values, "ordered": ordered}
 
 
 # --------------------------------------------------------------------------- load
@@ -391,13 +366,21 @@ def _load(store: Store, step: int, map_location: Any) -> Any:
         return out.to(device) if device is not None else out
 
     state = rebuild(selection, leaf=tensor)
-    # A checkpoint another face saved is read too; only this plug-in's records typed values.
-    return _decode(state, meta, source) if form == FORMAT else state
+    # A checkpoint another face saved is read too; only format 3 recorded values aside.
+    return _decode_v3(state, meta, source) if form == _FORMAT_V3 else state
 
 
-def _decode(state: Any, meta: dict[str, Any], source: str) -> Any:
-    """Put back what :func:`_encode` recorded in the metadata; anything else there is a
-    corrupt checkpoint."""
+# ------------------------------------------------------------------ format 3, read only
+
+#: The format before the tree held torch dtypes, devices and ``OrderedDict`` s: the
+#: checkpoint was saved with those as their names (plain dicts), and the manifest's metadata
+#: recorded which they were. Never written now; read so that its checkpoints still load.
+_FORMAT_V3 = "ckptstore.lightning/3"
+
+
+def _decode_v3(state: Any, meta: dict[str, Any], source: str) -> Any:
+    """Put back what format 3 recorded in the metadata; anything else there is a corrupt
+    checkpoint."""
     values, ordered = meta.get("values"), meta.get("ordered")
     if not isinstance(values, dict) or not isinstance(ordered, list):
         raise CorruptCheckpointError(f"{source}: malformed Lightning metadata")

@@ -279,6 +279,9 @@ def plain_values(tree: Any) -> list[tuple[str, Any]]:
             return  # an array leaf (its index)
         if "v" in node and len(node) == 1:
             out.append((path, node["v"]))
+        elif "x" in node:  # a typed value, shown as Python spells it: torch.bfloat16
+            kind, text = node["x"]
+            out.append((path, f"torch.{text}" if kind == "torch.dtype" else f"{kind}({text!r})"))
         elif "d" in node:
             for key, child in zip(node["d"], node["c"], strict=True):
                 walk(child, join(path, escape_key(key), depth), depth + 1)

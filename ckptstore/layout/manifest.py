@@ -29,6 +29,10 @@ Version 3 adds an optional ``chunks`` table to the body: a leaf sharded across r
 leaf of its global shape whose bytes live in chunks, each with a crc32c per block
 (:mod:`ckptstore.layout.chunks`, which validates it: the chunks of a leaf tile it exactly,
 as a grid). A manifest without chunks is written as version 2 or 1, as before.
+
+Version 4 lets the tree hold typed values (a ``torch.dtype``, a ``torch.device``) and mark a
+dict as an ``OrderedDict`` (:mod:`ckptstore.layout.tree`); a manifest whose tree has neither
+is written with the version its tables need, as before.
 """
 
 from __future__ import annotations
@@ -48,16 +52,16 @@ from ckptstore.errors import CorruptCheckpointError, InvalidKeyError
 from ckptstore.layout.chunks import Chunks, parse_chunks
 from ckptstore.layout.dtypes import dtype_from_name
 from ckptstore.layout.keys import ATTEMPT_RE, MAX_STEP
-from ckptstore.layout.tree import tree_paths
+from ckptstore.layout.tree import tree_paths, uses_version_4
 from ckptstore.store.base import validate_key
 from ckptstore.store.checksum import crc32c
 
 __all__ = ["FORMAT_VERSION", "MAX_LEAF_BYTES", "Manifest"]
 
-FORMAT_VERSION = 3
-#: Versions this release reads: 1 (no references, no hashes), 2 (references and hashes) and
-#: 3 (chunked leaves).
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+#: Versions this release reads: 1 (no references, no hashes), 2 (references and hashes),
+#: 3 (chunked leaves) and 4 (typed values and ordered dicts in the tree).
+READABLE_VERSIONS = (1, 2, 3, 4)
 #: No leaf or object may claim more bytes than this (keeps every sum inside int64).
 MAX_LEAF_BYTES = 1 << 60
 
@@ -159,7 +163,9 @@ class Manifest:
         }
         if self.chunks is not None and self.chunks.leaf:
             doc["chunks"], version = self.chunks.encode(), 3
-        body = _encode_body(doc)
+        body, tree = _encode_body(doc)
+        if uses_version_4(tree):
+            version = 4
         head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc32c(body)},"body":'
         return head.encode() + body + b"}"
 
@@ -393,7 +399,7 @@ class Manifest:
         _check_extents(checked, lobj, loff, llen, olen)
 
         try:
-            leaf_paths, value_paths = tree_paths(doc.get("tree"), n)
+            leaf_paths, value_paths = tree_paths(doc.get("tree"), n, version_4=version >= 4)
         except ValueError as exc:
             raise _Invalid(str(exc)) from None
         if leaf_paths != paths:
@@ -619,13 +625,14 @@ def _only_plain_finite(value: Any) -> bool:
     return True
 
 
-def _encode_body(doc: dict[str, Any]) -> bytes:
+def _encode_body(doc: dict[str, Any]) -> tuple[bytes, bytes]:
     """The body's bytes. The tables (``objects``, ``leaves``, ``chunks``) hold the strings and
     integers this module put there, and the leaves' ``attrs``; the tree holds the user's plain
     values, which may be NaN or infinite (JSON's extension, as json writes it). Each part is
     written by :func:`_fast_json` where that is exact, and the parts joined in the order
-    json would write them."""
+    json would write them. Returns the body and, within it, the tree's bytes."""
     parts = []
+    tree = b""
     for name, value in doc.items():
         if name == "tree":
             fast = _only_plain_finite(value)
@@ -634,5 +641,7 @@ def _encode_body(doc: dict[str, Any]) -> bytes:
         else:
             fast = name in ("objects", "chunks")
         encoded = _fast_json(value) if fast else _json_bytes(value)
+        if name == "tree":
+            tree = encoded
         parts.append(_json_bytes(name) + b":" + encoded)
-    return b"{" + b",".join(parts) + b"}"
+    return b"{" + b",".join(parts) + b"}", tree

@@ -1,9 +1,12 @@
 """Nested states to named leaves and back: the one walker and codec of a state's structure.
 
-A state is a nest of containers whose leaves are arrays and plain JSON values (``None``,
-bools, ints, floats, strings). The containers are the ones users' training states are made of:
+A state is a nest of containers whose leaves are arrays, plain JSON values (``None``, bools,
+ints, floats, strings) and the few other values training states hold, stored by name (the
+*typed values*: a ``torch.dtype``, a ``torch.device``; :data:`VALUE_KINDS`). The containers
+are the ones users' training states are made of:
 
-* dicts and other mappings (an ``OrderedDict`` is walked like a dict),
+* dicts and other mappings (an ``OrderedDict`` comes back as one; any other mapping as a
+  dict),
 * lists, tuples and named tuples (an optax ``ScaleByAdamState``),
 * dataclasses (walked by field),
 * nodes a framework registers, through the ``expand`` hook every walker here takes: the stage
@@ -32,9 +35,15 @@ Tree encoding (JSON), one node per container or leaf::
     int i                       array leaf i (the i-th entry of FlatState.arrays)
     {"s": i}                    numpy scalar leaf i (restored as a numpy scalar)
     {"v": value}                a plain JSON value
+    {"x": [kind, text]}         a typed value: its kind (a key of VALUE_KINDS) and its name
     {"d": [keys], "c": [nodes]} a dict, dataclass or registered node (keys str or int, in order)
+    {"d": [keys], "c": [nodes], "o": 1}
+                                an OrderedDict
     {"l": [nodes]}              a list
     {"t": [nodes]}              a tuple or named tuple
+
+The ``"x"`` node and the ``"o"`` field came with manifest format version 4; a tree holding
+neither is what versions 1 to 3 hold (:func:`uses_version_4` tells which).
 
 A stager (torch, JAX) builds the same structure with :func:`flatten`'s ``convert`` hook,
 handing over host arrays it has already staged and per-leaf ``attrs`` (JSON) that the
@@ -45,6 +54,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,6 +62,7 @@ from typing import Any
 
 import numpy as np
 
+from ckptstore.errors import CheckpointFormatError, MissingDependencyError
 from ckptstore.layout.dtypes import dtype_name
 
 __all__ = [
@@ -59,6 +70,7 @@ __all__ = [
     "Branch",
     "Expand",
     "FlatState",
+    "VALUE_KINDS",
     "UnsupportedLeafError",
     "branch",
     "escape_key",
@@ -69,6 +81,7 @@ __all__ = [
     "select_paths",
     "tree_paths",
     "unflatten",
+    "uses_version_4",
 ]
 
 #: Deepest nesting a state (and a manifest's tree) may have.
@@ -84,6 +97,96 @@ class UnsupportedLeafError(TypeError):
     def __init__(self, path: str, reason: str) -> None:
         self.path = path
         super().__init__(f"state leaf {path or '<root>'!r}: {reason}")
+
+
+@dataclass(frozen=True, slots=True)
+class ValueKind:
+    """A kind of typed value: how one is named in a tree and made again from its name.
+
+    Attributes:
+        name: the kind as the tree's ``"x"`` node spells it (``"torch.dtype"``).
+        module, type_name: the type of its values (module and qualified name), by which
+            :func:`flatten` recognises one without importing the library.
+        pattern: the names a manifest may give (checked when it is read).
+        text: the name of a value.
+        value: the value a name stands for; raises :class:`CheckpointFormatError` if this
+            installation has none of that name.
+    """
+
+    name: str
+    module: str
+    type_name: str
+    pattern: re.Pattern[str]
+    text: Callable[[Any], str]
+    value: Callable[[str], Any]
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError as exc:
+        raise MissingDependencyError(
+            "the checkpoint holds torch values (a torch.dtype or torch.device); loading it "
+            "needs torch: pip install torch"
+        ) from exc
+    return torch
+
+
+def _torch_dtype(text: str) -> Any:
+    torch = _torch()
+    found = getattr(torch, text, None)
+    if not isinstance(found, torch.dtype):
+        raise CheckpointFormatError(
+            f"the checkpoint holds torch.{text}, a dtype torch {torch.__version__} does not have"
+        )
+    return found
+
+
+def _torch_device(text: str) -> Any:
+    torch = _torch()
+    try:
+        return torch.device(text)
+    except (RuntimeError, ValueError) as exc:
+        raise CheckpointFormatError(
+            f"the checkpoint holds torch.device({text!r}), which torch {torch.__version__} "
+            f"does not know ({exc})"
+        ) from None
+
+
+#: The kinds of typed value, by name; docs/format.md lists them. A new kind is a new format
+#: version: a reader refuses a name it does not know.
+VALUE_KINDS: dict[str, ValueKind] = {
+    kind.name: kind
+    for kind in (
+        ValueKind(
+            "torch.dtype",
+            "torch",
+            "dtype",
+            re.compile(r"[a-z][a-z0-9_]{0,39}"),
+            lambda value: str(value).removeprefix("torch."),
+            _torch_dtype,
+        ),
+        ValueKind(
+            "torch.device",
+            "torch",
+            "device",
+            re.compile(r"[a-z][a-z0-9_]{0,19}(:[0-9]{1,6})?"),
+            str,
+            _torch_device,
+        ),
+    )
+}
+_KIND_OF_TYPE = {(kind.module, kind.type_name): kind for kind in VALUE_KINDS.values()}
+
+
+def uses_version_4(encoded_tree: bytes) -> bool:
+    """Whether a tree, as compact JSON, holds a typed value or an ``OrderedDict`` (what
+    needs manifest format version 4).
+
+    A search of the bytes, not a walk: a ``"`` inside a JSON string is always written
+    ``\\"``, so ``{"x":`` and ``"o":`` occur only as a node's own fields.
+    """
+    return b'{"x":' in encoded_tree or b'"o":' in encoded_tree
 
 
 @dataclass(slots=True)
@@ -437,6 +540,10 @@ def flatten(
         if isinstance(node, bool | int | float | str):  # subclasses (IntEnum...) as plain values
             return {"v": _plain(node)}
         found = branch_of(node)
+        if found is None:
+            typed = _KIND_OF_TYPE.get((kind.__module__, kind.__qualname__))
+            if typed is not None:
+                return {"x": [typed.name, typed.text(node)]}
         if found is None and convert is not None:
             converted = convert(node, path)
             if converted is not None:
@@ -455,6 +562,8 @@ def flatten(
             for value, child in zip(found.values, _child_paths(found, path, depth), strict=True)
         ]
         if found.tag == "d":
+            if kind is OrderedDict:
+                return {"d": list(found.keys), "c": children, "o": 1}
             return {"d": list(found.keys), "c": children}
         return {found.tag: children}
 
@@ -472,12 +581,17 @@ def _plain(value: bool | int | float | str) -> bool | int | float | str:
     return str(value)
 
 
-def tree_paths(tree: Any, count: int) -> tuple[list[str | None], list[str]]:
-    """Walk an untrusted ``tree`` and return ``(path of each array leaf, value paths)``.
+def tree_paths(
+    tree: Any, count: int, *, version_4: bool = True
+) -> tuple[list[str | None], list[str]]:
+    """Walk an untrusted ``tree`` and return ``(path of each array leaf, value paths)``
+    (typed values are values).
 
     Raises ``ValueError`` with a reason if the tree is malformed: unknown node shapes, leaf
-    indices outside ``[0, count)`` or used twice, bad dict keys, or excessive depth. Callers
-    that built the tree themselves may skip this.
+    indices outside ``[0, count)`` or used twice, bad dict keys, a typed value of a kind or
+    name :data:`VALUE_KINDS` does not allow, or excessive depth; or, unless ``version_4``,
+    a typed value or an ``OrderedDict`` (a manifest of an earlier version has neither).
+    Callers that built the tree themselves may skip this.
     """
     leaf_paths: list[str | None] = [None] * count
     value_paths: list[str] = []
@@ -503,7 +617,14 @@ def tree_paths(tree: Any, count: int) -> tuple[list[str | None], list[str]]:
                 raise ValueError(f"tree value at {path!r} is a {type(value).__name__}")
             value_paths.append(path)
             continue
-        if len(node) == 2 and "d" in node and "c" in node:
+        if len(node) == 1 and "x" in node:
+            _check_typed(node["x"], path, version_4)
+            value_paths.append(path)
+            continue
+        ordered = len(node) == 3 and node.get("o") == 1 and type(node["o"]) is int
+        if ordered and not version_4:
+            raise ValueError(f"tree dict at {path!r} is ordered, which needs format version 4")
+        if (len(node) == 2 or ordered) and "d" in node and "c" in node:
             keys, children = node["d"], node["c"]
             if type(keys) is not list or type(children) is not list or len(keys) != len(children):
                 raise ValueError(f"tree dict at {path!r} has mismatched keys and children")
@@ -545,6 +666,18 @@ def tree_paths(tree: Any, count: int) -> tuple[list[str | None], list[str]]:
     if missing:
         raise ValueError(f"tree does not place arrays {missing[:5]} (of {len(missing)})")
     return leaf_paths, value_paths
+
+
+def _check_typed(typed: Any, path: str, version_4: bool) -> None:
+    if not version_4:
+        raise ValueError(f"tree value at {path!r} is a typed value, which needs format version 4")
+    if type(typed) is not list or len(typed) != 2 or not all(type(t) is str for t in typed):
+        raise ValueError(f"typed value at {path!r} is not a [kind, name] pair of strings")
+    kind = VALUE_KINDS.get(typed[0])
+    if kind is None:
+        raise ValueError(f"typed value at {path!r} is of unknown kind {typed[0][:40]!r}")
+    if not kind.pattern.fullmatch(typed[1]):
+        raise ValueError(f"typed value at {path!r} names no {kind.name}: {typed[1][:40]!r}")
 
 
 #: ``like`` of :func:`unflatten` when there is no target.
@@ -600,6 +733,11 @@ def unflatten(
                 return missing
             value = leaves[node["s"]]
             return value[()] if isinstance(value, np.ndarray) else value
+        if "x" in node:
+            if selected is not None and not selected(path):
+                return missing
+            kind, text = node["x"]
+            return VALUE_KINDS[kind].value(text)
         if "d" in node:
             out: dict[str | int, Any] = {}
             if not located:
@@ -611,7 +749,7 @@ def unflatten(
                         out[key] = value if restore is None else restore(value, child, None)
                     else:
                         out[key] = build(child, "", depth + 1, None)
-                return out
+                return OrderedDict(out) if "o" in node else out
             for key, child in zip(node["d"], node["c"], strict=True):
                 where = join_path(path, escape_key(key), depth)
                 value = build(child, where, depth + 1, None)
@@ -620,7 +758,7 @@ def unflatten(
             # an empty container is selected by its own path only, like a plain value
             if selected is not None and not out and (node["d"] or not selected(path)):
                 return missing
-            return out
+            return OrderedDict(out) if "o" in node else out
         items = node["l"] if "l" in node else node["t"]
         values = [
             build(c, join_path(path, str(i), depth) if located else "", depth + 1, None)

@@ -350,11 +350,15 @@ def _kind(node: Any) -> str:
         return "array"
     if "s" in node:
         return "numpy scalar"
-    if "v" in node:
+    if "v" in node or "x" in node:
         return "plain value"
     if "d" in node:
         return "dict"
     return "list" if "l" in node else "tuple"
+
+
+def _plain(node: dict[str, Any]) -> Any:
+    return node["v"] if "v" in node else node["x"]
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -400,10 +404,13 @@ def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
                             f"and {key!r} on rank {rank}; they would share one path"
                         )
                     children[segment].append((rank, child))
-            return {
+            merged: dict[str, Any] = {
                 "d": [original[s] for s in order],
                 "c": [visit(children[s], join_path(path, s, depth), depth + 1) for s in order],
             }
+            if any("o" in node for _, node in nodes):  # an OrderedDict on some rank
+                merged["o"] = 1
+            return merged
         if kind in ("list", "tuple"):
             tag = "l" if kind == "list" else "t"
             lengths = {rank: len(node[tag]) for rank, node in nodes}
@@ -422,14 +429,14 @@ def merge_parts(parts: list[_Part]) -> tuple[Any, list[_Leaf]]:
                     for i in range(lengths[first_rank])
                 ]
             }
-        if kind == "plain value":
-            value = nodes[0][1]["v"]
+        if kind == "plain value":  # or a typed value, compared by its [kind, name]
+            value = _plain(nodes[0][1])
             for rank, node in nodes[1:]:
-                if not _same_value(node["v"], value):
+                if not _same_value(_plain(node), value):
                     raise ValueError(
                         f"state entry {where(path)} is {value!r:.80} on rank {first_rank} and "
-                        f"{node['v']!r:.80} on rank {rank}; a value several ranks hold must be "
-                        "the same on all (keep per-rank values under per-rank keys)"
+                        f"{_plain(node)!r:.80} on rank {rank}; a value several ranks hold must "
+                        "be the same on all (keep per-rank values under per-rank keys)"
                     )
             return nodes[0][1]
         holders: dict[int, int] = {}

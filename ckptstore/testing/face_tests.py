@@ -17,9 +17,9 @@ Each check is one promise ckptstore makes on every face:
 * one reference state (every dtype of the dtype registry, bf16 and the float8s included, in
   torch where torch has the dtype and in numpy everywhere; 0-d, empty and non-contiguous
   arrays; dicts, lists, tuples, named tuples, ``OrderedDict``, dataclasses, an optax state,
-  JAX arrays; plain values) comes back bit-exact from every face that reads what the saver
-  wrote, in the documented structure (:func:`plain`), and a checkpoint of the other format
-  is refused with the error that names its reader;
+  JAX arrays; plain values, torch dtypes and devices) comes back bit-exact from every face
+  that reads what the saver wrote, in the documented structure (:func:`plain`), and a
+  checkpoint of the other format is refused with the error that names its reader;
 * what was saved comes back as the same kind (torch as torch, numpy as numpy, JAX as JAX),
   and ``target=`` overrides it, containers included;
 * a key that matches nothing is the same error, word for word, on every face that takes keys;
@@ -162,6 +162,7 @@ def reference_state(*, dcp: bool = False) -> dict[str, Any]:
     state["tuple"] = (np.ones(2), 3, (torch.zeros(1),))
     state["named"] = Pair(torch.arange(3), 5)
     state["ordered"] = collections.OrderedDict([("z", np.ones(1)), ("a", 2)])
+    state["typed"] = {"dtype": torch.bfloat16, "device": torch.device("cpu")}
     state["dataclass"] = Config(np.arange(3), "cfg")
     try:
         import jax.numpy as jnp
@@ -177,21 +178,21 @@ def reference_state(*, dcp: bool = False) -> dict[str, Any]:
     return state
 
 
-def plain(state: Any, *, ordered: bool = False) -> Any:
+def plain(state: Any) -> Any:
     """What a load without a target gives back for ``state``: named tuples as tuples,
     dataclasses and other registered nodes (an optax state's fields) as dicts of their
-    children, ``OrderedDict`` as ``dict`` (kept with ``ordered``: the Lightning face);
-    arrays as they are."""
+    children, an ``OrderedDict`` as one and any other mapping as a ``dict``; arrays and
+    typed values as they are."""
     if isinstance(state, dict):
-        out = {k: plain(v, ordered=ordered) for k, v in state.items()}
-        return collections.OrderedDict(out) if ordered and type(state) is not dict else out
+        out = {k: plain(v) for k, v in state.items()}
+        return collections.OrderedDict(out) if type(state) is collections.OrderedDict else out
     if isinstance(state, list):
-        return [plain(v, ordered=ordered) for v in state]
+        return [plain(v) for v in state]
     if isinstance(state, tuple):
-        return tuple(plain(v, ordered=ordered) for v in state)
+        return tuple(plain(v) for v in state)
     if dataclasses.is_dataclass(state) and not isinstance(state, type):
         fields = dataclasses.fields(state)
-        return {f.name: plain(getattr(state, f.name), ordered=ordered) for f in fields}
+        return {f.name: plain(getattr(state, f.name)) for f in fields}
     return state
 
 
@@ -342,7 +343,7 @@ class FaceTests:
         state = reference_state(dcp=saver.fmt == "dcp")
         saver.save(place, state, STEP)
         out = loader.load(place, STEP, None, None, state)
-        assert_same(out, plain(state, ordered=saver.ordered and loader.ordered))
+        assert_same(out, plain(state))
 
     def test_target_makes_every_array_its_kind_and_rebuilds_containers(
         self, loader: Face, tmp_path: Path

@@ -67,10 +67,6 @@ class Face:
         fmt: ``"native"`` for ckptstore's own checkpoints, ``"dcp"`` for DCP's (its planner
             flattens the state to its own names; the two are read by their own faces only).
         url_step: the face names a checkpoint by a URL whose last segment is the step.
-        ordered: an ``OrderedDict`` this face saves comes back as one through this face
-            (Lightning's plug-in records them, so that ``load_checkpoint`` gives back what
-            ``torch.load`` would: a model's ``state_dict()`` is an ``OrderedDict``); every
-            other pair gives it back as a ``dict``.
         lacks: capability -> why this face lacks it. Capabilities:
             ``"incremental"`` (an unchanged leaf is referenced, not written again).
     """
@@ -82,7 +78,6 @@ class Face:
     target: bool = True
     fmt: str = "native"
     url_step: bool = False
-    ordered: bool = False
     lacks: dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:
@@ -310,7 +305,7 @@ SAVERS: list[Face] = [
     Face("manager-tiered", save=_tiered_saver(distributed=False)),
     Face("distributed-manager-tiered", save=_tiered_saver(distributed=True)),
     Face("dcp", save=_save_dcp, fmt="dcp", url_step=True),
-    Face("lightning", save=_save_lightning, url_step=True, ordered=True),
+    Face("lightning", save=_save_lightning, url_step=True),
     Face("cp", save=_save_cp),
 ]
 
@@ -331,7 +326,6 @@ LOADERS: list[Face] = [
         keys=False,
         target=False,
         url_step=True,
-        ordered=True,
     ),
 ]
 

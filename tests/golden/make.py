@@ -8,7 +8,8 @@ KIND: ``plain`` (one step, packed and whole leaves of every dtype), ``incrementa
 steps, each referencing the one before), ``sharded`` (one leaf saved as chunks by 2 ranks),
 ``dtypes`` (the ml_dtypes types too), ``tree`` (a directory uploaded by the file
 adapters), ``dcp`` (a ``torch.distributed.checkpoint`` save through ckptstore's Writer),
-``lightning`` (a checkpoint dict saved by ``StoreCheckpointIO``).
+``lightning`` (a checkpoint dict saved by ``StoreCheckpointIO``), ``typed`` (one step of
+manifest version 4: ``OrderedDict`` s, torch dtypes and devices).
 Each kind uses only the calls of the commit that wrote it.
 """
 
@@ -103,10 +104,14 @@ def lightning(out: Path) -> None:
     StoreCheckpointIO(**OPTIONS).save_checkpoint(golden_states.lightning_dict(), path)
 
 
+def typed(out: Path) -> None:
+    ckptstore.save(ckptstore.open_store(str(out), **OPTIONS), golden_states.typed_state(), step=5)
+
+
 if __name__ == "__main__":
     kind, out = sys.argv[1], Path(sys.argv[2])
     kinds = {"plain": plain, "incremental": incremental, "sharded": sharded}
-    kinds.update(dtypes=dtypes, tree=tree, dcp=dcp, lightning=lightning)
+    kinds.update(dtypes=dtypes, tree=tree, dcp=dcp, lightning=lightning, typed=typed)
     kinds[kind](out)
     root = Path(ckptstore.__file__).resolve().parent.parent
     commit = subprocess.run(
