@@ -255,6 +255,28 @@ def test_show_lists_leaves_values_and_metadata(
     assert any(line.split()[:3] == ["model/w", "<f4", "256x300"] for line in out.splitlines())
 
 
+def test_show_tells_a_typed_value_from_a_string_of_its_name(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    torch = pytest.importorskip("torch")
+    state = {"dt": torch.bfloat16, "dev": torch.device("cuda", 1), "name": "torch.bfloat16"}
+    ckptstore.save(tmp_path, state, step=1)
+    status, out, _ = run(capsys, "show", str(tmp_path), "1", "--json")
+    assert status == 0
+    assert json.loads(out)["values"] == [
+        {"path": "dt", "value": "bfloat16", "kind": "torch.dtype"},
+        {"path": "dev", "value": "cuda:1", "kind": "torch.device"},
+        {"path": "name", "value": "torch.bfloat16"},
+    ]
+    status, out, _ = run(capsys, "show", str(tmp_path), "1")
+    rows = {line.split()[0]: line.split(maxsplit=1)[1] for line in out.splitlines()[-3:]}
+    assert rows == {
+        "dt": "torch.bfloat16",
+        "dev": "torch.device('cuda:1')",
+        "name": '"torch.bfloat16"',
+    }
+
+
 def test_show_of_a_missing_step(capsys: pytest.CaptureFixture[str], run_dir: Path) -> None:
     status, _, err = run(capsys, "show", str(run_dir), "7")
     assert status == cli.EXIT_ERROR

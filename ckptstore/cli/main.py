@@ -600,7 +600,12 @@ async def _show(args: argparse.Namespace) -> Outcome:
         }
         for i in range(len(manifest.paths))
     ]
-    values = [{"path": path, "value": value} for path, value in plain_values(manifest.tree)]
+    values = [
+        {"path": path, "value": value}
+        if kind is None
+        else {"path": path, "value": value, "kind": kind}
+        for path, value, kind in plain_values(manifest.tree)
+    ]
     referenced = set(manifest.references())
     objects = [
         {
@@ -648,9 +653,20 @@ async def _show(args: argparse.Namespace) -> Outcome:
     if values:
         lines += [
             "",
-            render_table(["path", "value"], [(v["path"], json.dumps(v["value"])) for v in values]),
+            render_table(["path", "value"], [(v["path"], _shown_value(v)) for v in values]),
         ]
     return Outcome(data, "\n".join(lines))
+
+
+def _shown_value(value: dict[str, Any]) -> str:
+    """A plain value as JSON; a typed value as Python writes it (``torch.bfloat16``,
+    ``torch.device('cuda:1')``), so it does not read as a string."""
+    kind = value.get("kind")
+    if kind is None:
+        return json.dumps(value["value"])
+    if kind == "torch.dtype":
+        return f"torch.{value['value']}"
+    return f"{kind}({value['value']!r})"
 
 
 async def _verify(args: argparse.Namespace) -> Outcome:

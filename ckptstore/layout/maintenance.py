@@ -266,10 +266,11 @@ def total_stored(manifests: Sequence[Manifest], records: Sequence[Manifest] = ()
     )
 
 
-def plain_values(tree: Any) -> list[tuple[str, Any]]:
-    """``(path, value)`` of every plain (non-array) value in a validated manifest's tree,
-    in tree order."""
-    out: list[tuple[str, Any]] = []
+def plain_values(tree: Any) -> list[tuple[str, Any, str | None]]:
+    """``(path, value, kind)`` of every plain (non-array) value in a validated manifest's
+    tree, in tree order: ``kind`` is ``None`` for a JSON value, and a typed value's kind
+    (``"torch.dtype"``) for a typed value, whose ``value`` is then its name."""
+    out: list[tuple[str, Any, str | None]] = []
 
     def join(path: str, segment: str, depth: int) -> str:
         return segment if depth == 0 else f"{path}/{segment}"  # as the tree's own paths
@@ -278,10 +279,10 @@ def plain_values(tree: Any) -> list[tuple[str, Any]]:
         if type(node) is not dict:
             return  # an array leaf (its index)
         if "v" in node and len(node) == 1:
-            out.append((path, node["v"]))
-        elif "x" in node:  # a typed value, shown as Python spells it: torch.bfloat16
-            kind, text = node["x"]
-            out.append((path, f"torch.{text}" if kind == "torch.dtype" else f"{kind}({text!r})"))
+            out.append((path, node["v"], None))
+        elif "x" in node:
+            kind, name = node["x"]
+            out.append((path, name, kind))
         elif "d" in node:
             for key, child in zip(node["d"], node["c"], strict=True):
                 walk(child, join(path, escape_key(key), depth), depth + 1)
