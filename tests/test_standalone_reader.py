@@ -278,6 +278,16 @@ def test_ml_dtypes_leaves_are_raw_bytes_without_ml_dtypes(tmp_path: Path) -> Non
     assert_same(got["f32"], want["f32"])
 
 
+def test_the_reader_allows_the_typed_values_ckptstore_allows(reader: ModuleType) -> None:
+    """The reader imports nothing of ckptstore, so it keeps its own copy of the typed-value
+    table (docs/format.md); the two must say the same."""
+    from ckptstore.layout.tree import VALUE_KINDS
+
+    assert {kind: pattern.pattern for kind, pattern in reader.TYPED_VALUE_NAMES.items()} == {
+        name: kind.pattern.pattern for name, kind in VALUE_KINDS.items()
+    }
+
+
 def test_a_version_1_manifest_loads(tmp_path: Path, reader: ModuleType) -> None:
     root = tmp_path / "ckpt"
     ckptstore.save(root, {"w": np.arange(10.0), "n": 3}, step=1)
