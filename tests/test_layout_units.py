@@ -81,6 +81,12 @@ def test_tree_paths_takes_the_depth_limit_at_a_leaf_as_at_any_node() -> None:
         tree_paths({"d": ["a", "b"], "c": [0, 0]}, 2)
     with pytest.raises(ValueError, match=r"tree names array 0 twice \('x/0'\)"):
         tree_paths({"d": ["a", "x"], "c": [0, {"l": [0]}]}, 2)
+    # a dict of array leaves alone is checked in bulk: an index another node placed, or one
+    # it repeats, is still refused by name
+    with pytest.raises(ValueError, match=r"tree names array 0 twice \('x/y'\)"):
+        tree_paths({"d": ["a", "x"], "c": [0, {"d": ["y", "z"], "c": [0, 1]}]}, 2)
+    with pytest.raises(ValueError, match=r"tree names array 1 twice \('x/z'\)"):
+        tree_paths({"d": ["a", "x"], "c": [0, {"d": ["y", "z"], "c": [1, 1]}]}, 2)
 
 
 @pytest.mark.parametrize(
@@ -373,6 +379,51 @@ def test_large_leaves_load_into_page_aligned_arrays(tmp_path: Path) -> None:
     assert out["big"].ctypes.data % 4096 == 0
     np.testing.assert_array_equal(out["big"], state["big"])
     np.testing.assert_array_equal(out["small"], state["small"])
+
+
+def test_leaves_of_a_pack_read_whole_view_their_own_bytes(tmp_path: Path) -> None:
+    """A pack read whole gives each leaf a view of its bytes in the buffer read; runs of
+    leaves of one dtype and shape at even offsets are made as the rows of one strided array
+    (layout/restore.py). Runs of 2-d leaves with padding between them, runs cut by a 0-d
+    leaf or another dtype, and lone leaves all come back bit-exact, writable, C-contiguous
+    and sharing no byte with another leaf."""
+    rng = np.random.default_rng(5)
+    state = {
+        "rows": [rng.standard_normal((3, 5)).astype(np.float32) for _ in range(30)],
+        "vectors": [np.arange(i, i + 8, dtype=np.int64) for i in range(20)],
+        "mixed": [np.full(4, i, np.float32) if i % 3 else np.array(i, np.int16) for i in range(12)],
+        "bf16": [np.full(8, i, ml_dtypes.bfloat16) for i in range(5)],
+        "cube": rng.standard_normal((2, 3, 4)),
+        "cubes": [rng.standard_normal((2, 3, 4)).astype(np.float16) for _ in range(4)],
+    }
+    ckptstore.save(tmp_path, state, step=1)
+    manifest = Manifest.parse((tmp_path / "1" / "manifest.json").read_bytes())
+    assert len(manifest.object_keys) == 1  # one pack, read whole
+    out = ckptstore.load(tmp_path)
+    assert_same_state(out, state)
+    arrays = [a for a in flatten(out).arrays if a.ndim]
+    assert len(arrays) == 30 + 20 + 8 + 5 + 1 + 4
+    for array in arrays:
+        assert array.flags.writeable
+        assert array.flags.c_contiguous
+    for a, b in itertools.combinations(arrays, 2):
+        assert not np.shares_memory(a, b)
+
+
+@pytest.mark.parametrize(
+    "offsets",
+    [[0, 16, 32, 48], [0, 16, 48, 64], [64, 48, 32, 16], [0, 32, 16, 48], [8, 8, 40, 72]],
+    ids=["even", "uneven", "descending", "out of order", "a repeated offset"],
+)
+def test_leaf_views_follow_each_leafs_own_offset(offsets: list[int]) -> None:
+    """However a manifest orders its leaves' offsets, each view starts at its own."""
+    from ckptstore.layout.restore import _leaf_views
+
+    buf = np.arange(128, dtype=np.uint8)
+    views = _leaf_views(buf, [0, 1, 2, 3], offsets, [[2, 2]] * 4, ["<f4"] * 4)
+    for leaf, offset in enumerate(offsets):
+        expected = buf[offset : offset + 16].view(np.float32).reshape(2, 2)
+        np.testing.assert_array_equal(views[leaf].view(np.uint32), expected.view(np.uint32))
 
 
 @pytest.mark.parametrize("size", [0, 1, 4095, 4096 * 3 + 7])

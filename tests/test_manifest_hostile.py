@@ -6,6 +6,7 @@ import asyncio
 import collections
 import copy
 import json
+import math
 import os
 import random
 import re
@@ -396,6 +397,17 @@ def _wrapping_length(doc: dict[str, Any]) -> None:
     doc["leaves"]["shape"][index] = [(1 << 60) + 1]
 
 
+def _one_rank_wrapping(doc: dict[str, Any]) -> None:
+    """Every shape of rank 2 (the elements counted in bulk, in int64), leaf ``a`` claiming 16
+    bytes of uint8 with a shape of 2**64 + 16 elements, which is 16 in int64."""
+    shapes = doc["leaves"]["shape"]
+    for i, shape in enumerate(shapes):
+        shapes[i] = [shape[0] if shape else 1, math.prod(shape[1:])]
+    index = doc["leaves"]["path"].index("a")
+    doc["leaves"]["dtype"][index] = "|u1"
+    shapes[index] = [16 * ((1 << 20) + 1), (1 << 40) - (1 << 20) + 1]
+
+
 def _hashes(value: Any) -> Callable[[dict[str, Any]], None]:
     def mutate(doc: dict[str, Any]) -> None:
         doc["leaves"]["hash"] = ["0" * 32] * len(doc["leaves"]["path"])
@@ -416,6 +428,10 @@ NAMED: dict[str, tuple[Callable[[dict[str, Any]], None], str]] = {
     "one element short": (_leaf("big", "shape", [299_999]), r"leaf 'big': shape \[299999\] "),
     "empty, too large": (_leaf("e", "shape", [0, 1 << 62]), "leaf 'e': .* too large for any"),
     "wraps in int64": (_wrapping_length, r"leaf 'a': shape \[1152921504606846977\] of <c16 is"),
+    "one rank, wraps in int64": (
+        _one_rank_wrapping,
+        r"leaf 'a': shape \[16777232, 1099510579201\] of \|u1 is not 16 bytes",
+    ),
     **{
         f"hash {name}": (_hashes(value), re.escape(f"leaf hash {value!r} is not 32 hex digits"))
         for name, value in [

@@ -456,13 +456,25 @@ def _shapes_fit(
     dims = list(itertools.chain.from_iterable(shapes))
     if set(map(type, dims)) - {int} or (dims and (min(dims) < 0 or max(dims) >= 1 << 63)):
         return False
-    if shapes and max(map(len, shapes)) > 64:
+    ranks = set(map(len, shapes))
+    if ranks and max(ranks) > 64:
         return False
-    counts = list(map(math.prod, shapes))
-    sizes = np.array([itemsizes[name] for name in dtypes], dtype=np.int64)
-    if counts and max(counts) * int(sizes.max()) > MAX_LEAF_BYTES:
-        return False  # past any leaf's length, or its int64 product could wrap: leaf by leaf
-    if not np.array_equal(np.array(counts, dtype=np.int64) * sizes, llen):
+    if len(itemsizes) == 1:  # one dtype: no lookup per leaf
+        sizes = np.full(len(dtypes), next(iter(itemsizes.values())), dtype=np.int64)
+    else:
+        sizes = np.array(list(map(itemsizes.__getitem__, dtypes)), dtype=np.int64)
+    largest = int(sizes.max()) if len(sizes) else 0
+    if len(ranks) == 1 and (max(dims) if dims else 0) ** (rank := ranks.pop()) < 1 << 63:
+        # every shape of one rank, no product reaching 2**63: the products in numpy, exact
+        elements = np.array(dims, dtype=np.int64).reshape(len(shapes), rank).prod(axis=1)
+        if len(elements) and int(elements.max()) * largest > MAX_LEAF_BYTES:
+            return False  # past any leaf's length: leaf by leaf
+    else:
+        counts = list(map(math.prod, shapes))
+        if counts and max(counts) * largest > MAX_LEAF_BYTES:
+            return False  # past any leaf's length, or its int64 product could wrap
+        elements = np.array(counts, dtype=np.int64)
+    if not np.array_equal(elements * sizes, llen):
         return False
     # An empty shape such as [0, 2**62]: numpy refuses to allocate it at all.
     return not any(

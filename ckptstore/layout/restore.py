@@ -213,9 +213,11 @@ async def _read_verified(
     out: dict[int, Any] = {}
     by_object: dict[int, list[int]] = defaultdict(list)
     chunked: list[int] = []
-    for leaf in leaves:
-        obj = manifest.leaf_object[leaf]
-        if manifest.is_chunked(leaf):
+    chunked_leaves = manifest.chunks.by_leaf if manifest.chunks is not None else {}
+    leaf_object = manifest.leaf_object
+    for leaf in leaves:  # no call per leaf: this runs for each of 20,000 small leaves
+        obj = leaf_object[leaf]
+        if leaf in chunked_leaves:
             chunked.append(leaf)
         elif obj < 0:
             out[leaf] = _destination(manifest, leaf, into)
@@ -266,12 +268,28 @@ async def _read_verified(
 
     async def read_whole(obj: int, key: str, length: int, wanted: list[int]) -> None:
         buf = empty_array((length,), np.dtype(np.uint8))
-        crc = await store.read_into_crc32c(key, 0, buf)
-        offsets, lengths, recorded = manifest.leaf_offset, manifest.leaf_length, manifest.leaf_crc
-        bad = await in_hash_thread(_first_mismatch, buf, wanted, offsets, lengths, recorded)
+        known: int | None = None
+        if store.hashes_while_reading:  # hashed as the body lands, while in the cache
+            known = await store.read_into_crc32c(key, 0, buf)
+        else:
+            await store.read_into(key, 0, buf)
+        # The object's crc32c (if not known yet), every leaf's and the leaves' arrays in one
+        # call on the hashing thread: split between threads, the two Python loops over
+        # 20,000 leaves waited on each other for the GIL.
+        crc, bad, views = await in_hash_thread(
+            _check_whole,
+            buf,
+            known,
+            wanted,
+            manifest.leaf_offset,
+            manifest.leaf_length,
+            manifest.leaf_crc,
+            manifest.shapes,
+            manifest.dtypes,
+        )
         if bad is not None:
             leaf, read = bad
-            raise corrupt(obj, leaf, _mismatch(recorded[leaf], read))
+            raise corrupt(obj, leaf, _mismatch(manifest.leaf_crc[leaf], read))
         if crc != manifest.object_crcs[obj]:
             raise corrupt(
                 obj,
@@ -279,10 +297,7 @@ async def _read_verified(
                 f"{_mismatch(manifest.object_crcs[obj], crc)}; every leaf in it matches its "
                 "own crc32c, so the damage is in the padding between them",
             )
-        shapes, names = manifest.shapes, manifest.dtypes
-        dtypes = {name: dtype_from_name(name) for name in {names[leaf] for leaf in wanted}}
-        for leaf in wanted:
-            out[leaf] = np.ndarray(shapes[leaf], dtypes[names[leaf]], buf, offsets[leaf])
+        out.update(views)
 
     async def read_parts(obj: int, key: str, wanted: list[int]) -> None:
         dests = [_destination(manifest, leaf, into) for leaf in wanted]
@@ -383,6 +398,27 @@ def _mismatch(recorded: int, read: int) -> str:
     return f"crc32c mismatch (recorded {recorded}, read {read})"
 
 
+def _check_whole(
+    buf: np.ndarray[Any, Any],
+    crc: int | None,
+    leaves: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    recorded: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    names: Sequence[str],
+) -> tuple[int, tuple[int, int] | None, dict[int, np.ndarray[Any, Any]]]:
+    """For an object read whole into ``buf``: its crc32c (``crc`` if already known), the
+    first leaf failing its recorded crc32c (:func:`_first_mismatch`), and, if none does, the
+    leaves' arrays (:func:`_leaf_views`)."""
+    if crc is None:
+        crc = checksum.crc32c(buf)
+    bad = _first_mismatch(buf, leaves, offsets, lengths, recorded)
+    if bad is not None:
+        return crc, bad, {}
+    return crc, None, _leaf_views(buf, leaves, offsets, shapes, names)
+
+
 def _first_mismatch(
     buf: np.ndarray[Any, Any],
     leaves: Sequence[int],
@@ -400,6 +436,55 @@ def _first_mismatch(
         if crc != recorded[leaf]:
             return leaf, crc
     return None
+
+
+def _leaf_views(
+    buf: np.ndarray[Any, Any],
+    leaves: Sequence[int],
+    offsets: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    names: Sequence[str],
+) -> dict[int, np.ndarray[Any, Any]]:
+    """Each of ``leaves`` as an array viewing its bytes in ``buf`` (an object read whole).
+
+    A run of leaves of one dtype and shape at evenly spaced offsets (a pack of same-sized
+    leaves, as a model's layers give) is made as the rows of one strided array: numpy makes a
+    row in about 0.2 us, against 1 us for an ``ndarray`` built per leaf, which was a fifth of
+    the restore of 20,000 leaves of 4 KiB. Every leaf still views exactly its own bytes (its
+    offset, shape and dtype as the manifest says), whichever way it was made.
+    """
+    dtypes: dict[str, np.dtype[Any]] = {}
+    for name in {names[leaf] for leaf in leaves}:
+        dtype = dtype_from_name(name)
+        assert dtype is not None  # validated by Manifest.parse
+        dtypes[name] = dtype
+    out: dict[int, np.ndarray[Any, Any]] = {}
+    i, count = 0, len(leaves)
+    while i < count:
+        first = leaves[i]
+        shape, name, start = shapes[first], names[first], offsets[first]
+        end = i + 1
+        # 0-d leaves stay single: the rows of a 1-d array would be numpy scalars
+        stride = offsets[leaves[end]] - start if shape and end < count else 0
+        if stride > 0:
+            while (
+                end < count
+                and offsets[leaves[end]] == start + (end - i) * stride
+                and names[leaves[end]] == name
+                and shapes[leaves[end]] == shape
+            ):
+                end += 1
+        dtype = dtypes[name]
+        if end - i == 1:
+            out[first] = np.ndarray(shape, dtype, buf, start)
+        else:
+            inner = [dtype.itemsize]
+            for size in reversed(shape[1:]):
+                inner.append(inner[-1] * size)
+            rows = np.ndarray((end - i, *shape), dtype, buf, start, (stride, *inner[::-1]))
+            out.update(zip(leaves[i:end], rows, strict=True))
+        i = end
+    return out
 
 
 # ------------------------------------------------------------------ reading into a sink
