@@ -741,6 +741,16 @@ def test_missing_keys_and_select_paths_are_one_rule() -> None:
     assert all(select_paths([""])(p) for p in known)
 
 
+def test_a_numpy_target_of_another_shape_is_refused_by_leaf(tmp_path: Path) -> None:
+    """Plain numpy leaves restored as they are skip the rebuild per leaf, unless a target
+    asks for them: its shapes are still checked, leaf by leaf."""
+    ckptstore.save(tmp_path, {"a": np.arange(4, dtype=np.float32), "b": np.ones(2)}, step=1)
+    with pytest.raises(ValueError, match=r"leaf 'a': the restore target has shape \(3,\)"):
+        ckptstore.load(tmp_path, target={"a": np.zeros(3, np.float32), "b": np.zeros(2)})
+    out = ckptstore.load(tmp_path, target={"a": np.zeros(4, np.float32), "b": np.zeros(2)})
+    np.testing.assert_array_equal(out["a"], np.arange(4, dtype=np.float32))
+
+
 def test_a_restore_reads_with_a_manifest_it_is_given(tmp_path: Path) -> None:
     from ckptstore import background
     from ckptstore.pipeline.restore import read, request

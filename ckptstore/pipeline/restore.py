@@ -553,10 +553,12 @@ def rebuild(
             where = f"{selection.where}: step {manifest.step}, leaf {paths[index]!r}"
             raise leaf_error(exc, where) from None
 
-    # Every leaf a plain numpy array given back as it is: no call per leaf at all.
+    # Every leaf a plain numpy array given back as it is, no target to check it against: no
+    # call per leaf at all.
     as_is = (
         plain
-        and not selection.asked.boxes
+        and asked.like is None
+        and not asked.boxes
         and attrs.count(None) == len(attrs)
         and not set(map(type, selection.arrays.values())) - {np.ndarray}
     )
