@@ -268,18 +268,13 @@ async def _read_verified(
 
     async def read_whole(obj: int, key: str, length: int, wanted: list[int]) -> None:
         buf = empty_array((length,), np.dtype(np.uint8))
-        known: int | None = None
-        if store.hashes_while_reading:  # hashed as the body lands, while in the cache
-            known = await store.read_into_crc32c(key, 0, buf)
-        else:
-            await store.read_into(key, 0, buf)
-        # The object's crc32c (if not known yet), every leaf's and the leaves' arrays in one
-        # call on the hashing thread: split between threads, the two Python loops over
-        # 20,000 leaves waited on each other for the GIL.
-        crc, bad, views = await in_hash_thread(
+        crc = await store.read_into_crc32c(key, 0, buf)
+        # Every leaf's crc32c and the leaves' arrays in one call on the hashing thread: split
+        # between threads, the two Python loops over 20,000 leaves waited on each other for
+        # the GIL.
+        bad, views = await in_hash_thread(
             _check_whole,
             buf,
-            known,
             wanted,
             manifest.leaf_offset,
             manifest.leaf_length,
@@ -400,23 +395,19 @@ def _mismatch(recorded: int, read: int) -> str:
 
 def _check_whole(
     buf: np.ndarray[Any, Any],
-    crc: int | None,
     leaves: Sequence[int],
     offsets: Sequence[int],
     lengths: Sequence[int],
     recorded: Sequence[int],
     shapes: Sequence[Sequence[int]],
     names: Sequence[str],
-) -> tuple[int, tuple[int, int] | None, dict[int, np.ndarray[Any, Any]]]:
-    """For an object read whole into ``buf``: its crc32c (``crc`` if already known), the
-    first leaf failing its recorded crc32c (:func:`_first_mismatch`), and, if none does, the
-    leaves' arrays (:func:`_leaf_views`)."""
-    if crc is None:
-        crc = checksum.crc32c(buf)
+) -> tuple[tuple[int, int] | None, dict[int, np.ndarray[Any, Any]]]:
+    """For an object read whole into ``buf``: the first leaf failing its recorded crc32c
+    (:func:`_first_mismatch`), and, if none does, the leaves' arrays (:func:`_leaf_views`)."""
     bad = _first_mismatch(buf, leaves, offsets, lengths, recorded)
     if bad is not None:
-        return crc, bad, {}
-    return crc, None, _leaf_views(buf, leaves, offsets, shapes, names)
+        return bad, {}
+    return None, _leaf_views(buf, leaves, offsets, shapes, names)
 
 
 def _first_mismatch(
