@@ -110,6 +110,18 @@ def _torch_leaves() -> dict[str, Any]:
     return out
 
 
+def _integer_range(dtype: np.dtype[Any]) -> tuple[int, int] | None:
+    """The smallest and largest value of an integer ``dtype`` (numpy's or an ml_dtypes one,
+    ``int4``, ``uint2``, ``int1``...), ``None`` for any other dtype."""
+    import ml_dtypes
+
+    try:
+        info = ml_dtypes.iinfo(dtype)  # type: ignore[no-untyped-call]
+    except ValueError:
+        return None
+    return int(info.min), int(info.max)
+
+
 def _numpy_leaves(native_order: bool) -> dict[str, Any]:
     from ckptstore.layout.dtypes import dtype_from_name, known_dtype_names
 
@@ -123,8 +135,12 @@ def _numpy_leaves(native_order: bool) -> dict[str, Any]:
             value = np.arange(8) % 3 == 0
         elif dtype.kind == "c":
             value = (np.arange(8) * (1 + 2j)).astype(dtype)
-        elif dtype.kind == "u":
-            value = np.arange(8).astype(dtype)
+        elif (span := _integer_range(dtype)) is not None:
+            # -2 to 5 where the dtype holds them, wrapped where it does not: ml_dtypes'
+            # sub-byte ints hold as little as {-1, 0}
+            low, high = span
+            start = max(low, -2)
+            value = np.array([start + i % (high - start + 1) for i in range(8)]).astype(dtype)
         else:
             value = (np.arange(8, dtype=np.float32) - 2).astype(dtype)
         out[name] = value
