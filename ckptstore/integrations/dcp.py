@@ -83,7 +83,7 @@ from ckptstore.integrations.tensor_objects import CheckpointTarget, host_bytes, 
 from ckptstore.pipeline import save as save_path
 from ckptstore.pipeline.restore import find_manifest, read_leaves
 from ckptstore.pipeline.root import check_options
-from ckptstore.pipeline.save import Attempt, PackPlan, Reuse, Written
+from ckptstore.pipeline.save import Attempt, PackPlan, Reuse, SaveSession, Written
 from ckptstore.pipeline.steps import (
     Manifest,
     latest_step,
@@ -100,9 +100,9 @@ __all__ = ["Reader", "Writer"]
 
 @dataclass(frozen=True, slots=True)
 class _AttemptPrefix:
-    """What the coordinator hands each rank in ``SavePlan.storage_data``: the attempt, the
-    rank's part of it, and the step an incremental save compares with (held for the
-    attempt), if any."""
+    """What the coordinator hands each rank in ``SavePlan.storage_data``: its session's
+    ticket (the attempt), the rank's part of it, and the step an incremental save compares
+    with (held for the session), if any."""
 
     attempt: Attempt
     rank: int
@@ -192,8 +192,8 @@ class Writer(_AtCheckpoint, StorageWriter):
         self._is_coordinator = False
         self._rank = 0
         self._attempt: Attempt | None = None
-        #: The attempt this coordinator began, with its lease (ckptstore.layout.lease).
-        self._begun: Attempt | None = None
+        #: The session this coordinator began, holding its lease (ckptstore.layout.lease).
+        self._session: SaveSession | None = None
 
     # ------------------------------------------------------------- DCP's calls, in order
 
@@ -202,9 +202,9 @@ class Writer(_AtCheckpoint, StorageWriter):
         self._follow(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         self._attempt = None
-        if self._begun is not None and self._begun.lease is not None:
-            background.run(self._begun.lease.release())  # a save that never reached finish()
-        self._begun = None
+        if self._session is not None:
+            background.run(self._session.release())  # a save that never reached finish()
+        self._session = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         # docstring inherited
@@ -229,31 +229,31 @@ class Writer(_AtCheckpoint, StorageWriter):
         # docstring inherited
         store = self._target.store
         try:
-            attempt = self._begin(store, self._target.step)
+            session = self._begin(store, self._target.step)
         except BaseException:
             # DCP calls nothing more after a failed plan: the client opened for it closes
             # now, not as an "Unclosed client session" at exit
             self._target.handle.release()
             raise
         try:
-            base_step = background.run(self._hold_base(store, attempt))
+            base_step = background.run(self._hold_base(session))
         except BaseException:
-            background.run(save_path.abandon(store, attempt))
+            background.run(session.abandon())
             self._target.handle.release()
             raise
-        self._begun = attempt  # it holds the attempt's lease; what ranks get does not
+        self._session = session  # it holds the lease; the ranks get its ticket
         return [
             SavePlan(
                 items=plan.items,
-                storage_data=_AttemptPrefix(attempt, rank, base_step),
+                storage_data=_AttemptPrefix(session.ticket, rank, base_step),
                 planner_data=plan.planner_data,
                 usable=plan.usable,
             )
             for rank, plan in enumerate(plans)
         ]
 
-    def _begin(self, store: Store, step: int) -> Attempt:
-        """Begin the attempt at ``step``, refusing a step the root holds or is past.
+    def _begin(self, store: Store, step: int) -> SaveSession:
+        """Begin the session at ``step``, refusing a step the root holds or is past.
 
         Raises:
             CommitConflictError: ``step`` is below the root's newest step.
@@ -271,7 +271,7 @@ class Writer(_AtCheckpoint, StorageWriter):
                 "to a new root"
             )
         try:
-            return background.run(save_path.begin(store, step))
+            return background.run(SaveSession.begin(store, step))
         except CommitConflictError:
             raise AlreadyExistsError(
                 f"{self.url} already holds a committed checkpoint (step {step} of "
@@ -281,16 +281,14 @@ class Writer(_AtCheckpoint, StorageWriter):
     def _incremental(self, store: Store) -> bool:
         return store.settings.incremental if self.incremental is None else self.incremental
 
-    async def _hold_base(self, store: Store, attempt: Attempt) -> int | None:
+    async def _hold_base(self, session: SaveSession) -> int | None:
         """The step an incremental save compares with: the root's newest committed step, if
-        it is a DCP checkpoint, with all its objects held for ``attempt`` before any rank
+        it is a DCP checkpoint, with all its objects held for ``session`` before any rank
         writes, so a rank may reference any of them; ``None`` for a full save."""
-        if not self._incremental(store):
+        if not self._incremental(session.store):
             return None
-        base = await save_path.base(store, attempt.step)
-        if base is None or not is_dcp_manifest(base):
-            return None
-        return base.step if await save_path.hold(store, attempt, base) else None
+        base = await session.hold_base(accept=is_dcp_manifest)
+        return None if base is None else base.step
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """Plan, pack and write this rank's items with the one save pipeline
@@ -314,9 +312,7 @@ class Writer(_AtCheckpoint, StorageWriter):
             raise TypeError(
                 "SavePlan.storage_data was not set by ckptstore.dcp.Writer.prepare_global_plan"
             )
-        begun = self._begun
-        mine = begun is not None and begun.id == given.attempt.id
-        self._attempt = begun if mine else given.attempt
+        self._attempt = given.attempt
         store, handle, coordinator = self._target.store, self._target.handle, self._is_coordinator
         prefix = f"{given.attempt.prefix}r{given.rank}-"
         items = list(plan.items)
@@ -413,7 +409,7 @@ class Writer(_AtCheckpoint, StorageWriter):
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Commit: write the manifest with one put-if-absent (coordinator only), through the
-        pipeline's commit (:func:`ckptstore.pipeline.save.commit`).
+        session's commit (:meth:`ckptstore.pipeline.save.SaveSession.commit`).
 
         A retry that finds the manifest of its own attempt succeeds; a manifest of another
         attempt raises :class:`~ckptstore.errors.CommitConflictError`.
@@ -421,6 +417,11 @@ class Writer(_AtCheckpoint, StorageWriter):
         if self._attempt is None:
             raise RuntimeError("finish() called before write_data()")
         attempt = self._attempt
+        session = self._session
+        if session is None or session.attempt.id != attempt.id:
+            # a coordinator that did not begin it (DCP passed the plan on): no lease to check
+            session = SaveSession(self._target.store, attempt)
+        self._session = None
         locations: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:
             for result in rank_results:
@@ -438,7 +439,7 @@ class Writer(_AtCheckpoint, StorageWriter):
             object_prefix=step_prefix(attempt.step),
         )
         try:
-            background.run(save_path.commit(self._target.store, attempt, manifest))
+            background.run(session.commit(manifest))
         finally:
             self._target.handle.release()
         metadata.storage_data = locations

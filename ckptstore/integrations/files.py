@@ -350,11 +350,9 @@ async def _upload(
     paths = [e.path for e in entries]
     plan = save_path.plan(store, [e.size for e in entries], paths)
     mapped = {leaf for obj in plan.objects if not obj.packed for leaf in obj.leaves}
-    attempt = await save_path.begin(store, step, form)
-    prefix = attempt.prefix
-    try:
+    async with await save_path.SaveSession.begin(store, step, form) as session:
         writer = save_path.object_writer(
-            store, plan, prefix, _FileLeaves(tree_root, entries, mapped)
+            store, plan, session.prefix, _FileLeaves(tree_root, entries, mapped)
         )
         # One object per slot: bounds the files mapped (one descriptor each) and read at once.
         slots = asyncio.Semaphore(store.settings.max_concurrency)
@@ -365,21 +363,15 @@ async def _upload(
 
         await gather_all((write(i) for i in range(len(plan.objects))), cancel=False)
         await asyncio.to_thread(_check_unchanged, tree_root, entries)
-    except BaseException:
-        await save_path.abandon(store, attempt)
-        raise
-    draft = save_path.ManifestDraft.of_leaves(
-        step,
-        attempt.id,
-        paths,
-        [_UINT8_NAME] * len(entries),
-        [[e.size] for e in entries],
-        [e.size for e in entries],
-        [{"mode": e.mode} if e.link is None else {"symlink": e.link} for e in entries],
-    )
-    draft.add_plan(plan, writer.written.object_crc, writer.written.leaf_crc)
-    manifest = draft.build(tree=tree, metadata=form)
-    info = await save_path.commit(store, attempt, manifest)
+        draft = session.draft(
+            paths,
+            [_UINT8_NAME] * len(entries),
+            [[e.size] for e in entries],
+            [e.size for e in entries],
+            [{"mode": e.mode} if e.link is None else {"symlink": e.link} for e in entries],
+        )
+        draft.add_plan(plan, writer.written.object_crc, writer.written.leaf_crc)
+        info = await session.commit(draft.build(tree=tree, metadata=form))
     return TreeInfo(
         step=info.step,
         attempt=info.attempt,

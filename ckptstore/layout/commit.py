@@ -30,7 +30,7 @@ import json
 import logging
 import time
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,8 +70,8 @@ __all__ = [
     "Attempt",
     "CommitInfo",
     "ObjectWriter",
+    "SaveSession",
     "Written",
-    "abandon_attempt",
     "base_manifest",
     "begin_attempt",
     "check_metadata",
@@ -82,12 +82,10 @@ __all__ = [
     "encode_checked",
     "gather_all",
     "hashes_in_turns",
-    "hold_base",
     "latest_step",
     "plan_changed",
     "read_manifest",
     "remove_objects",
-    "remove_settled",
     "write_checkpoint",
     "write_objects",
 ]
@@ -205,25 +203,175 @@ async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attemp
     return attempt
 
 
+class SaveSession:
+    """One save attempt at one step, from its beginning to its commit: the one way every face
+    writes a checkpoint (``save``, both managers, the multi-rank save, the DCP writer,
+    Lightning, the file adapters, ``cp`` and the tier copy).
+
+    The committing writer begins it (:meth:`begin`: the committed step refused, a fresh
+    attempt drawn, its lease taken), holds what the save will reference (:meth:`hold_base`,
+    :meth:`hold`), writes its objects under :attr:`prefix` (writers in other processes, the
+    ranks of a multi-rank save, write under it from :attr:`ticket`), assembles the manifest
+    with :meth:`draft` and ends it with :meth:`commit` or :meth:`abandon`. Used as an
+    ``async with`` block, a session that is left by an error or a cancellation before its
+    commit began is abandoned (once the writes still running in threads have ended), and its
+    lease is released however the block ends.
+
+    Attributes:
+        store: the checkpoint root it writes to.
+        attempt: the attempt, holding the lease (:mod:`ckptstore.layout.lease`).
+        base: the step held for it by :meth:`hold_base`, if any.
+    """
+
+    __slots__ = ("_ended", "attempt", "base", "store")
+
+    def __init__(self, store: Store, attempt: Attempt) -> None:
+        self.store = store
+        self.attempt = attempt
+        self.base: Manifest | None = None
+        #: committed, abandoned or released: nothing is left for the ``async with`` block
+        self._ended = False
+
+    @classmethod
+    async def begin(cls, store: Store, step: int, metadata: Any = None) -> SaveSession:
+        """Begin a session at ``step`` (:func:`begin_attempt`).
+
+        Raises:
+            CommitConflictError: ``step`` already has a manifest.
+            TypeError: ``metadata`` is not plain JSON.
+        """
+        return cls(store, await begin_attempt(store, step, metadata))
+
+    @property
+    def step(self) -> int:
+        """The step it commits."""
+        return self.attempt.step
+
+    @property
+    def prefix(self) -> str:
+        """``<step>/<attempt-id>/``: every object of the session lies under it."""
+        return self.attempt.prefix
+
+    @property
+    def ticket(self) -> Attempt:
+        """What another writer of the session needs (picklable): the attempt without its
+        lease, which stays with the committing writer."""
+        return Attempt(self.attempt.step, self.attempt.id, self.attempt.started)
+
+    async def hold_base(self, accept: Callable[[Manifest], bool] | None = None) -> Manifest | None:
+        """Find the base of an incremental save (:func:`base_manifest`) and hold every object
+        of it (its own and those it references) for this session before any data is
+        written, for a save whose writers decide what they reuse only later (the ranks of a
+        multi-rank save, the DCP writer's): any writer may then reference any of them.
+
+        Returns:
+            The base, also kept as :attr:`base`; ``None`` (then save in full) when there is
+            none, when ``accept`` refuses it (a face that compares only with checkpoints of
+            its own kind), or when it is being deleted meanwhile.
+        """
+        base = await base_manifest(self.store, self.step)
+        if base is None or (accept is not None and not accept(base)):
+            return None
+        every = Reuse(base, [], list(range(len(base.object_keys))), [])
+        try:
+            await self.hold(_references_of(self.attempt, every))
+        except BrokenReferenceError:
+            return None
+        self.base = base
+        return base
+
+    async def hold(self, references: Manifest) -> None:
+        """Hold the objects of earlier steps that ``references`` names (an incremental save's
+        reused objects, the destination objects a copy links to) for this session, and check
+        them, before any data is written
+        (:func:`ckptstore.layout.references.hold_references`).
+
+        Raises:
+            BrokenReferenceError: one of them is being deleted; the caller writes those
+                bytes itself instead.
+        """
+        from ckptstore.layout.references import hold_references  # builds on this module
+
+        assert self.attempt.lease is not None
+        await hold_references(self.store, self.attempt.lease, references)
+
+    def draft(
+        self,
+        paths: Sequence[str],
+        dtypes: Sequence[str],
+        shapes: Sequence[list[int]],
+        lengths: Sequence[int],
+        attrs: Sequence[dict[str, Any] | None] | None = None,
+        hashes: Sequence[str | None] | None = None,
+    ) -> ManifestDraft:
+        """A :class:`ManifestDraft` of these leaves for this session's step and attempt."""
+        return ManifestDraft.of_leaves(
+            self.step, self.attempt.id, paths, dtypes, shapes, lengths, attrs, hashes
+        )
+
+    async def commit(
+        self, manifest: Manifest, *, encoded: bytes | None = None, log: bool = True
+    ) -> CommitInfo:
+        """Commit ``manifest`` once every object it names is durable (:func:`commit_attempt`:
+        the lease checked, the size cap, one put-if-absent, a conflict's objects removed, a
+        failed put decided by reading the manifest back). ``encoded``: the manifest's
+        encoding, checked against the cap already (a copy refuses an oversized manifest
+        before it copies a byte); ``log``: write the save's INFO record (a copy writes one of
+        its own). The session is over once this is called, whatever it raises: an error of
+        the put itself leaves the data in place, since the step may be committed."""
+        self._ended = True
+        return await commit_attempt(self.store, self.attempt, manifest, encoded=encoded, log=log)
+
+    async def abandon(self) -> None:
+        """Give the session up: once the writes still running in threads, and the requests a
+        server may still complete, have ended (:meth:`Store.settle`), so that none recreates
+        an object afterwards, remove its objects and release its lease. Best effort, never
+        raises: the objects are invisible without a manifest, so removing them now only
+        spares garbage collection the work."""
+        self._ended = True
+        with contextlib.suppress(Exception):
+            await self.store.settle()
+        await remove_objects(self.store, self.prefix)
+        await self.release()
+
+    async def release(self) -> None:
+        """Release the lease and nothing else (for a session given up by a writer that
+        removes its objects another way)."""
+        self._ended = True
+        if self.attempt.lease is not None:
+            await self.attempt.lease.release()
+
+    async def __aenter__(self) -> SaveSession:
+        return self
+
+    async def __aexit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if self._ended:
+            return
+        if isinstance(error, Exception | asyncio.CancelledError):
+            # cancelled (an interrupted save) as well as failed: the objects are removed once
+            # the writes still running in threads have ended
+            await asyncio.shield(self.abandon())
+        elif error is None:
+            await self.release()
+
+
 async def write_checkpoint(
     store: Store,
     flat: FlatState,
     *,
     step: int,
     metadata: Any = None,
-    plan: PackPlan | None = None,
-    packed: Mapping[int, Any] | None = None,
-    incremental: bool | None = None,
     full: bool = False,
 ) -> CommitInfo:
-    """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it:
-    :func:`begin_attempt`, :func:`write_objects`, :func:`commit_attempt` in one process.
+    """Write ``flat`` as step ``step`` of the checkpoint rooted at ``store`` and commit it: a
+    :class:`SaveSession` in one process.
 
-    An incremental save (:mod:`ckptstore.layout.incremental`) hashes every leaf, and, unless
-    ``full``, writes only the leaves that changed since the newest committed step, whose
-    objects its manifest references for the rest; the references are held against deletion
-    before any data is written (:func:`ckptstore.layout.references.hold_references`), and if
-    that fails (the base is being deleted) the save writes everything instead.
+    An incremental save (``Settings.incremental``, :mod:`ckptstore.layout.incremental`)
+    hashes every leaf, and, unless ``full``, writes only the leaves that changed since the
+    newest committed step, whose objects its manifest references for the rest; the
+    references are held against deletion before any data is written
+    (:meth:`SaveSession.hold`), and if that fails (the base is being deleted) the save
+    writes everything instead.
 
     Args:
         store: the store; its root is the checkpoint root.
@@ -231,13 +379,7 @@ async def write_checkpoint(
             stager). Arrays must not change until this returns.
         step: the step number.
         metadata: JSON stored in the manifest.
-        plan: a plan made earlier for the same leaves (by a stager that filled ``packed``);
-            by default one is made with :meth:`PackPlan.for_store`.
-        packed: pack buffers a stager already filled, by object index; their leaves are not
-            copied again.
-        incremental: record leaf hashes and reuse unchanged leaves of the newest committed
-            step (default ``Settings.incremental``; never with a ``plan`` given).
-        full: with ``incremental``, record the hashes but reference nothing (a full save
+        full: with incremental saves, record the hashes but reference nothing (a full save
             that bounds the chain of references).
 
     Returns:
@@ -255,16 +397,10 @@ async def write_checkpoint(
     if not len(flat.paths) == len(flat.attrs) == n:
         raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
     dtypes = flat.dtype_names()
-    if incremental is None:
-        incremental = store.settings.incremental and plan is None
-    if plan is not None and plan.leaf_length != flat.nbytes:
-        raise ValueError("the plan was made for leaves of other sizes")
     hashes: list[str | None] | None = None
     reuse: Reuse | None = None
     hashing: asyncio.Future[list[str | None]] | None = None
-    if incremental:
-        if plan is not None:
-            raise ValueError("an incremental save makes its own plan; do not pass one")
+    if store.settings.incremental:
         # The hashes run on a hashing thread while the base manifest is read, and, when
         # there is no base to compare with (the first save, a full one), while the data is
         # written: they are needed only for the manifest then. Awaited first, they added
@@ -281,50 +417,39 @@ async def write_checkpoint(
         except BaseException:
             await _settled(hashing)
             raise
-    if plan is None:
-        try:
-            plan = plan_changed(store, flat.nbytes, flat.paths, reuse)
-        except BaseException:
-            await _settled(hashing)
-            raise
-
-    # imported here: the references module builds on this one
-    from ckptstore.layout.references import hold_references
-
     try:
-        attempt = await begin_attempt(store, step)
+        plan = plan_changed(store, flat.nbytes, flat.paths, reuse)
     except BaseException:
         await _settled(hashing)
         raise
-    prefix = attempt.prefix
-    try:
-        if reuse is not None and reuse.objects:
-            try:
-                assert attempt.lease is not None
-                await hold_references(store, attempt.lease, _references_of(attempt, reuse))
-            except BrokenReferenceError:
-                # the base is being deleted meanwhile: write everything this time
-                reuse = None
-                plan = plan_changed(store, flat.nbytes, flat.paths, None)
-        written = await write_objects(store, flat.arrays, plan, prefix, packed)
-        if hashing is not None and hashes is None:
-            hashes = await asyncio.shield(hashing)
-    except BaseException as exc:
-        await _settled(hashing)
-        if isinstance(exc, Exception | asyncio.CancelledError):
-            # cancelled (an interrupted save) as well as failed: once the writes still
-            # running in threads have ended, nothing of the attempt is left
-            await asyncio.shield(_settle_and_abandon(store, attempt))
-        raise
 
-    draft = ManifestDraft.of_leaves(
-        step, attempt.id, flat.paths, dtypes, flat.shapes, flat.nbytes, flat.attrs, hashes
-    )
-    draft.add_plan(plan, written.object_crc, written.leaf_crc)
-    if reuse is not None and reuse.objects:
-        draft.reference(reuse.base, enumerate(reuse.leaf_source))
-    manifest = draft.build(tree=flat.tree, metadata=metadata)
-    return await commit_attempt(store, attempt, manifest)
+    try:
+        session = await SaveSession.begin(store, step)
+    except BaseException:
+        await _settled(hashing)
+        raise
+    async with session:
+        try:
+            if reuse is not None and reuse.objects:
+                try:
+                    await session.hold(_references_of(session.attempt, reuse))
+                except BrokenReferenceError:
+                    # the base is being deleted meanwhile: write everything this time
+                    reuse = None
+                    plan = plan_changed(store, flat.nbytes, flat.paths, None)
+            written = await write_objects(store, flat.arrays, plan, session.prefix)
+            if hashing is not None and hashes is None:
+                hashes = await asyncio.shield(hashing)
+        except BaseException:
+            # the session is abandoned once the hashing thread, which reads the arrays, ended
+            await _settled(hashing)
+            raise
+        draft = session.draft(flat.paths, dtypes, flat.shapes, flat.nbytes, flat.attrs, hashes)
+        draft.add_plan(plan, written.object_crc, written.leaf_crc)
+        if reuse is not None and reuse.objects:
+            draft.reference(reuse.base, enumerate(reuse.leaf_source))
+        return await session.commit(draft.build(tree=flat.tree, metadata=metadata))
+    raise AssertionError("unreachable")  # the session's block returns or raises
 
 
 #: Bytes of leaves one turn of :func:`hashes_in_turns` hashes before it lets the writes'
@@ -381,25 +506,6 @@ def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
     return draft.build(tree=None, created=attempt.started)
 
 
-async def hold_base(store: Store, attempt: Attempt, base: Manifest) -> bool:
-    """Hold every object of ``base`` (its own and those it references) for ``attempt``
-    before any of its data is written, for a save whose writers decide what they reuse
-    only later (the ranks of a multi-rank save): they may then reference any of them.
-
-    Returns:
-        ``False`` if the base is being deleted meanwhile: the save then writes everything.
-    """
-    every = Reuse(base, [], list(range(len(base.object_keys))), [])
-    from ckptstore.layout.references import hold_references  # builds on this module
-
-    assert attempt.lease is not None
-    try:
-        await hold_references(store, attempt.lease, _references_of(attempt, every))
-    except BrokenReferenceError:
-        return False
-    return True
-
-
 def plan_changed(
     store: Store,
     lengths: Sequence[int],
@@ -440,7 +546,6 @@ async def write_objects(
     arrays: Sequence[np.ndarray[Any, Any]],
     plan: PackPlan,
     prefix: str,
-    packed: Mapping[int, Any] | None = None,
 ) -> Written:
     """Write the objects of ``plan`` under ``prefix`` (every key is ``prefix + name``) and
     return their checksums. Returns once every object is durable; on a failure, only after
@@ -453,10 +558,8 @@ async def write_objects(
             strides: a pack copies each leaf once, gathering strided ones on the way).
         plan: which object and offset each leaf gets.
         prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
-        packed: pack buffers a stager already filled, by object index; their leaves are not
-            copied again.
     """
-    writer = ObjectWriter(store, plan, prefix, arrays, packed)
+    writer = ObjectWriter(store, plan, prefix, arrays)
     await gather_all((writer.write(i) for i in range(len(plan.objects))), cancel=False)
     return writer.written
 
@@ -474,7 +577,6 @@ class ObjectWriter:
         plan: which object and offset each leaf gets.
         prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
         arrays: one host array per leaf; read when an object holding the leaf is written.
-        packed: pack buffers a stager already filled, by object index.
     """
 
     def __init__(
@@ -483,14 +585,12 @@ class ObjectWriter:
         plan: PackPlan,
         prefix: str,
         arrays: Sequence[np.ndarray[Any, Any]],
-        packed: Mapping[int, Any] | None = None,
     ) -> None:
         settings = store.settings
         self.store = store
         self.plan = plan
         self.prefix = prefix
         self.arrays = arrays
-        self.packed = packed or {}
         self.written = Written([0] * len(plan.leaf_length), [0] * len(plan.objects))
         # Packs are built in pooled buffers; bound how many exist at once.
         self._pack_slots = asyncio.Semaphore(
@@ -523,34 +623,22 @@ class ObjectWriter:
     async def _write_pack(self, index: int) -> None:
         plan, store = self.plan, self.store
         obj = plan.objects[index]
-        filled = self.packed.get(index)
-        if filled is not None:
-            buf = as_uint8(filled)[: obj.size]
+        async with self._pack_slots:
+            pooled = host_buffers.acquire(max(obj.size, store.settings.pack_size))
+            try:
+                buf = pooled.data[: obj.size]
 
-            def checksums() -> tuple[list[int], int]:
-                offsets, lengths = plan.leaf_offset, plan.leaf_length
-                crcs = [crc32c(buf[offsets[i] : offsets[i] + lengths[i]]) for i in obj.leaves]
-                return crcs, crc32c(buf)
+                def build() -> tuple[list[int], int]:
+                    return plan.fill(index, self.arrays, buf), crc32c(buf)
 
-            crcs, whole = await in_hash_thread(checksums)
-            await store.put(self.prefix + obj.name, buf, crc32c=whole)
-        else:
-            async with self._pack_slots:
-                pooled = host_buffers.acquire(max(obj.size, store.settings.pack_size))
-                try:
-                    buf = pooled.data[: obj.size]
-
-                    def build() -> tuple[list[int], int]:
-                        return plan.fill(index, self.arrays, buf), crc32c(buf)
-
-                    async with self._build_lane:
-                        crcs, whole = await in_hash_thread(build)
-                    await store.put(self.prefix + obj.name, buf, crc32c=whole)
-                except BaseException:
-                    pooled.discard()  # a cancelled build's thread may still fill it
-                    raise
-                finally:
-                    pooled.release()
+                async with self._build_lane:
+                    crcs, whole = await in_hash_thread(build)
+                await store.put(self.prefix + obj.name, buf, crc32c=whole)
+            except BaseException:
+                pooled.discard()  # a cancelled build's thread may still fill it
+                raise
+            finally:
+                pooled.release()
         leaf_crc = self.written.leaf_crc
         for leaf, crc in zip(obj.leaves, crcs, strict=True):
             leaf_crc[leaf] = crc
@@ -573,15 +661,6 @@ async def remove_objects(store: Store, prefix: str) -> None:
             await store.delete([k for k in keys if k.startswith(prefix)])
 
 
-async def remove_settled(store: Store, prefix: str) -> None:
-    """:func:`remove_objects`, once the writes in flight have ended (``Store.settle``): what
-    an interrupted writer cleans up, so no write still running in a thread, or a request the
-    server may still complete, recreates an object after the removal."""
-    with contextlib.suppress(Exception):
-        await store.settle()
-    await remove_objects(store, prefix)
-
-
 async def _settle_then_keep_or_abandon(store: Store, attempt: Attempt) -> None:
     with contextlib.suppress(Exception):
         await store.settle()
@@ -591,24 +670,14 @@ async def _settle_then_keep_or_abandon(store: Store, attempt: Attempt) -> None:
     await remove_objects(store, attempt.prefix)
 
 
-async def _settle_and_abandon(store: Store, attempt: Attempt) -> None:
-    with contextlib.suppress(Exception):
-        await store.settle()
-    await abandon_attempt(store, attempt)
-
-
-async def abandon_attempt(store: Store, attempt: Attempt) -> None:
-    """Give up an attempt that will not commit: remove its objects and release its lease.
-
-    The attempt is invisible without a manifest; removing its objects now only spares
-    garbage collection the work, so a failure to remove them is not reported.
-    """
-    await remove_objects(store, attempt.prefix)
-    if attempt.lease is not None:
-        await attempt.lease.release()
-
-
-async def commit_attempt(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
+async def commit_attempt(
+    store: Store,
+    attempt: Attempt,
+    manifest: Manifest,
+    *,
+    encoded: bytes | None = None,
+    log: bool = True,
+) -> CommitInfo:
     """The last steps of the protocol, once every object ``manifest`` names is durable.
 
     Refuses to commit if the attempt's lease lapsed (a concurrent garbage collection may
@@ -624,17 +693,20 @@ async def commit_attempt(store: Store, attempt: Attempt, manifest: Manifest) -> 
             committed, so the data is left in place.
     """
     try:
-        return await _commit_leased(store, attempt, manifest)
+        return await _commit_leased(store, attempt, manifest, encoded, log)
     finally:
         if attempt.lease is not None:
             await attempt.lease.release()
 
 
-async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
-    settings = store.settings
+async def _commit_leased(
+    store: Store, attempt: Attempt, manifest: Manifest, encoded: bytes | None, log: bool
+) -> CommitInfo:
     if attempt.lease is not None:
         attempt.lease.check()  # no gc can have removed the data, nor can before the commit
-    data = encode_checked(manifest, settings.manifest_max_bytes)
+    data = (
+        encode_checked(manifest, store.settings.manifest_max_bytes) if encoded is None else encoded
+    )
     try:
         await commit_manifest(store, manifest, encoded=data)
     except asyncio.CancelledError:
@@ -658,7 +730,7 @@ async def _commit_leased(store: Store, attempt: Attempt, manifest: Manifest) -> 
         manifest.referenced_bytes,
         tuple(sorted(manifest.referenced_attempts())),
     )
-    if _log.isEnabledFor(logging.INFO):
+    if log and _log.isEnabledFor(logging.INFO):
         seconds = max(time.time() - attempt.started, 0.0)
         _log.info(
             "saved step %d to %s: %d objects, %.1f MiB written (%.1f MiB referenced) in "

@@ -50,27 +50,23 @@ from ckptstore.errors import (
     NotFoundError,
 )
 from ckptstore.layout.commit import (
-    commit_manifest,
+    SaveSession,
     committed_steps,
     encode_checked,
     gather_all,
     read_manifest,
-    remove_settled,
 )
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     attempt_prefix,
     manifest_key,
-    new_attempt_id,
     parse_step,
 )
-from ckptstore.layout.lease import held_lease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.references import (
     RECORD_NAME,
     attempt_record,
     check_references,
-    hold_references,
 )
 from ckptstore.layout.restore import Damage, VerifyReport, read_into_sink
 from ckptstore.layout.rollback import SET_ASIDE_NAME
@@ -445,16 +441,15 @@ async def copy_step(
 
     await check_references(src, manifest)
     links = await _destination_links(dst, manifest)
-    started = time.time()
-    attempt = new_attempt_id(started)
-    prefix = attempt_prefix(step, attempt)
-    # A copy is a save attempt at the destination: it holds the same lease a save does.
-    async with held_lease(dst, step, attempt) as lease:
+    # A copy is a save session at the destination: the same lease, the same commit.
+    session = await SaveSession.begin(dst, step)
+    async with session:
+        attempt = session.attempt.id
         copied = _copied(manifest, attempt, links)
         if links:
             try:
                 # the references are held, and checked, before any byte is copied
-                await hold_references(dst, lease, copied)
+                await session.hold(copied)
             except BrokenReferenceError:
                 # the destination's copy of the base is being deleted: copy everything
                 links = {}
@@ -465,22 +460,17 @@ async def copy_step(
         data = encode_checked(copied, dst.settings.manifest_max_bytes)
         if progress is not None and links:  # nothing to copy or check: counted as done
             progress(2 * sum(copied.object_lengths[i] for i in links))
-        try:
-            await _copy_objects(src, dst, manifest, copied, progress, own)
-            # asked after the writes: a store may learn from their answers (GCS)
-            read_back = not await dst.writes_verified()
-            if read_back:
-                await _check_copy(dst, copied, progress, own)
-            elif progress is not None:  # checked by the destination as it stored them
-                progress(sum(copied.object_lengths[i] for i in own))
-        except BaseException:
-            # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed: the attempt is
-            # removed, after the writes still running in threads end (Store.settle), so
-            # none of them recreates a file once the prefix is gone.
-            await asyncio.shield(remove_settled(dst, prefix))
-            raise
-        lease.check()
-        await commit_manifest(dst, copied, encoded=data)
+        # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed, the session is abandoned
+        # after the writes still running in threads end (Store.settle), so none of them
+        # recreates a file once its objects are gone.
+        await _copy_objects(src, dst, manifest, copied, progress, own)
+        # asked after the writes: a store may learn from their answers (GCS)
+        read_back = not await dst.writes_verified()
+        if read_back:
+            await _check_copy(dst, copied, progress, own)
+        elif progress is not None:  # checked by the destination as it stored them
+            progress(sum(copied.object_lengths[i] for i in own))
+        await session.commit(copied, encoded=data, log=False)  # the copy's record is below
     seconds = time.monotonic() - began
     nbytes = sum(copied.object_lengths[i] for i in own)
     _log.info(

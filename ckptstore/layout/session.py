@@ -15,8 +15,8 @@ describes what was written to a :class:`ManifestDraft`, in the terms it has at h
 * for a copy of a committed step to another root (``cp``, the persistent tier), the source
   manifest's leaves as they are (:meth:`ManifestDraft.of_manifest`), with the copy's objects.
 
-:meth:`ManifestDraft.build` then makes the :class:`Manifest`, which
-:func:`ckptstore.layout.commit.commit_attempt` validates (through its encoding, size cap
+:meth:`ManifestDraft.build` then makes the :class:`Manifest`, which the save's session
+(:meth:`ckptstore.layout.commit.SaveSession.commit`) validates (through its encoding, size cap
 included) and commits. The columns, their defaults and their invariants (one object step per
 object, references kept flat, a leaf without an object is empty) are kept here, not by each
 face.
@@ -188,9 +188,9 @@ class ManifestDraft:
         leaf ``leaf`` takes base leaf ``j``'s object (added once, as the base names it, so
         references stay flat), offset and crc32c.
 
-        The caller holds the referenced objects first
-        (:func:`ckptstore.layout.commit.hold_base` or
-        :func:`~ckptstore.layout.references.hold_references`)."""
+        The caller's session holds the referenced objects first
+        (:meth:`ckptstore.layout.commit.SaveSession.hold_base` or
+        :meth:`~ckptstore.layout.commit.SaveSession.hold`)."""
         reused = [(leaf, j) for leaf, j in sources if j >= 0]
         position: dict[int, int] = {}
         for obj in sorted({base.leaf_object[j] for _, j in reused}):

@@ -76,7 +76,7 @@ from ckptstore.pipeline.codec import FlatState, escape_key, join_path
 from ckptstore.pipeline.deadline import bounded
 from ckptstore.pipeline.restore import Request, read, rebuild, request
 from ckptstore.pipeline.root import Root, open_root, opened
-from ckptstore.pipeline.save import Attempt, Stager, block_size_for
+from ckptstore.pipeline.save import Attempt, SaveSession, Stager, block_size_for
 from ckptstore.pipeline.steps import (
     CommitInfo,
     Manifest,
@@ -301,8 +301,7 @@ class _Part:
     shapes: list[list[int]]
     nbytes: list[int]
     attrs: list[dict[str, Any] | None]
-    attempt: str | None = None  # the coordinator's only
-    started: float = 0.0
+    ticket: Attempt | None = None  # the coordinator's only: its session's attempt
     chunks: dict[int, list[Any]] = field(default_factory=dict)  # sharded leaf -> its boxes
     hashing: bool = False  # the coordinator's only: whether ranks hash their leaves
     base: int | None = None  # the coordinator's only: the held base step of the save
@@ -631,9 +630,9 @@ def commit_parts(
     rank = comm.rank
     shards = shards or sharding.RankShards({}, {}, {})
     with contextlib.ExitStack() as later:
-        # 1. share every rank's part; the coordinator adds the attempt
-        begun: Attempt | None = None
-        base: Manifest | None = None  # the coordinator's, held for the attempt
+        # 1. share every rank's part; the coordinator adds its session's ticket
+        session: SaveSession | None = None  # the coordinator's, holding the lease
+        base: Manifest | None = None  # the coordinator's, held for the session
         shared: Any = None if error is None else _Failure.of(rank, error)
         if flat is not None and error is None:
             try:
@@ -642,15 +641,14 @@ def commit_parts(
                     shapes, nbytes, boxes = sharding.describe(shards, part.shapes, part.nbytes)
                     part = dataclasses.replace(part, shapes=shapes, nbytes=nbytes, chunks=boxes)
                 if rank == coordinator:
-                    begun = background.run(save_path.begin(store, step, metadata))
-                    later.callback(_release_lease, begun)  # committed or not, at the end
+                    session = background.run(SaveSession.begin(store, step, metadata))
+                    later.callback(_release, session)  # committed or not, at the end
                     hashing = store.settings.incremental
                     if hashing and not full:
-                        base = background.run(_held_base(store, begun))
+                        base = background.run(session.hold_base())
                     part = dataclasses.replace(
                         part,
-                        attempt=begun.id,
-                        started=begun.started,
+                        ticket=session.ticket,
                         hashing=hashing,
                         base=None if base is None else base.step,
                     )
@@ -666,9 +664,8 @@ def commit_parts(
         if len(steps) > 1:
             raise ValueError(f"the ranks save different steps: {sorted(steps)}")
         assert flat is not None
-        assert parts[coordinator].attempt is not None
-        # The coordinator keeps the attempt it began: it holds the attempt's lease.
-        attempt = begun or Attempt(step, parts[coordinator].attempt, parts[coordinator].started)
+        attempt = parts[coordinator].ticket
+        assert attempt is not None
         tree, leaves = merge_parts(parts)
 
         # 2. write what this rank owns, then tell the coordinator
@@ -693,14 +690,14 @@ def commit_parts(
             raise
         outcome: _Outcome | None = None
         if reports is not None:
+            assert session is not None  # the coordinator's
             try:
                 outcome = background.run(
                     _commit(
-                        store,
+                        session,
                         reports,
                         tree,
                         leaves,
-                        attempt,
                         metadata,
                         base,
                         parts[coordinator].hashing,
@@ -735,18 +732,8 @@ def commit_parts(
         raise CkptStoreError(f"{store.url}: step {step} was not saved: {failure.describe()}")
 
 
-async def _held_base(store: Store, attempt: Attempt) -> Manifest | None:
-    """The base of an incremental multi-rank save, every object of it held for ``attempt``
-    before any rank writes (the ranks decide what they reuse only later), or ``None``."""
-    base = await save_path.base(store, attempt.step)
-    if base is None or not await save_path.hold(store, attempt, base):
-        return None
-    return base
-
-
-def _release_lease(attempt: Attempt) -> None:
-    if attempt.lease is not None:
-        background.run(attempt.lease.release())
+def _release(session: SaveSession) -> None:
+    background.run(session.release())
 
 
 def lost_rank(
@@ -905,11 +892,10 @@ async def _hashes_if(wanted: bool, arrays: list[np.ndarray[Any, Any]]) -> list[s
 
 
 async def _commit(
-    store: Store,
+    session: SaveSession,
     reports: list[Any],
     tree: Any,
     leaves: list[_Leaf],
-    attempt: Attempt,
     metadata: Any,
     base: Manifest | None,
     hashing: bool,
@@ -917,9 +903,8 @@ async def _commit(
     failures = [r for r in reports if isinstance(r, _Failure)]
     if failures:
         return _Outcome(None, failures[0])
-    draft = save_path.ManifestDraft.of_leaves(
-        attempt.step,
-        attempt.id,
+    store, attempt = session.store, session.attempt
+    draft = session.draft(
         [leaf.path for leaf in leaves],
         [leaf.dtype for leaf in leaves],
         [leaf.shape for leaf in leaves],
@@ -998,7 +983,7 @@ async def _commit(
         ),
     )
     try:
-        return _Outcome(await save_path.commit(store, attempt, manifest))
+        return _Outcome(await session.commit(manifest))
     except StoreError as exc:
         # the manifest may have landed with its reply lost: keep the data for a later check
         return _Outcome(None, _Failure.of(-1, exc), remove=False)

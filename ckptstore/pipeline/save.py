@@ -1,6 +1,8 @@
 """The one save path: stage -> plan -> write -> commit.
 
-Every face that saves calls this module and nothing below it:
+Every save is one :class:`SaveSession` (begin -> hold what it references -> write objects ->
+draft the manifest -> commit or abandon), and every face that saves calls this module and
+nothing below it:
 
 =====================================  =====================================================
 face                                   what it keeps of its own
@@ -9,12 +11,18 @@ face                                   what it keeps of its own
 ``CheckpointManager.save``             when to save, retention; :func:`stage` in the
                                        caller's thread, :func:`save_staged` in the background
 ``ckptstore.manager.distributed``      the collectives: every rank :func:`stage`, :func:`plan`
-                                       and :func:`write`; the coordinator :func:`begin` and
-                                       :func:`commit`
+                                       and :func:`write` under the session's ticket; the
+                                       coordinator begins the :class:`SaveSession` and
+                                       commits it
 DCP ``Writer``                         DCP's planner types: every rank :func:`plan` and
-                                       :func:`write`; the coordinator :func:`begin`
-                                       (``prepare_global_plan``), :func:`commit` (``finish``)
-Lightning ``StoreCheckpointIO``        its hooks and its codec: :func:`save_flat`
+                                       :func:`write` under the ticket; the coordinator begins
+                                       the session (``prepare_global_plan``) and commits it
+                                       (``finish``)
+the file adapters                      the directory scan: one session, an
+                                       :func:`object_writer` reading the files
+Lightning ``StoreCheckpointIO``        its hooks: :func:`stage` and :func:`save_staged`
+``cp``, the persistent tier            a session at the destination whose objects are the
+                                       source's bytes (:mod:`ckptstore.pipeline.maintenance`)
 =====================================  =====================================================
 
 The stages:
@@ -32,8 +40,8 @@ The stages:
    (:data:`~ckptstore.store.buffers.host_buffers`), with each leaf's and object's crc32c;
    durable when it returns; a failed writer removes what it wrote.
 4. **commit**: the manifest, assembled by a :class:`ManifestDraft` (the one builder of
-   manifests, :mod:`ckptstore.layout.session`), once, with a put-if-absent
-   (:mod:`ckptstore.layout.commit`).
+   manifests, :mod:`ckptstore.layout.session`; :meth:`SaveSession.draft`), once, with a
+   put-if-absent (:meth:`SaveSession.commit`, :mod:`ckptstore.layout.commit`).
 
 The protocol's rules (a fresh attempt prefix, durability before the manifest, the grace-period
 and size checks, what a lost response or a conflict means) live in
@@ -57,13 +65,9 @@ from ckptstore.layout.commit import (
     Attempt,
     CommitInfo,
     ObjectWriter,
+    SaveSession,
     Written,
-    abandon_attempt,
-    base_manifest,
-    begin_attempt,
-    commit_attempt,
     hashes_in_turns,
-    hold_base,
     plan_changed,
     read_manifest,
     remove_objects,
@@ -88,17 +92,13 @@ __all__ = [
     "ManifestDraft",
     "PackPlan",
     "Reuse",
+    "SaveSession",
     "StagedState",
     "Stager",
     "Written",
-    "abandon",
-    "base",
-    "begin",
     "block_size_for",
-    "commit",
     "discard",
     "hashes",
-    "hold",
     "object_writer",
     "plan",
     "read_base",
@@ -187,18 +187,13 @@ def plan(
 # ------------------------------------------------- 2b. incremental saves written in parts
 #
 # ``save_flat`` does all of this itself. A face whose writers write parts of one attempt (the
-# ranks of ``ckptstore.manager.distributed``) splits it: the coordinator finds the
-# :func:`base` and :func:`hold` s it before any writer starts; each writer :func:`hashes` its
-# leaves, decides their :func:`reuse` and plans the rest (:func:`plan` with ``reuse=``); the
-# coordinator points the reused leaves at the base's objects
-# (:meth:`ManifestDraft.reference`).
+# ranks of ``ckptstore.manager.distributed``, the DCP writer's) splits it: the coordinator's
+# session finds the base and holds it before any writer starts
+# (:meth:`SaveSession.hold_base`); each writer :func:`hashes` its leaves, decides their
+# :func:`reuse` and plans the rest (:func:`plan` with ``reuse=``); the coordinator points the
+# reused leaves at the base's objects (:meth:`ManifestDraft.reference`).
 
 
-#: The newest other committed step's manifest, or ``None`` (then save in full).
-base = base_manifest
-#: Hold every object of a base for an attempt begun here, before any data is written;
-#: ``False`` if the base is being deleted meanwhile (then save in full).
-hold = hold_base
 #: The leaves' xxh3-128 hashes, on the hashing pool, in turns with the writes' checksums.
 hashes = hashes_in_turns
 #: Which leaves reuse a base's bytes (:func:`ckptstore.layout.incremental.plan_reuse`).
@@ -206,7 +201,8 @@ reuse = plan_reuse
 
 
 async def read_base(store: Store, step: int) -> Manifest | None:
-    """The base manifest a coordinator held, as another writer reads it; ``None`` if it
+    """The base manifest a coordinator's session held (:meth:`SaveSession.hold_base`), as
+    another writer reads it; ``None`` if it
     cannot be read (that writer then writes all its leaves: the save stays whole either
     way)."""
     try:
@@ -221,8 +217,8 @@ async def read_base(store: Store, step: int) -> Manifest | None:
 async def write(
     store: Store, arrays: Sequence[np.ndarray[Any, Any]], plan: PackPlan, prefix: str
 ) -> Written:
-    """Write the objects of ``plan`` under ``prefix`` (an attempt's prefix, plus the writer's
-    own part such as ``r3-`` when several write one attempt); durable when it returns.
+    """Write the objects of ``plan`` under ``prefix`` (a session's prefix, plus the writer's
+    own part such as ``r3-`` when several write one session); durable when it returns.
 
     On a failure, what this writer wrote is removed (best effort; it is invisible without a
     manifest either way) and the error is raised.
@@ -244,35 +240,10 @@ def object_writer(
 
 
 async def discard(store: Store, prefix: str) -> None:
-    """Remove what a writer wrote under ``prefix`` for an attempt that will not commit (best
+    """Remove what a writer wrote under ``prefix`` for a session that will not commit (best
     effort, never raises: the objects are invisible without a manifest, and garbage
     collection removes whatever is left)."""
     await remove_objects(store, prefix)
-
-
-async def abandon(store: Store, attempt: Attempt) -> None:
-    """Give up ``attempt`` on the writer that began it: remove its objects and release its
-    lease (best effort, never raises; see :func:`ckptstore.layout.commit.abandon_attempt`)."""
-    await abandon_attempt(store, attempt)
-
-
-# --------------------------------------------------------------------------- 4. commit
-
-
-async def begin(store: Store, step: int, metadata: Any = None) -> Attempt:
-    """Start an attempt at ``step`` (on the one writer that will commit it).
-
-    Raises:
-        CommitConflictError: ``step`` is already committed.
-        TypeError: ``metadata`` is not plain JSON.
-    """
-    return await begin_attempt(store, step, metadata)
-
-
-async def commit(store: Store, attempt: Attempt, manifest: Manifest) -> CommitInfo:
-    """Commit ``manifest`` for ``attempt`` once every object it names is durable; see
-    :func:`ckptstore.layout.commit.commit_attempt` for what each failure means."""
-    return await commit_attempt(store, attempt, manifest)
 
 
 # --------------------------------------------------------------------------- whole saves
