@@ -138,7 +138,7 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> Where:
 
 def _gc_once_leases_expired(where: Where) -> GCReport:
     """``gc --grace 0`` as it runs once every lease a killed saver left has expired."""
-    later = time.time() + default_settings().save_lease_seconds + 1
+    later = time.time() + default_settings().gc.save_lease_seconds + 1
 
     async def collect() -> GCReport:
         async with where.store() as store:

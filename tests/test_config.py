@@ -57,25 +57,27 @@ def test_environment_overrides_defaults(fresh_env: pytest.MonkeyPatch, tmp_path:
     fresh_env.setenv("CKPTSTORE_IO_THREADS", "3")
     fresh_env.setenv("CKPTSTORE_MAX_INFLIGHT_BYTES", "16MiB")  # below the default part size
     settings = default_settings()
-    assert settings.part_size == 8 << 20
-    assert settings.durable is False
-    assert settings.io_threads == 3
-    assert settings.max_inflight_bytes == 16 << 20
-    assert settings.max_concurrency == Settings().max_concurrency  # untouched fields keep defaults
+    assert settings.transport.part_size == 8 << 20
+    assert settings.transport.durable is False
+    assert settings.transport.io_threads == 3
+    assert settings.transport.max_inflight_bytes == 16 << 20
+    assert (
+        settings.transport.max_concurrency == Settings().transport.max_concurrency
+    )  # untouched fields keep defaults
     store = open_store(tmp_path)
     assert store.settings == settings
     # keywords beat the environment, for one store only
     tuned = open_store(tmp_path, part_size="4MiB", durable=True)
-    assert (tuned.settings.part_size, tuned.settings.durable) == (4 << 20, True)
-    assert tuned.settings.io_threads == 3
-    assert default_settings().part_size == 8 << 20
+    assert (tuned.settings.transport.part_size, tuned.settings.transport.durable) == (4 << 20, True)
+    assert tuned.settings.transport.io_threads == 3
+    assert default_settings().transport.part_size == 8 << 20
 
 
 def test_environment_is_read_once(fresh_env: pytest.MonkeyPatch) -> None:
     fresh_env.setenv("CKPTSTORE_IO_THREADS", "5")
-    assert default_settings().io_threads == 5
+    assert default_settings().transport.io_threads == 5
     fresh_env.setenv("CKPTSTORE_IO_THREADS", "6")
-    assert default_settings().io_threads == 5
+    assert default_settings().transport.io_threads == 5
 
 
 @pytest.mark.parametrize(
@@ -131,4 +133,36 @@ def test_store_keywords_validate_settings(tmp_path: Path) -> None:
         open_store(tmp_path, settings={"part_size": 1})
     store = open_store(tmp_path, settings=Settings(io_threads=2), part_size=1 << 20)
     assert isinstance(store, LocalStore)
-    assert (store.settings.io_threads, store.settings.part_size) == (2, 1 << 20)
+    assert (store.settings.transport.io_threads, store.settings.transport.part_size) == (2, 1 << 20)
+
+
+def test_every_setting_lies_in_exactly_one_group_and_is_set_by_its_name() -> None:
+    """Settings is split by the layer that reads it; a user still names a setting alone."""
+    from ckptstore.config import GcSettings, LayoutSettings, TransportSettings
+
+    groups = {"transport": TransportSettings, "layout": LayoutSettings, "gc": GcSettings}
+    names = [f for cls in groups.values() for f in cls.__dataclass_fields__]
+    assert len(names) == len(set(names)) == len(Settings.field_names())
+    assert set(names) == Settings.field_names()
+    settings = Settings(part_size=4 << 20, pack_size=2 << 20, save_lease_seconds=30)
+    assert settings.transport.part_size == 4 << 20
+    assert settings.layout.pack_size == 2 << 20
+    assert settings.gc.save_lease_seconds == 30
+    values = settings.values()
+    assert set(values) == Settings.field_names()
+    assert Settings(**values) == settings
+    # a whole group, then a setting by name over it
+    layout = LayoutSettings(pack_threshold=4096)
+    combined = Settings(layout=layout, pack_size=1 << 20)
+    assert (combined.layout.pack_threshold, combined.layout.pack_size) == (4096, 1 << 20)
+    assert combined.transport == TransportSettings()
+    # replace keeps the other groups and takes strings
+    changed = settings.replace(retry_attempts="3", incremental="no")
+    assert changed.transport.retry_attempts == 3
+    assert changed.layout.incremental is False
+    assert changed.gc == settings.gc
+    assert changed.layout.pack_size == 2 << 20
+    with pytest.raises(ValueError, match="save_lease_seconds must be at least 4"):
+        settings.replace(save_lease_seconds=1)
+    with pytest.raises(TypeError, match="unknown setting 'transport_size'"):
+        Settings(transport_size=1)

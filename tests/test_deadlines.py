@@ -141,8 +141,8 @@ async def test_gcs_gives_up_on_a_silent_server_at_its_read_timeout(
 
 
 def test_the_deadline_is_a_setting_with_a_default_and_refuses_nonsense() -> None:
-    assert Settings().request_deadline == 300.0
-    assert Settings().replace(request_deadline="45s").request_deadline == 45.0
+    assert Settings().transport.request_deadline == 300.0
+    assert Settings().replace(request_deadline="45s").transport.request_deadline == 45.0
     with pytest.raises(ValueError, match="request_deadline must be > 0"):
         Settings(request_deadline=0)
 
@@ -291,9 +291,9 @@ def test_a_restore_that_hangs_fails_at_the_restore_deadline(tmp_path: Path, face
 
 
 def test_the_whole_operation_deadlines_are_settings() -> None:
-    assert Settings().save_deadline == 3600.0
-    assert Settings().restore_deadline == 3600.0
-    assert Settings().replace(save_deadline="90s").save_deadline == 90.0
+    assert Settings().layout.save_deadline == 3600.0
+    assert Settings().layout.restore_deadline == 3600.0
+    assert Settings().replace(save_deadline="90s").layout.save_deadline == 90.0
     for name in ("save_deadline", "restore_deadline"):
         with pytest.raises(ValueError, match=f"{name} must be > 0"):
             Settings().replace(**{name: -1.0})

@@ -174,3 +174,32 @@ def test_the_check_lets_the_engine_through() -> None:
     face = PACKAGE / "integrations" / "probe.py"
     for line in ("from ckptstore.pipeline.steps import latest_step", "from ..pipeline import save"):
         assert not any(_is_internal(m, names) for _, m, names in _imports(face, line)), line
+
+
+#: The Settings groups a layer may read: its own and those of the layers below it.
+SETTINGS_READ_BY = {
+    "store": {"transport"},
+    "stage": {"transport", "layout"},
+    "layout": {"transport", "layout", "gc"},
+}
+
+
+@pytest.mark.parametrize("layer", sorted(SETTINGS_READ_BY))
+def test_a_layer_reads_only_its_own_settings_and_those_below(layer: str) -> None:
+    """``Settings`` is split by layer (ckptstore/config.py): the store transport reads
+    ``settings.transport`` alone, never the layout's packing policy or the gc's lease."""
+    from ckptstore.config import Settings
+
+    allowed = SETTINGS_READ_BY[layer]
+    groups = set(Settings.__dataclass_fields__)
+    pattern = re.compile(r"settings(?:\(\))?\.(" + "|".join(sorted(groups)) + r")\.")
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: settings.{match.group(1)}"
+        for path in sorted((PACKAGE / layer).rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), start=1)
+        for match in pattern.finditer(line)
+        if match.group(1) not in allowed
+    ]
+    assert not wrong, f"{layer}/ reads settings of a layer above it:\n" + "\n".join(wrong)
+    reads = sum(len(pattern.findall(path.read_text())) for path in (PACKAGE / layer).rglob("*.py"))
+    assert reads, f"no module of {layer}/ reads its settings: the pattern is stale"

@@ -799,7 +799,7 @@ async def test_a_cancelled_save_never_lends_out_a_pack_buffer_its_build_still_fi
     saving.cancel()
     with pytest.raises(asyncio.CancelledError):
         await saving
-    nxt = host_buffers.acquire(Settings().pack_size)
+    nxt = host_buffers.acquire(Settings().layout.pack_size)
     try:
         nxt.data[:] = 0
         go.set()

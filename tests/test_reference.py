@@ -6,7 +6,6 @@ added without documenting it fails here instead of leaving the page silently sta
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
 import re
@@ -61,7 +60,7 @@ def constructor_options(target: str) -> set[str]:
 def test_every_settings_field_is_documented_with_its_variable_and_default() -> None:
     body = section("Settings")
     documented = table_options(body)
-    fields = {f.name for f in dataclasses.fields(Settings)}
+    fields = set(Settings.field_names())
     assert fields - documented == set(), "Settings fields missing from docs/reference.md"
     assert documented - fields == set(), "docs/reference.md lists Settings fields the code lacks"
     for field in fields:

@@ -482,7 +482,7 @@ def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> Non
     from ckptstore.config import default_settings
     from ckptstore.stage.stager import PAGE_ALIGN_MIN
 
-    leaf_alignment = default_settings().leaf_alignment
+    leaf_alignment = default_settings().layout.leaf_alignment
 
     state = {
         "tiny": np.arange(3, dtype=np.int8),

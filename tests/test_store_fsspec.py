@@ -108,7 +108,7 @@ async def test_storage_options_reach_the_filesystem(tmp_path: Path) -> None:
     assert b.fs.auto_mkdir is True
     c = open_store(f"local://{tmp_path}/c", part_size="1MiB", auto_mkdir=False)
     assert isinstance(c, FsspecStore)
-    assert c.settings.part_size == 1 << 20  # ckptstore settings are split off first
+    assert c.settings.transport.part_size == 1 << 20  # ckptstore settings are split off first
     assert c.fs.auto_mkdir is False
 
 

@@ -253,7 +253,9 @@ async def test_open_store_routes_gs_urls_with_query_options(
         store = open_store(f"{scheme}://{gcs_bucket}/routed/{scheme}?{query}", durable="false")
         assert isinstance(store, GCSStore)
         assert store.url == f"{scheme}://{gcs_bucket}/routed/{scheme}"
-        assert store.settings.retry_attempts == 3  # retries: the old name, retries after one
+        assert (
+            store.settings.transport.retry_attempts == 3
+        )  # retries: the old name, retries after one
         async with store:
             await store.put("k", scheme.encode())
             assert await store.get("k") == scheme.encode()

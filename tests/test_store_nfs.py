@@ -156,7 +156,7 @@ def test_nfs_url_opens_the_mount_path(tmp_path: Path) -> None:
     assert isinstance(store, NFSStore)
     assert store.root == f"{tmp_path}/ckpts"
     assert store.url == f"nfs://{tmp_path}/ckpts"
-    assert store.settings.part_size == 8 << 20
+    assert store.settings.transport.part_size == 8 << 20
     spaced = open_store(f"nfs://{tmp_path}/with%20space")
     assert isinstance(spaced, NFSStore)
     assert spaced.root == f"{tmp_path}/with space"

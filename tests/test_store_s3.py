@@ -480,8 +480,11 @@ def test_url_options_and_query() -> None:
     assert (store.bucket, store.prefix, store.url) == ("bkt", "some/prefix", "s3://bkt/some/prefix")
     assert store.endpoint_url == "http://127.0.0.1:9"
     assert (store.region, store.path_style, store.single_writer) == ("eu-west-1", False, True)
-    assert (store.settings.part_size, store.settings.max_concurrency) == (8 << 20, 4)
-    assert store.settings.retry_attempts == 4  # max_attempts: the old name, still taken
+    assert (store.settings.transport.part_size, store.settings.transport.max_concurrency) == (
+        8 << 20,
+        4,
+    )
+    assert store.settings.transport.retry_attempts == 4  # max_attempts: the old name, still taken
     caps = store.capabilities
     assert (caps.min_part_size, caps.max_part_size, caps.max_parts) == (5 << 20, 5 << 30, 10_000)
     assert open_store("s3://bkt", endpoint_url="http://127.0.0.1:9").path_style is True

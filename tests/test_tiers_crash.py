@@ -100,7 +100,7 @@ def _check_visible_steps(url: str, what: str) -> list[int]:
 def _only_committed_data_after_gc(url: str) -> bool:
     """gc as it runs once the killed job's leases expired: what remains is committed.
     Returns whether gc found anything a killed save or copy left (so the kill hit one)."""
-    later = time.time() + default_settings().save_lease_seconds + 1
+    later = time.time() + default_settings().gc.save_lease_seconds + 1
 
     async def collect() -> tuple[GCReport, list[str]]:
         async with open_store(url) as store:

@@ -76,7 +76,11 @@ def test_retry_settings_are_overridable_by_environment(monkeypatch: pytest.Monke
         settings = default_settings()
     finally:
         default_settings.cache_clear()
-    assert (settings.retry_attempts, settings.retry_delay, settings.retry_max_delay) == (4, 0.5, 2)
+    assert (
+        settings.transport.retry_attempts,
+        settings.transport.retry_delay,
+        settings.transport.retry_max_delay,
+    ) == (4, 0.5, 2)
 
 
 @pytest.mark.parametrize(
@@ -97,8 +101,8 @@ def test_bad_retry_settings_are_refused(changes: dict[str, Any], message: str) -
 def test_old_option_names_set_the_one_knob() -> None:
     s3 = open_store("s3://bkt/x?max_attempts=4", endpoint_url="http://127.0.0.1:9")
     gcs = open_store("gs://bkt/x?retries=2&retry_delay=0.5", token="anon")
-    assert s3.settings.retry_attempts == 4
-    assert (gcs.settings.retry_attempts, gcs.settings.retry_delay) == (3, 0.5)
+    assert s3.settings.transport.retry_attempts == 4
+    assert (gcs.settings.transport.retry_attempts, gcs.settings.transport.retry_delay) == (3, 0.5)
 
 
 @pytest.mark.parametrize(

@@ -397,7 +397,7 @@ async def _per_step(
 ) -> list[_T]:
     """``request(step)`` for every step, at most ``max_concurrency`` at a time (a command
     may name hundreds of steps), in the order of ``steps``."""
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+    slots = asyncio.Semaphore(max(1, store.settings.transport.max_concurrency))
 
     async def bounded(step: int) -> _T:
         async with slots:

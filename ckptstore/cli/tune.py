@@ -325,7 +325,7 @@ async def tune_store(
     prefix = f".ckptstore-tune-{uuid.uuid4().hex[:12]}/"
     async with open_store(url, **options) as probe:
         caps = probe.capabilities
-        default_concurrency = probe.settings.max_concurrency
+        default_concurrency = probe.settings.transport.max_concurrency
         store_url = probe.url
     usable = usable_part_sizes(caps, size, part_sizes)
     if not caps.multipart:

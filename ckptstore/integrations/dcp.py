@@ -279,7 +279,7 @@ class Writer(_AtCheckpoint, StorageWriter):
             ) from None
 
     def _incremental(self, store: Store) -> bool:
-        return store.settings.incremental if self.incremental is None else self.incremental
+        return store.settings.layout.incremental if self.incremental is None else self.incremental
 
     async def _hold_base(self, session: SaveSession) -> int | None:
         """The step an incremental save compares with: the root's newest committed step, if

@@ -355,7 +355,7 @@ async def _upload(
             store, plan, session.prefix, _FileLeaves(tree_root, entries, mapped)
         )
         # One object per slot: bounds the files mapped (one descriptor each) and read at once.
-        slots = asyncio.Semaphore(store.settings.max_concurrency)
+        slots = asyncio.Semaphore(store.settings.transport.max_concurrency)
 
         async def write(index: int) -> None:
             async with slots:
@@ -783,7 +783,7 @@ async def _fill(
     for entry in placed:
         if entry.link is None:
             by_object[manifest.leaf_object[entry.leaf]].append(entry)
-    slots = asyncio.Semaphore(store.settings.max_concurrency)
+    slots = asyncio.Semaphore(store.settings.transport.max_concurrency)
 
     async def fetch(obj: int, members: list[_Placed]) -> None:
         async with slots:

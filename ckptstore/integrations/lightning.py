@@ -327,7 +327,7 @@ class SaveOnPreemption(Callback):
 
 
 def _save(store: Store, step: int, checkpoint: dict[str, Any]) -> None:
-    stager = Stager(leaf_alignment=store.settings.leaf_alignment)
+    stager = Stager(leaf_alignment=store.settings.layout.leaf_alignment)
     try:
         # copy=False: CPU tensors are written from their own memory, as the save blocks
         staged = save_path.stage(stager, checkpoint, copy=False)

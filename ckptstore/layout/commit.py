@@ -400,7 +400,7 @@ async def write_checkpoint(
     hashes: list[str | None] | None = None
     reuse: Reuse | None = None
     hashing: asyncio.Future[list[str | None]] | None = None
-    if store.settings.incremental:
+    if store.settings.layout.incremental:
         # The hashes run on a hashing thread while the base manifest is read, and, when
         # there is no base to compare with (the first save, a full one), while the data is
         # written: they are needed only for the manifest then. Awaited first, they added
@@ -594,7 +594,13 @@ class ObjectWriter:
         self.written = Written([0] * len(plan.leaf_length), [0] * len(plan.objects))
         # Packs are built in pooled buffers; bound how many exist at once.
         self._pack_slots = asyncio.Semaphore(
-            max(2, min(settings.max_concurrency, settings.max_inflight_bytes // settings.pack_size))
+            max(
+                2,
+                min(
+                    settings.transport.max_concurrency,
+                    settings.transport.max_inflight_bytes // settings.layout.pack_size,
+                ),
+            )
         )
         # Packs are built one at a time, in plan order: building is mostly a Python loop over
         # small leaves that holds the GIL, so concurrent builds all finished together and no
@@ -624,7 +630,7 @@ class ObjectWriter:
         plan, store = self.plan, self.store
         obj = plan.objects[index]
         async with self._pack_slots:
-            pooled = host_buffers.acquire(max(obj.size, store.settings.pack_size))
+            pooled = host_buffers.acquire(max(obj.size, store.settings.layout.pack_size))
             try:
                 buf = pooled.data[: obj.size]
 
@@ -705,7 +711,9 @@ async def _commit_leased(
     if attempt.lease is not None:
         attempt.lease.check()  # no gc can have removed the data, nor can before the commit
     data = (
-        encode_checked(manifest, store.settings.manifest_max_bytes) if encoded is None else encoded
+        encode_checked(manifest, store.settings.layout.manifest_max_bytes)
+        if encoded is None
+        else encoded
     )
     try:
         await commit_manifest(store, manifest, encoded=data)
@@ -888,7 +896,7 @@ async def read_manifest(store: Store, step: int, *, under: str = "") -> Manifest
     """
     check_step(step)
     key = under + manifest_key(step)
-    cap = store.settings.manifest_max_bytes
+    cap = store.settings.layout.manifest_max_bytes
     try:
         meta = await store.head(key)
         if meta.size > cap:

@@ -88,7 +88,7 @@ async def collect_garbage(
         grace: seconds; default ``Settings.gc_grace_seconds``.
         now: the current time (seconds since the epoch), for tests.
     """
-    grace = float(store.settings.gc_grace_seconds if grace is None else grace)
+    grace = float(store.settings.gc.gc_grace_seconds if grace is None else grace)
     if grace < 0:
         raise ValueError(f"grace must be >= 0 seconds, got {grace}")
     now = time.time() if now is None else now
@@ -135,7 +135,7 @@ async def collect_garbage(
     # In-progress writes of kept attempts (an S3 multipart upload of a running save, say)
     # began after their attempt did: leave everything that young alone, with a quarter of a
     # lease period for clocks that disagree (see ckptstore.layout.lease).
-    margin = store.settings.save_lease_seconds / 4
+    margin = store.settings.gc.save_lease_seconds / 4
     older_than = min(cutoff, oldest_kept - margin)
     report.stale_writes = await store.remove_stale_writes("", older_than=older_than)
     _log.info(
@@ -189,7 +189,7 @@ async def _idle_attempts(
         if any(meta.key == lease_key for meta in objects):
             expires = await lease_expiry(store, lease_key)
             signs += [] if expires is None else [expires]
-            skew = store.settings.save_lease_seconds / 4
+            skew = store.settings.gc.save_lease_seconds / 4
             owner_gone = expires is not None and expires + skew < now
         if max(signs) > cutoff and not owner_gone:
             report.kept_recent.append(attempt_dir)

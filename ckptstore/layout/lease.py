@@ -73,7 +73,7 @@ class SaveLease:
     def __init__(self, store: Store, step: int, attempt: str) -> None:
         self.store = store
         self.key = attempt_prefix(step, attempt) + LEASE_NAME
-        self.period = float(store.settings.save_lease_seconds)
+        self.period = float(store.settings.gc.save_lease_seconds)
         #: Monotonic time until which the last lease that landed is valid.
         self._valid_until = math.inf
         self._lapse: str | None = None
@@ -225,7 +225,7 @@ async def read_lease(store: Store, key: str) -> LeaseBody | None:
     except (ValueError, TypeError, KeyError, AttributeError):
         pass
     written = meta.last_modified if meta.last_modified is not None else time.time()
-    return LeaseBody(written + store.settings.save_lease_seconds, None)
+    return LeaseBody(written + store.settings.gc.save_lease_seconds, None)
 
 
 async def lease_expiry(store: Store, key: str) -> float | None:

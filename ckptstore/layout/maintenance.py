@@ -457,7 +457,7 @@ async def copy_step(
         own = [i for i in range(len(copied.object_keys)) if i not in links]
         # refused before any byte is copied if over the destination's cap, which a reader
         # there applies (a copy to a store with a smaller Settings.manifest_max_bytes)
-        data = encode_checked(copied, dst.settings.manifest_max_bytes)
+        data = encode_checked(copied, dst.settings.layout.manifest_max_bytes)
         if progress is not None and links:  # nothing to copy or check: counted as done
             progress(2 * sum(copied.object_lengths[i] for i in links))
         # Interrupted (Ctrl-C, SIGTERM: a cancellation) or failed, the session is abandoned
@@ -602,8 +602,8 @@ async def _copy_objects(
     progress: Progress | None,
     own: Collection[int],
 ) -> None:
-    threshold = dst.settings.multipart_threshold
-    small_slots = asyncio.Semaphore(max(1, dst.settings.max_concurrency))
+    threshold = dst.settings.transport.multipart_threshold
+    small_slots = asyncio.Semaphore(max(1, dst.settings.transport.max_concurrency))
 
     async def copy_one(index: int) -> None:
         key, target = manifest.object_key(index), copied.object_key(index)

@@ -167,12 +167,14 @@ class PackPlan:
         as in :meth:`build`."""
         caps = capabilities
         largest = caps.max_part_size * caps.max_parts if caps.multipart else caps.max_part_size
-        pack_size = min(settings.pack_size if pack_size is None else pack_size, largest)
+        pack_size = min(settings.layout.pack_size if pack_size is None else pack_size, largest)
         return cls.build(
             lengths,
-            pack_threshold=settings.pack_threshold if pack_threshold is None else pack_threshold,
+            pack_threshold=settings.layout.pack_threshold
+            if pack_threshold is None
+            else pack_threshold,
             pack_size=pack_size,
-            alignment=settings.leaf_alignment,
+            alignment=settings.layout.leaf_alignment,
             max_object_size=largest,
             paths=paths,
             groups=groups,

@@ -81,7 +81,7 @@ async def attempt_record(store: Store, step: int, attempt: str) -> Manifest | No
         if manifest.attempt == attempt:
             return manifest
     key = attempt_prefix(step, attempt) + RECORD_NAME
-    cap = store.settings.manifest_max_bytes
+    cap = store.settings.layout.manifest_max_bytes
     try:
         if (await store.head(key)).size > cap:
             raise CorruptCheckpointError(f"{store.url}/{key}: over the {cap}-byte cap")
@@ -371,7 +371,7 @@ async def _retire(store: Store, step: int, known: Manifest | None = None) -> lis
                 # nothing can reference an attempt of a manifest that is not valid
                 data = await store.get(mkey)
                 manifest = Manifest.parse(
-                    data, step=step, max_bytes=store.settings.manifest_max_bytes, source=mkey
+                    data, step=step, max_bytes=store.settings.layout.manifest_max_bytes, source=mkey
                 )
         if manifest is not None:
             await store.put(attempt_prefix(step, manifest.attempt) + RECORD_NAME, data)

@@ -622,7 +622,12 @@ async def read_into_sink(
     sink = VerifyReport(manifest.step)
     try:
         await _read_into_sink(
-            store, manifest, sink, chunk_size or store.settings.part_size, progress, objects
+            store,
+            manifest,
+            sink,
+            chunk_size or store.settings.transport.part_size,
+            progress,
+            objects,
         )
     except BaseException:
         if checking is not None:
@@ -648,7 +653,7 @@ async def _read_into_sink(
     objects: Collection[int] | None,
 ) -> None:
     buffer_size = max(1, min(chunk, max(manifest.object_lengths, default=1)))
-    slots = asyncio.Semaphore(max(1, store.settings.max_concurrency))
+    slots = asyncio.Semaphore(max(1, store.settings.transport.max_concurrency))
     spans = _spans(manifest)
     leaf_index = _leaf_index(spans)
     leaf_pieces: dict[int, list[tuple[int, int, int]]] = defaultdict(list)

@@ -115,7 +115,7 @@ async def recover(store: Store, step: int) -> Manifest:
             "it was set aside; the set-aside copy stays until gc removes it"
         )
     key = max(copies)  # the newest attempt, should a step have been set aside twice
-    cap = store.settings.manifest_max_bytes
+    cap = store.settings.layout.manifest_max_bytes
     if (await store.head(key)).size > cap:
         raise CorruptCheckpointError(f"{store.url}/{key}: over the {cap}-byte cap")
     data = await store.get(key)

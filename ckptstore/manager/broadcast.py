@@ -283,7 +283,7 @@ def _read_and_transfer(
         background.run(
             bounded(
                 read_selected(store, selection, leaves=own, into=views),
-                seconds=store.settings.restore_deadline,
+                seconds=store.settings.layout.restore_deadline,
                 what=f"rank {rank}'s reads of step {selection.manifest.step} from {store.url}",
                 setting="restore_deadline",
             )

@@ -262,7 +262,7 @@ class CheckpointManager:
             )
         saves_to = self._store if self._tiers is None else self._tiers.local
         if stager is None:
-            stager = Stager(leaf_alignment=saves_to.settings.leaf_alignment)
+            stager = Stager(leaf_alignment=saves_to.settings.layout.leaf_alignment)
         self._stager = stager
         self._saver = AsyncSaver(max_in_flight)
         self._info: dict[int, tuple[float, Any]] = {}  # step -> (save time, metrics)

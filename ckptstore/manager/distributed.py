@@ -643,7 +643,7 @@ def commit_parts(
                 if rank == coordinator:
                     session = background.run(SaveSession.begin(store, step, metadata))
                     later.callback(_release, session)  # committed or not, at the end
-                    hashing = store.settings.incremental
+                    hashing = store.settings.layout.incremental
                     if hashing and not full:
                         base = background.run(session.hold_base())
                     part = dataclasses.replace(
@@ -674,7 +674,7 @@ def commit_parts(
             written: Any = background.run(
                 bounded(
                     _write_own(store, flat, leaves, rank, prefix, shards, parts[coordinator], base),
-                    seconds=store.settings.save_deadline,
+                    seconds=store.settings.layout.save_deadline,
                     what=f"rank {rank}'s writes of step {step} to {store.url}",
                     setting="save_deadline",
                 )
@@ -699,7 +699,6 @@ def commit_parts(
                         tree,
                         leaves,
                         metadata,
-                        base,
                         parts[coordinator].hashing,
                     )
                 )
@@ -845,7 +844,7 @@ async def _write_own(
                 hashes,
             )
     plan = save_path.plan(store, own.nbytes, own.paths, reuse=reuse)
-    block = _block_size(leaves, store.settings.chunk_block_size)
+    block = _block_size(leaves, store.settings.layout.chunk_block_size)
     # every part runs to its end before an error is raised: the hashing and checksum
     # threads read the arrays, which the caller may reuse once this returns
     written, blocks, hashed = await asyncio.gather(
@@ -897,13 +896,12 @@ async def _commit(
     tree: Any,
     leaves: list[_Leaf],
     metadata: Any,
-    base: Manifest | None,
     hashing: bool,
 ) -> _Outcome:
     failures = [r for r in reports if isinstance(r, _Failure)]
     if failures:
         return _Outcome(None, failures[0])
-    store, attempt = session.store, session.attempt
+    store, attempt, base = session.store, session.attempt, session.base
     draft = session.draft(
         [leaf.path for leaf in leaves],
         [leaf.dtype for leaf in leaves],
@@ -979,7 +977,7 @@ async def _commit(
         tree=tree,
         metadata=metadata,
         chunks=sharding.chunk_table(
-            block_sizes.pop() if block_sizes else store.settings.chunk_block_size, chunk_rows
+            block_sizes.pop() if block_sizes else store.settings.layout.chunk_block_size, chunk_rows
         ),
     )
     try:
@@ -1159,7 +1157,7 @@ def _torch_group_running() -> bool:
 
 @contextlib.contextmanager
 def _stager(store: Store) -> Iterator[Stager]:
-    stager = Stager(leaf_alignment=store.settings.leaf_alignment)
+    stager = Stager(leaf_alignment=store.settings.layout.leaf_alignment)
     try:
         yield stager
     finally:

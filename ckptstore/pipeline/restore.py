@@ -354,7 +354,7 @@ async def read(
     """
     return await bounded(
         _read(store, step, asked, into, manifest),
-        seconds=store.settings.restore_deadline,
+        seconds=store.settings.layout.restore_deadline,
         what=f"restore of {'the newest step' if step is None else f'step {step}'} from {store.url}",
         setting="restore_deadline",
     )
@@ -590,7 +590,7 @@ def later_reader(store: Store, selection: Selection) -> Reader:
     async def read_later(leaves: list[int], into: dict[int, np.ndarray[Any, Any]]) -> None:
         await bounded(
             read_leaves(store, manifest, leaves, into),
-            seconds=store.settings.restore_deadline,
+            seconds=store.settings.layout.restore_deadline,
             what=f"background part of the restore of step {manifest.step} from {store.url}",
             setting="restore_deadline",
         )

@@ -262,7 +262,7 @@ async def save_flat(
     """
     return await bounded(
         write_checkpoint(store, flat, step=step, metadata=metadata, full=full),
-        seconds=store.settings.save_deadline,
+        seconds=store.settings.layout.save_deadline,
         what=f"save of step {step} to {store.url}",
         setting="save_deadline",
     )

@@ -348,7 +348,9 @@ class Stager:
     ) -> None:
         if threads < 1 or chunk_bytes < 1:
             raise ValueError("threads and chunk_bytes must be >= 1")
-        alignment = default_settings().leaf_alignment if leaf_alignment is None else leaf_alignment
+        alignment = (
+            default_settings().layout.leaf_alignment if leaf_alignment is None else leaf_alignment
+        )
         if alignment < 1 or alignment & (alignment - 1):
             raise ValueError(f"leaf_alignment must be a power of two, got {alignment}")
         self.pool = pool if pool is not None else BufferPool()

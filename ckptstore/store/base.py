@@ -328,13 +328,13 @@ class Store(ABC):
 
     def _limit(self) -> asyncio.Semaphore:
         if self._slots is None:
-            self._slots = asyncio.Semaphore(self.settings.max_concurrency)
+            self._slots = asyncio.Semaphore(self.settings.transport.max_concurrency)
         return self._slots
 
     def _bytes(self) -> ByteBudget:
         """The budget of ``Settings.max_inflight_bytes`` every transfer holds its bytes in."""
-        if self._budget is None or self._budget.limit != self.settings.max_inflight_bytes:
-            self._budget = ByteBudget(self.settings.max_inflight_bytes)
+        if self._budget is None or self._budget.limit != self.settings.transport.max_inflight_bytes:
+            self._budget = ByteBudget(self.settings.transport.max_inflight_bytes)
         return self._budget
 
     @contextlib.asynccontextmanager
@@ -393,7 +393,7 @@ class Store(ABC):
                 await self.put(key, view, mode=mode)
             return
         caps = self.capabilities
-        if caps.multipart and len(view) >= self.settings.multipart_threshold:
+        if caps.multipart and len(view) >= self.settings.transport.multipart_threshold:
             await self._put_parallel(key, view, mode)
             return
         await self._put_one(key, view, mode)
@@ -433,7 +433,7 @@ class Store(ABC):
             raise NotSupportedError(
                 "create_multipart(mode='create')", type(self).__name__, "no atomic create"
             )
-        size = self.settings.part_size if part_size is None else part_size
+        size = self.settings.transport.part_size if part_size is None else part_size
         caps = self.capabilities
         if not caps.min_part_size <= size <= caps.max_part_size:
             raise ValueError(
@@ -446,7 +446,7 @@ class Store(ABC):
         """The part size to upload ``size`` bytes in: the configured one, grown if needed so
         the upload stays within ``max_parts``."""
         caps = self.capabilities
-        part = max(self.settings.part_size, caps.min_part_size)
+        part = max(self.settings.transport.part_size, caps.min_part_size)
         if -(-size // part) > caps.max_parts:
             part = -(-size // caps.max_parts)
         if part > caps.max_part_size:
@@ -531,7 +531,7 @@ class Store(ABC):
         if len(view) == 0:
             await self.head(key)  # a missing key is still an error
             return 0
-        part = self.settings.part_size
+        part = self.settings.transport.part_size
         crcs: dict[int, int] = {}
 
         async def fetch(offset: int) -> None:
@@ -585,8 +585,8 @@ class Store(ABC):
             _check_range(key, start, end)
         groups = coalesce_ranges(
             ranges,
-            gap=self.settings.coalesce_gap if gap is None else gap,
-            limit=self.settings.coalesce_limit,
+            gap=self.settings.transport.coalesce_gap if gap is None else gap,
+            limit=self.settings.transport.coalesce_limit,
         )
 
         async def fetch(g_start: int, g_end: int, members: builtins.list[int]) -> None:
@@ -619,7 +619,9 @@ class Store(ABC):
         for start, end in ranges:
             _check_range(key, start, end)
         groups = coalesce_ranges(
-            ranges, gap=self.settings.coalesce_gap, limit=self.settings.coalesce_limit
+            ranges,
+            gap=self.settings.transport.coalesce_gap,
+            limit=self.settings.transport.coalesce_limit,
         )
         results: list[memoryview | None] = [None] * len(ranges)
 

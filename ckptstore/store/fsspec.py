@@ -318,7 +318,7 @@ class FsspecStore(base.Store):
                 self._session_ready = True
             return await getattr(self.fs, "_" + name)(*args, **kwargs)
         if self._pool is None:
-            self._pool = Pool(self.settings.io_threads, f"ckptstore-{self.protocol}")
+            self._pool = Pool(self.settings.transport.io_threads, f"ckptstore-{self.protocol}")
         call: Callable[[], Any] = functools.partial(getattr(self.fs, name), *args, **kwargs)
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 

@@ -304,7 +304,7 @@ class LocalStore(Store):
 
     async def _run(self, fn: Callable[..., _T], *args: Any) -> _T:
         if self._executor is None:
-            self._executor = Pool(self.settings.io_threads, "ckptstore-io")
+            self._executor = Pool(self.settings.transport.io_threads, "ckptstore-io")
         # A thread's work goes on when its caller is cancelled: keep it for settle().
         work = self._executor.submit(functools.partial(fn, *args))
         self._running.add(work)
@@ -384,7 +384,7 @@ class LocalStore(Store):
 
     def _open_direct(self, temp: str, fd: int) -> int | None:
         """An ``O_DIRECT`` descriptor on ``temp``, or None where direct I/O is off or refused."""
-        if not (self._direct_io and self.settings.direct_io and self._direct_ok):
+        if not (self._direct_io and self.settings.transport.direct_io and self._direct_ok):
             return None
         try:
             return os.open(temp, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
@@ -424,7 +424,7 @@ class LocalStore(Store):
             os.close(fd)
 
     def _sync_dirs(self, directory: str, created: list[str]) -> None:
-        if not self.settings.durable:
+        if not self.settings.transport.durable:
             return
         self._dir_syncs.published(directory, self._sync_dir)
         # the parents of directories this write created: once per new directory, no sharing
@@ -436,7 +436,7 @@ class LocalStore(Store):
         self, temp: _TempFile, final: str, mode: PutMode, key: str, created: list[str]
     ) -> None:
         try:
-            if self.settings.durable:
+            if self.settings.transport.durable:
                 os.fsync(temp.fd)
         finally:
             temp.close()
@@ -497,7 +497,7 @@ class LocalStore(Store):
             )
 
     def _open_direct_read(self, key: str) -> int | None:
-        if not (self._direct_io and self.settings.direct_io and self._direct_ok):
+        if not (self._direct_io and self.settings.transport.direct_io and self._direct_ok):
             return None
         try:
             return os.open(self._path(key), os.O_RDONLY | os.O_DIRECT | os.O_CLOEXEC)

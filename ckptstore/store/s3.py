@@ -464,7 +464,7 @@ class S3Store(base.Store):
             extra["signature_version"] = botocore.UNSIGNED
         return AioConfig(
             region_name=self.region,
-            max_pool_connections=self.settings.max_concurrency + 4,
+            max_pool_connections=self.settings.transport.max_concurrency + 4,
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
             # one attempt per botocore call: the transport policy retries (see the module doc)
@@ -559,7 +559,7 @@ class S3Store(base.Store):
             return False
 
         try:
-            async with asyncio.timeout(self.settings.request_deadline):
+            async with asyncio.timeout(self.settings.transport.request_deadline):
                 if not await refused(client.put_object):
                     return False
                 created = await client.create_multipart_upload(
@@ -571,7 +571,7 @@ class S3Store(base.Store):
             return False
         finally:  # the scratch object and upload go; a server that stalls is not waited on
             with contextlib.suppress(Exception):
-                async with asyncio.timeout(self.settings.request_deadline):
+                async with asyncio.timeout(self.settings.transport.request_deadline):
                     if upload_id is not None:
                         await client.abort_multipart_upload(
                             Bucket=self.bucket, Key=full, UploadId=upload_id

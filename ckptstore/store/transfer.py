@@ -40,9 +40,9 @@ async def copy_object(
 ) -> int:
     """Copy ``size`` bytes of ``key`` from ``src`` to ``dst_key`` (default ``key``) on ``dst``.
 
-    Objects below ``dst.settings.multipart_threshold`` (or any object, if ``dst`` has no
+    Objects below ``dst.settings.transport.multipart_threshold`` (or any object, if ``dst`` has no
     multipart upload) are read whole and written with one put. Larger ones stream in
-    ``dst.part_size_for(size)`` parts, ``dst.settings.max_concurrency`` at a time.
+    ``dst.part_size_for(size)`` parts, ``dst.settings.transport.max_concurrency`` at a time.
 
     Args:
         src: the store to read from.
@@ -59,7 +59,7 @@ async def copy_object(
     """
     target = key if dst_key is None else dst_key
     caps = dst.capabilities
-    if size == 0 or not caps.multipart or size < dst.settings.multipart_threshold:
+    if size == 0 or not caps.multipart or size < dst.settings.transport.multipart_threshold:
         pooled = host_buffers.acquire(size)
         try:
             buf = memoryview(pooled.data)[:size]  # type: ignore[arg-type]
@@ -83,7 +83,7 @@ async def copy_object(
 
     part = dst.part_size_for(size)
     count = -(-size // part)
-    slots = asyncio.Semaphore(min(dst.settings.max_concurrency, count))
+    slots = asyncio.Semaphore(min(dst.settings.transport.max_concurrency, count))
     crcs: list[int] = [0] * count
 
     upload = await dst.create_multipart(target, mode=mode, part_size=part)

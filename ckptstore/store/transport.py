@@ -525,18 +525,20 @@ class Transport:
         self._log = log
         self._running: set[asyncio.Future[Any]] = set()
         #: Hedged reads of this store (``run(..., hedge_bytes=...)``).
-        self.hedger = Hedger(settings().hedged_reads)
+        self.hedger = Hedger(settings().transport.hedged_reads)
 
     @property
     def attempts(self) -> int:
         """Attempts per request, the first included."""
-        return self._settings().retry_attempts
+        return self._settings().transport.retry_attempts
 
     def backoff(self, retry: int) -> float:
         """Seconds to wait before retry number ``retry`` (from 1): the delay doubled per
         retry up to ``retry_max_delay``, drawn between half of that and all of it."""
         settings = self._settings()
-        cap = min(settings.retry_max_delay, settings.retry_delay * (2 ** (retry - 1)))
+        cap = min(
+            settings.transport.retry_max_delay, settings.transport.retry_delay * (2 ** (retry - 1))
+        )
         return random.uniform(cap / 2, cap)
 
     async def pause(self, retry: int) -> None:
@@ -584,7 +586,7 @@ class Transport:
         """
         if hedge_bytes is not None:
             hedger = self.hedger
-            hedger.share = self._settings().hedged_reads
+            hedger.share = self._settings().transport.hedged_reads
             plain = request
 
             def request() -> Awaitable[_T]:
@@ -614,7 +616,7 @@ class Transport:
         transient: Callable[[BaseException], bool],
         what: str,
     ) -> _T:
-        limit = self._settings().request_deadline
+        limit = self._settings().transport.request_deadline
         tries: list[BaseException] = []
         timeout = asyncio.timeout(limit)
         try:

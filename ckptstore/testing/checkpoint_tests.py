@@ -276,7 +276,7 @@ class CheckpointTests:
         info = await asave(counting, state, step=3)
         nbytes = self.small_leaves * 4096
         objects = counting.requests["put"] + counting.requests["complete_multipart"]
-        assert info.objects == -(-nbytes // store.settings.pack_size)
+        assert info.objects == -(-nbytes // store.settings.layout.pack_size)
         assert objects == info.objects + 2  # the packs, the save's lease and the manifest
         assert_same_state(await aload(store, step=3), state)
 

@@ -239,7 +239,7 @@ class StoreTests:
         assert [bytes(v) for v in views] == [data[s:e] for s, e in ranges]
         assert counting.requests["read"] >= 1
         # the whole-object range swallows every other one: one group of reads
-        assert counting.requests["read"] <= -(-len(data) // store.settings.part_size)
+        assert counting.requests["read"] <= -(-len(data) // store.settings.transport.part_size)
 
     async def test_read_ranges_into_scatters(self, store: Store) -> None:
         data = _pattern(300_000, 4)
@@ -262,7 +262,7 @@ class StoreTests:
         counting = CountingStore(store)
         await counting.read_into("big", 100, out)
         assert out.tobytes() == data[100:]
-        assert counting.requests["read"] == -(-out.size // store.settings.part_size)
+        assert counting.requests["read"] == -(-out.size // store.settings.transport.part_size)
 
     async def test_read_into_crc32c_returns_the_checksum_of_the_bytes(
         self, store: Store, small_parts: Store

@@ -261,7 +261,7 @@ def _local(ctx: Context, state: dict[str, Any], blob: np.ndarray, orbax: bool) -
 
     ckpt_files = sorted(_files(dirs[CKPT]))
     ckpt_sizes = [p.stat().st_size for p in ckpt_files]
-    read_threads = ckptstore.Settings().max_concurrency
+    read_threads = ckptstore.Settings().transport.max_concurrency
 
     def uncache(name: str) -> None:
         evict(_files(dirs[CKPT if name == THREADED_READ else name]))

@@ -15,7 +15,6 @@ untimed, so the roots stay at two steps. Every restored byte is compared with th
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import shutil
 from typing import Any
 
@@ -37,7 +36,7 @@ BUCKET = "bench-incremental"
 
 #: scripts/bench.py turns incremental saves off for every suite (CKPTSTORE_INCREMENTAL=0);
 #: this one measures them, so its stores turn them on (the full arm saves with full=True).
-INCREMENTAL = dataclasses.replace(default_settings(), incremental=True)
+INCREMENTAL = default_settings().replace(incremental=True)
 
 
 def _same(actual: Any, expected: Any) -> bool:
