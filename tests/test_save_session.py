@@ -24,7 +24,7 @@ from ckptstore.layout.maintenance import copy_step
 from ckptstore.layout.tree import flatten
 from ckptstore.store.base import Store
 from ckptstore.store.memory import MemoryStore
-from ckptstore.store.wrappers import Fault, FaultStore, StoreWrapper
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper
 
 
 def _store() -> MemoryStore:
@@ -165,3 +165,16 @@ async def test_a_copy_that_loses_the_step_removes_what_it_copied() -> None:
     winner = (await read_manifest(inner, 9)).attempt
     attempts = {key.split("/")[1] for key in await _keys(inner, "9/") if key.count("/") > 1}
     assert attempts == {winner}  # nothing of the losing copy is left, its lease included
+
+
+async def test_releasing_a_committed_session_sends_nothing() -> None:
+    """The commit released the lease; a face that releases again at its end (the multi-rank
+    coordinator does, committed or not) costs the store no request."""
+    store = CountingStore(_store())
+    session = await SaveSession.begin(store, 6)
+    await _commit_one(session)
+    store.reset()
+    await session.release()
+    await session.abandon()  # over already: removes nothing of a committed step
+    assert store.total_requests == 0, store.requests
+    assert (await read_manifest(store, 6)).attempt == session.attempt.id

@@ -223,7 +223,7 @@ class SaveSession:
         base: the step held for it by :meth:`hold_base`, if any.
     """
 
-    __slots__ = ("_ended", "attempt", "base", "store")
+    __slots__ = ("_ended", "_released", "attempt", "base", "store")
 
     def __init__(self, store: Store, attempt: Attempt) -> None:
         self.store = store
@@ -231,6 +231,7 @@ class SaveSession:
         self.base: Manifest | None = None
         #: committed, abandoned or released: nothing is left for the ``async with`` block
         self._ended = False
+        self._released = False  # the lease: a commit releases it too, however it ends
 
     @classmethod
     async def begin(cls, store: Store, step: int, metadata: Any = None) -> SaveSession:
@@ -320,14 +321,22 @@ class SaveSession:
         its own). The session is over once this is called, whatever it raises: an error of
         the put itself leaves the data in place, since the step may be committed."""
         self._ended = True
-        return await commit_attempt(self.store, self.attempt, manifest, encoded=encoded, log=log)
+        try:
+            return await commit_attempt(
+                self.store, self.attempt, manifest, encoded=encoded, log=log
+            )
+        finally:
+            self._released = True
 
     async def abandon(self) -> None:
         """Give the session up: once the writes still running in threads, and the requests a
         server may still complete, have ended (:meth:`Store.settle`), so that none recreates
         an object afterwards, remove its objects and release its lease. Best effort, never
         raises: the objects are invisible without a manifest, so removing them now only
-        spares garbage collection the work."""
+        spares garbage collection the work. Nothing once the session ended: a committed
+        step's objects are never removed by its own session."""
+        if self._ended:
+            return
         self._ended = True
         with contextlib.suppress(Exception):
             await self.store.settle()
@@ -336,9 +345,11 @@ class SaveSession:
 
     async def release(self) -> None:
         """Release the lease and nothing else (for a session given up by a writer that
-        removes its objects another way)."""
+        removes its objects another way); nothing once it is released, or the session
+        committed."""
         self._ended = True
-        if self.attempt.lease is not None:
+        if self.attempt.lease is not None and not self._released:
+            self._released = True
             await self.attempt.lease.release()
 
     async def __aenter__(self) -> SaveSession:
@@ -449,7 +460,6 @@ async def write_checkpoint(
         if reuse is not None and reuse.objects:
             draft.reference(reuse.base, enumerate(reuse.leaf_source))
         return await session.commit(draft.build(tree=flat.tree, metadata=metadata))
-    raise AssertionError("unreachable")  # the session's block returns or raises
 
 
 #: Bytes of leaves one turn of :func:`hashes_in_turns` hashes before it lets the writes'
