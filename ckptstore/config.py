@@ -284,16 +284,13 @@ class Settings:
         gc: GcSettings | None = None,
         **fields: Any,
     ) -> None:
+        given = {"transport": transport, "layout": layout, "gc": gc}
         groups: dict[str, Any] = {
-            "transport": transport if transport is not None else TransportSettings(),
-            "layout": layout if layout is not None else LayoutSettings(),
-            "gc": gc if gc is not None else GcSettings(),
+            name: cls() if given[name] is None else given[name] for name, cls in _GROUPS.items()
         }
         changes: dict[str, dict[str, Any]] = {}
         for name, value in fields.items():
-            if name not in _FIELDS:
-                raise TypeError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}")
-            changes.setdefault(_FIELDS[name][0], {})[name] = value
+            changes.setdefault(_field(name)[0], {})[name] = value
         for group, values in changes.items():
             groups[group] = dataclasses.replace(groups[group], **values)
         for group, value in groups.items():
@@ -316,21 +313,27 @@ class Settings:
         return frozenset(_FIELDS)
 
 
+def _field(name: str) -> tuple[str, str]:
+    """The group attribute and the type of setting ``name``; ``TypeError`` if unknown."""
+    try:
+        return _FIELDS[name]
+    except KeyError:
+        raise TypeError(f"unknown setting {name!r}; known: {', '.join(sorted(_FIELDS))}") from None
+
+
 def _coerce(values: Mapping[str, Any]) -> dict[str, Any]:
-    types = {name: kind for name, (_, kind) in _FIELDS.items()}
     out: dict[str, Any] = {}
     for name, value in values.items():
-        if name not in types:
-            raise TypeError(f"unknown setting {name!r}; known: {', '.join(sorted(types))}")
+        kind = _field(name)[1]
         if isinstance(value, str):
-            if types[name] == "bool":
+            if kind == "bool":
                 lowered = value.strip().lower()
                 if lowered not in {"1", "0", "true", "false", "yes", "no"}:
                     raise ValueError(f"setting {name}={value!r} is not a boolean")
                 value = lowered in {"1", "true", "yes"}
-            elif types[name] == "float":
+            elif kind == "float":
                 value = _parse_seconds(name, value)
-            elif types[name] == "int" and name.startswith("retry_"):
+            elif kind == "int" and name.startswith("retry_"):
                 value = _parse_count(name, value)
             else:
                 value = parse_size(value)
