@@ -105,6 +105,72 @@ def test_the_arena_goes_back_to_the_pool_only_after_the_copy(
 
 
 @pytest.mark.torch
+def test_a_stage_left_unstarted_copies_only_once_started_or_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start=False``: the background copy begins at ``StagedState.start()`` or at the
+    first wait for it (the writer's, the fence's, a release), never by itself, so an async
+    save can begin it after the save call has returned."""
+    import torch
+
+    copied_by: list[str] = []
+    original = LazyCopy._copying
+
+    def recording(copy: LazyCopy, paths: list[str]) -> None:
+        copied_by.append(threading.current_thread().name)
+        original(copy, paths)
+
+    monkeypatch.setattr(LazyCopy, "_copying", recording)
+    stager = Stager()
+    sources = [torch.arange(1 << 16, dtype=torch.float32) + i for i in range(3)]
+    started, waited, fenced = (stager.stage({"w": s}, lazy=True, start=False) for s in sources)
+    # the lazy thread runs what it is given in order: once this no-op ran, nothing had been
+    stager._lazy_thread().submit(lambda: None).result(DEADLINE)
+    assert copied_by == []
+    assert not any(s.snapshot is not None and s.snapshot.done() for s in (started, waited))
+
+    started.start()
+    started.start()  # once only
+    started.wait_ready()
+    assert copied_by == ["ckpt-lazy_0"]
+    waited.wait_ready()  # the writer's wait starts it
+    assert fenced.snapshot is not None
+    fenced.snapshot.wait()  # and so does the fence
+    assert len(copied_by) == 3
+    for staged, source in zip((started, waited, fenced), sources, strict=True):
+        staged.wait_ready()
+        np.testing.assert_array_equal(staged.tree["w"], source.numpy())
+        staged.release()
+    stager.close()
+
+
+@pytest.mark.torch
+def test_an_async_save_begins_its_lazy_copy_on_the_background_loop(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The save call stages and returns; the copying thread is woken by the background
+    loop, so it never runs beside the call (on 2 cores it took the caller's core)."""
+    import torch
+
+    starters: list[str] = []
+    original = LazyCopy.start
+
+    def recording(copy: LazyCopy) -> None:
+        if copy._executor is not None:  # the call that starts it
+            starters.append(threading.current_thread().name)
+        original(copy)
+
+    monkeypatch.setattr(LazyCopy, "start", recording)
+    state = {"w": torch.arange(1 << 16, dtype=torch.float32)}
+    with CheckpointManager(root, snapshot="lazy") as mgr:
+        for step in range(3):
+            mgr.save(step, state)
+            mgr.wait_until_finished()
+        _assert_bit_exact(mgr.restore(2), state)
+    assert starters == ["ckptstore-loop"] * 3
+
+
+@pytest.mark.torch
 def test_a_lazy_stage_holds_what_save_saw() -> None:
     import torch
 

@@ -204,7 +204,9 @@ class AsyncSaver(BackgroundWork):
 
         Args:
             step: the step, for handles and error messages.
-            stage: copies the state into host buffers; runs in the caller's thread.
+            stage: copies the state into host buffers; runs in the caller's thread. A lazy
+                stage's copy may be left unstarted (``start=False``): it starts on the
+                background loop, as the write's first step.
             write: the coroutine function that writes and commits the staged state; runs on
                 the background loop. The staged buffers are released when it finishes.
 
@@ -233,6 +235,7 @@ async def _write_then_release(
     import asyncio
 
     try:
+        staged.start()  # a lazy stage's copy: begun here, not beside the save() call
         if staged.fences:
             await asyncio.to_thread(staged.wait_ready)
         return await write(staged)

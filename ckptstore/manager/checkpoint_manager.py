@@ -398,7 +398,7 @@ class CheckpointManager:
 
         def stage() -> StagedState:
             # in the caller's thread, so an unstorable leaf fails this call, not a later one
-            staged = save_path.stage(self._stager, state, lazy=self.snapshot == "lazy")
+            staged = save_path.stage(self._stager, state, lazy=self.snapshot == "lazy", start=False)
             self._fence.track(staged)
             return staged
 

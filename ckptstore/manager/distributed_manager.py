@@ -386,7 +386,9 @@ class CheckpointManager(_SingleProcessManager):
         def stage() -> StagedState:
             try:
                 check_step(step)
-                staged = save_path.stage(self._stager, state, lazy=self.snapshot == "lazy")
+                staged = save_path.stage(
+                    self._stager, state, lazy=self.snapshot == "lazy", start=False
+                )
                 self._fence.track(staged)
             except Exception as exc:
                 # The other ranks' background saves wait for this rank's part: tell them.

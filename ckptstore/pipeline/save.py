@@ -113,7 +113,9 @@ __all__ = [
 # --------------------------------------------------------------------------- 1. stage
 
 
-def stage(stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False) -> StagedState:
+def stage(
+    stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False, start: bool = True
+) -> StagedState:
     """Stage ``state`` and build its flat view, in the calling thread.
 
     Everything that can refuse a state (an array ckptstore cannot store, a leaf that is
@@ -128,6 +130,8 @@ def stage(stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False) 
         lazy: leave the copies to a background thread (a lazy snapshot,
             :mod:`ckptstore.stage.lazy`); :func:`save_staged` waits for them, so the bytes,
             layout and commit are the eager ones.
+        start: with ``lazy``, start that copy now; ``False`` leaves it to
+            :meth:`StagedState.start` (an async save starts it on the background loop).
 
     The background part of every streaming restore of the process is waited for first
     (:mod:`ckptstore.pipeline.streaming`): a state holding arrays it still fills is never
@@ -137,7 +141,9 @@ def stage(stager: Stager, state: Any, *, copy: bool = True, lazy: bool = False) 
         TypeError, UnsupportedLeafError: a leaf that cannot be stored, named by its path.
     """
     streaming.wait_all()
-    staged = stager.stage(state, copy=copy, lazy=lazy)
+    # named only when it says something, so a Stager subclass written before it still stages
+    later: dict[str, Any] = {"start": False} if lazy and not start else {}
+    staged = stager.stage(state, copy=copy, lazy=lazy, **later)
     try:
         staged.flat()
     except BaseException:

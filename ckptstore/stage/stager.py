@@ -22,13 +22,11 @@ never imports torch or JAX.
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -41,6 +39,7 @@ from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
+from ckptstore.threads import collection_paused
 
 if TYPE_CHECKING:
     from ckptstore.stage.lazy import LazyCopy
@@ -290,6 +289,12 @@ class StagedState:
             self._flat = flat
         return self._flat
 
+    def start(self) -> None:
+        """Start a lazy stage's background copy if it was staged with ``start=False`` and
+        has not started yet; nothing otherwise."""
+        if self.snapshot is not None:
+            self.snapshot.start()
+
     def wait_ready(self) -> None:
         """Block until asynchronous copies have landed (CUDA sources, a lazy stage).
 
@@ -360,7 +365,9 @@ class Stager:
         self._executor: ThreadPoolExecutor | None = None
         self._lazy_executor: ThreadPoolExecutor | None = None
 
-    def stage(self, state: Any, *, copy: bool = True, lazy: bool = False) -> StagedState:
+    def stage(
+        self, state: Any, *, copy: bool = True, lazy: bool = False, start: bool = True
+    ) -> StagedState:
         """Copy every array leaf of ``state`` into one pooled host arena.
 
         Args:
@@ -374,6 +381,9 @@ class Stager:
                 waits for it and raises :class:`~ckptstore.errors.TornSnapshotError` if a
                 source changed before its copy. Leaves without a mutation counter (numpy)
                 are still copied in the call.
+            start: with ``lazy``, start the background copy before returning; ``False``
+                leaves it to :meth:`StagedState.start` (or the first wait for it), for a
+                caller that hands the save to another thread first.
 
         Raises:
             TypeError: a leaf is an array ckptstore cannot store (object dtype, sparse...),
@@ -382,9 +392,9 @@ class Stager:
         if lazy and not copy:
             raise ValueError("a lazy stage copies; it cannot let leaves through (copy=False)")
         with collection_paused():
-            return self._lazy(state) if lazy else self._copied(state, copy=copy)
+            return self._lazy(state, start=start) if lazy else self._copied(state, copy=copy)
 
-    def _lazy(self, state: Any) -> StagedState:
+    def _lazy(self, state: Any, *, start: bool) -> StagedState:
         """``stage(state, lazy=True)``: the state walked once and the arena laid out as for
         a copy (:meth:`_laid_out`), the copies left to a background thread where the leaf's
         framework keeps a mutation counter to check them by, made now where it does not."""
@@ -418,10 +428,11 @@ class Stager:
                     device = None
                 later.append(LeafCopy(path, leaf, kind, version, dst, device, self.chunk_bytes))
             devices = [device for device in device_of.values() if device is not None]
-            snapshot = LazyCopy(later, devices, self.chunk_bytes)
+            snapshot = LazyCopy(later, devices, self.chunk_bytes, self._lazy_thread())
             staged.snapshot = snapshot
             staged.fences.append(snapshot.result)
-            snapshot.start(self._lazy_thread())
+            if start:
+                snapshot.start()
         except BaseException:
             staged.buffer.release()
             raise
@@ -579,39 +590,6 @@ class Stager:
                 executor.shutdown()
         self._executor = self._lazy_executor = None
         self.pool.clear()
-
-
-_paused_lock = threading.Lock()
-_paused_by = 0  # stages running with the collector paused
-_resume = False  # whether the last of them turns it back on
-
-
-@contextlib.contextmanager
-def collection_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a save stages its state.
-
-    Staging makes a few objects per leaf (specs, slots, copy tasks), and every 700
-    allocations the collector runs; every tenth of those passes walks the older objects too,
-    and the training process's heap (the state's tensors and containers, the model) is all
-    old. On 20,000 leaves of 4 KiB these passes were half of the blocking call: 36 against
-    13-20 us a leaf with the collector off (one process, the same state, runs alternating).
-    What staging makes lives as long as the save anyway, and a cycle among it is found by
-    the first pass after the pause. Nested and concurrent stages share one pause; a
-    collector the application turned off stays off.
-    """
-    global _paused_by, _resume
-    with _paused_lock:
-        if _paused_by == 0:
-            _resume = gc.isenabled()
-            gc.disable()
-        _paused_by += 1
-    try:
-        yield
-    finally:
-        with _paused_lock:
-            _paused_by -= 1
-            if _paused_by == 0 and _resume:
-                gc.enable()
 
 
 class _Copying:
