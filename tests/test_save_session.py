@@ -178,3 +178,16 @@ async def test_releasing_a_committed_session_sends_nothing() -> None:
     await session.abandon()  # over already: removes nothing of a committed step
     assert store.total_requests == 0, store.requests
     assert (await read_manifest(store, 6)).attempt == session.attempt.id
+
+
+async def test_a_save_whose_manifest_is_over_the_cap_leaves_nothing() -> None:
+    """The manifest is encoded and checked against ``Settings.manifest_max_bytes`` before
+    the session commits: an oversized one is refused and the session abandoned, so no object
+    and no lease outlive the refusal (they were left for garbage collection before)."""
+    from ckptstore.config import Settings
+
+    store = MemoryStore(settings=Settings(manifest_max_bytes=4096))
+    flat = flatten({f"w{i}": np.full(3, i) for i in range(200)})
+    with pytest.raises(ValueError, match=r"over Settings\.manifest_max_bytes"):
+        await write_checkpoint(store, flat, step=1)
+    assert await _keys(store) == []

@@ -65,6 +65,7 @@ from ckptstore.store.buffers import host_buffers
 from ckptstore.store.checksum import as_uint8, crc32c, in_hash_thread
 from ckptstore.store.fanout import gather_all
 from ckptstore.store.transport import store_logger
+from ckptstore.threads import collection_paused
 
 __all__ = [
     "Attempt",
@@ -407,7 +408,10 @@ async def write_checkpoint(
     n = len(flat.arrays)
     if not len(flat.paths) == len(flat.attrs) == n:
         raise ValueError("FlatState: paths, arrays and attrs must have one entry per leaf")
-    dtypes = flat.dtype_names()
+    with collection_paused():
+        dtypes = flat.dtype_names()
+        # each a list built per call: once per save, not once per use
+        shapes, lengths = flat.shapes, flat.nbytes
     hashes: list[str | None] | None = None
     reuse: Reuse | None = None
     hashing: asyncio.Future[list[str | None]] | None = None
@@ -424,12 +428,13 @@ async def write_checkpoint(
                 # shielded: a cancelled save must not stop waiting for the hashing thread,
                 # which goes on reading the arrays (_settled waits for it)
                 hashes = await asyncio.shield(hashing)
-                reuse = plan_reuse(base, flat.paths, dtypes, flat.shapes, hashes)
+                reuse = plan_reuse(base, flat.paths, dtypes, shapes, hashes)
         except BaseException:
             await _settled(hashing)
             raise
     try:
-        plan = plan_changed(store, flat.nbytes, flat.paths, reuse)
+        with collection_paused():
+            plan = plan_changed(store, lengths, flat.paths, reuse)
     except BaseException:
         await _settled(hashing)
         raise
@@ -447,7 +452,7 @@ async def write_checkpoint(
                 except BrokenReferenceError:
                     # the base is being deleted meanwhile: write everything this time
                     reuse = None
-                    plan = plan_changed(store, flat.nbytes, flat.paths, None)
+                    plan = plan_changed(store, lengths, flat.paths, None)
             written = await write_objects(store, flat.arrays, plan, session.prefix)
             if hashing is not None and hashes is None:
                 hashes = await asyncio.shield(hashing)
@@ -455,11 +460,14 @@ async def write_checkpoint(
             # the session is abandoned once the hashing thread, which reads the arrays, ended
             await _settled(hashing)
             raise
-        draft = session.draft(flat.paths, dtypes, flat.shapes, flat.nbytes, flat.attrs, hashes)
-        draft.add_plan(plan, written.object_crc, written.leaf_crc)
-        if reuse is not None and reuse.objects:
-            draft.reference(reuse.base, enumerate(reuse.leaf_source))
-        return await session.commit(draft.build(tree=flat.tree, metadata=metadata))
+        with collection_paused():
+            draft = session.draft(flat.paths, dtypes, shapes, lengths, flat.attrs, hashes)
+            draft.add_plan(plan, written.object_crc, written.leaf_crc)
+            if reuse is not None and reuse.objects:
+                draft.reference(reuse.base, enumerate(reuse.leaf_source))
+            manifest = draft.build(tree=flat.tree, metadata=metadata)
+            encoded = encode_checked(manifest, store.settings.layout.manifest_max_bytes)
+        return await session.commit(manifest, encoded=encoded)
 
 
 #: Bytes of leaves one turn of :func:`hashes_in_turns` hashes before it lets the writes'
