@@ -145,6 +145,56 @@ def test_a_stage_left_unstarted_copies_only_once_started_or_waited_for(
 
 
 @pytest.mark.torch
+def test_a_copy_started_while_the_interpreter_exits_still_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An async save starts its copy from the background loop, which a script's last save
+    may reach after the main thread ended: a ``ThreadPoolExecutor`` then refuses new work
+    (``cannot schedule new futures after interpreter shutdown``), the copy's pool does not."""
+    import concurrent.futures.thread
+
+    import torch
+
+    stager = Stager()
+    source = torch.arange(1 << 16, dtype=torch.float32)
+    staged = stager.stage({"w": source}, lazy=True, start=False)
+    monkeypatch.setattr(concurrent.futures.thread, "_shutdown", True)  # as at exit
+    staged.start()
+    staged.wait_ready()
+    np.testing.assert_array_equal(staged.tree["w"], source.numpy())
+    staged.release()
+    monkeypatch.undo()
+    stager.close()
+
+
+@pytest.mark.torch
+def test_a_copy_its_thread_refuses_fails_its_waiters_instead_of_hanging() -> None:
+    import torch
+
+    stager = Stager()
+    staged = stager.stage({"w": torch.ones(1 << 10)}, lazy=True, start=False)
+    stager._lazy_thread().shutdown()
+    with pytest.raises(RuntimeError, match="cannot take work"):
+        staged.start()
+    outcome: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            staged.release()  # waits for the copy first
+        except BaseException as exc:
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    waiter.join(DEADLINE)
+    assert not waiter.is_alive(), "the wait for a copy that never started did not return"
+    assert len(outcome) == 1
+    assert "cannot take work" in str(outcome[0])
+    assert stager.pool.stats().lent_bytes == 0
+    stager.close()
+
+
+@pytest.mark.torch
 def test_an_async_save_begins_its_lazy_copy_on_the_background_loop(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -149,8 +149,8 @@ class LazyCopy:
     def start(self) -> None:
         """Begin copying on the executor's thread (once; later calls do nothing).
 
-        The stage leaves this to whoever runs the save next (an async save's first step on
-        the background loop, :func:`ckptstore.manager.async_save.AsyncSaver.submit`), so the
+        The stage leaves this to whoever runs the save next (an async save does it first
+        thing on the background loop, :mod:`ckptstore.manager.async_save`), so the
         copying thread never runs beside the ``save()`` call: on 2 cores a thread woken in
         the call took the caller's core, and about one call in three took 8 ms instead of 4.
         The fence and the writer's wait start it too, so a copy no one started is never
@@ -158,8 +158,14 @@ class LazyCopy:
         """
         with self._lock:
             executor, self._executor = self._executor, None
-        if executor is not None:
+        if executor is None:
+            return
+        try:
             executor.submit(self._run)
+        except BaseException as exc:  # a closed executor: the copy fails, no one waits forever
+            self._fail(exc)
+            self._issued.set()
+            raise
 
     # ------------------------------------------------------------------ the copying thread
 

@@ -39,7 +39,7 @@ from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
-from ckptstore.threads import collection_paused
+from ckptstore.threads import Pool, collection_paused
 
 if TYPE_CHECKING:
     from ckptstore.stage.lazy import LazyCopy
@@ -440,9 +440,12 @@ class Stager:
 
     def _lazy_thread(self) -> ThreadPoolExecutor:
         # One thread: a lazy copy overlaps a training loop that computes on the other cores,
-        # and successive saves' copies never run at once (one save in flight).
+        # and successive saves' copies never run at once (one save in flight). A Pool, which
+        # takes work while the interpreter exits: an async save starts its copy from the
+        # background loop, and a script's last save may get there after its main thread
+        # ended (a ThreadPoolExecutor then refuses it, and the save would be lost).
         if self._lazy_executor is None:
-            self._lazy_executor = ThreadPoolExecutor(1, thread_name_prefix="ckpt-lazy")
+            self._lazy_executor = Pool(1, "ckpt-lazy")
         return self._lazy_executor
 
     def _arena(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[NDArray[Any]]]:
