@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import pytest
 import ckptstore
 from ckptstore.config import Settings
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
+from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import (
@@ -27,6 +30,7 @@ from ckptstore.layout.tree import (
 )
 from ckptstore.store.base import Capabilities
 from ckptstore.store.buffers import PAGE, BufferPool
+from ckptstore.store.checksum import crc32c
 from ckptstore.testing import assert_same_state
 
 
@@ -838,3 +842,36 @@ def test_a_manifest_keeps_every_plain_value_and_key_exactly(value: Any, tmp_path
     manifest = ckptstore.read_manifest(tmp_path, 1)
     assert_same_state(manifest.metadata, metadata)
     assert key in manifest.paths
+
+
+def test_a_manifest_body_joined_from_its_pieces_is_one_document_under_its_crc(
+    tmp_path: Path,
+) -> None:
+    """The body is written in pieces (each part by the fast encoder where it is exact, by the
+    json module where it is not: here the tree, which holds a NaN) and joined once with the
+    envelope, whose crc32c is taken over the pieces: it is one JSON document, its parts in
+    the order json writes them, under the crc of its bytes, and no NaN became null."""
+    state = {
+        "w": np.ones(2, np.float32),
+        "\u043a\u043b\u044e\u0447": {"b": np.arange(3)},
+        # long lists of plain scalars are checked in one pass; a NaN at their end is not
+        # missed (orjson would write it as null), nor a nested one
+        "lr": [*range(2000), math.nan],
+        "flags": [True, None, "\u00e9", 2.5, [1, [math.inf]]],
+        "step": 7,
+    }
+    ckptstore.save(tmp_path, state, step=1, metadata={"note": "\u00fc", "x": [1.5, -0.0]})
+    data = (tmp_path / manifest_key(1)).read_bytes()
+    envelope = re.match(rb'\{"format":"ckptstore","version":\d+,"crc32c":(\d+),"body":', data)
+    assert envelope is not None
+    assert data.endswith(b"}")
+    body = data[envelope.end() : -1]
+    assert int(envelope[1]) == crc32c(body)
+    doc = json.loads(body)
+    assert list(doc) == ["step", "attempt", "created", "metadata", "tree", "objects", "leaves"]
+    assert b"NaN" in body
+    assert b"Infinity" in body
+    assert_same_state(ckptstore.load(tmp_path, 1), state)
+    loaded = ckptstore.load(tmp_path, 1)
+    assert math.isnan(loaded["lr"][-1])
+    assert loaded["flags"][4][1] == [math.inf]

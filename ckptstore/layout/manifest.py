@@ -145,12 +145,12 @@ class Manifest:
             "offset": self.leaf_offset,
             "length": self.leaf_length,
             "crc32c": self.leaf_crc,
-            "attrs": self.attrs if any(a is not None for a in self.attrs) else None,
+            "attrs": self.attrs if _any_set(self.attrs) else None,
         }
         version = 1
         if self.object_steps is not None and self.references():
             objects["step"], version = self.object_steps, 2
-        if self.leaf_hash is not None and any(h is not None for h in self.leaf_hash):
+        if self.leaf_hash is not None and _any_set(self.leaf_hash):
             leaves["hash"], version = self.leaf_hash, 2
         doc: dict[str, Any] = {
             "step": self.step,
@@ -166,8 +166,14 @@ class Manifest:
         body, tree = _encode_body(doc)
         if uses_version_4(tree):
             version = 4
-        head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc32c(body)},"body":'
-        return head.encode() + body + b"}"
+        crc = 0
+        for piece in body:
+            crc = crc32c(piece, crc)
+        head = f'{{"format":"ckptstore","version":{version},"crc32c":{crc},"body":'
+        # Joined once: every join or concatenation of a 20,000-leaf body (1.2 MB) is a fresh
+        # allocation whose pages fault in. With four of them, and the tree's type check node
+        # by node, that manifest took 8 ms to encode; now 4.
+        return b"".join([head.encode(), *body, b"}"])
 
     # ------------------------------------------------------------------ accessors
 
@@ -614,6 +620,16 @@ def _fast_json(value: Any) -> bytes:
         return _json_bytes(value)
 
 
+#: The types :func:`_only_plain_finite` passes as they are.
+_PLAIN_SCALARS = frozenset({int, str, bool, type(None)})
+_STR = frozenset({str})
+
+
+def _any_set(column: list[Any]) -> bool:
+    """Whether any entry of ``column`` is not ``None`` (counted at C speed)."""
+    return column.count(None) != len(column)
+
+
 def _only_plain_finite(value: Any) -> bool:
     """``value`` holds only JSON's own types (exactly: no subclass) and no NaN or infinity,
     which orjson would write as ``null``."""
@@ -621,15 +637,18 @@ def _only_plain_finite(value: Any) -> bool:
     while stack:
         node = stack.pop()
         kind = type(node)
-        if kind is int or kind is str or node is None or kind is bool:
+        if kind in _PLAIN_SCALARS:
             continue
         if kind is float:
             if not math.isfinite(node):
                 return False
         elif kind is list or kind is tuple:
-            stack.extend(node)
+            # A tree's long lists (a dict's keys, its leaves' numbers) hold such scalars
+            # alone: their types are checked in one C-level pass, not one node at a time.
+            if not _PLAIN_SCALARS.issuperset(map(type, node)):
+                stack.extend(node)
         elif kind is dict:
-            if any(type(key) is not str for key in node):
+            if not _STR.issuperset(map(type, node)):
                 return False
             stack.extend(node.values())
         else:
@@ -637,13 +656,14 @@ def _only_plain_finite(value: Any) -> bool:
     return True
 
 
-def _encode_body(doc: dict[str, Any]) -> tuple[bytes, bytes]:
-    """The body's bytes. The tables (``objects``, ``leaves``, ``chunks``) hold the strings and
-    integers this module put there, and the leaves' ``attrs``; the tree holds the user's plain
-    values, which may be NaN or infinite (JSON's extension, as json writes it). Each part is
-    written by :func:`_fast_json` where that is exact, and the parts joined in the order
-    json would write them. Returns the body and, within it, the tree's bytes."""
-    parts = []
+def _encode_body(doc: dict[str, Any]) -> tuple[list[bytes], bytes]:
+    """The body's bytes, as the pieces that joined in order make it (joined once, with the
+    envelope, by the caller). The tables (``objects``, ``leaves``, ``chunks``) hold the
+    strings and integers this module put there, and the leaves' ``attrs``; the tree holds the
+    user's plain values, which may be NaN or infinite (JSON's extension, as json writes it).
+    Each part is written by :func:`_fast_json` where that is exact, and the parts are in the
+    order json would write them. Returns the pieces and, among them, the tree's bytes."""
+    pieces = [b"{"]
     tree = b""
     for name, value in doc.items():
         if name == "tree":
@@ -655,5 +675,8 @@ def _encode_body(doc: dict[str, Any]) -> tuple[bytes, bytes]:
         encoded = _fast_json(value) if fast else _json_bytes(value)
         if name == "tree":
             tree = encoded
-        parts.append(_json_bytes(name) + b":" + encoded)
-    return b"{" + b",".join(parts) + b"}", tree
+        if len(pieces) > 1:
+            pieces.append(b",")
+        pieces += (_json_bytes(name), b":", encoded)
+    pieces.append(b"}")
+    return pieces, tree
