@@ -561,14 +561,18 @@ class Stager:
         flat = flatten(state, convert=convert, expand=expand)
         to_copy: list[int] = []
         sources: list[tuple[Any, ArrayKind, LeafSpec]] = []
-        for i, (path, array) in enumerate(zip(flat.paths, flat.arrays, strict=True)):
-            found = converted.get(path)
-            if found is None:
-                if path in views or not copy:
-                    continue  # let through: a host view, or a numpy leaf of a copy=False stage
-                found = (array, numpy_kind, _spec(numpy_kind, array, path))
-            to_copy.append(i)
-            sources.append(found)
+        if copy:
+            for i, (path, array) in enumerate(zip(flat.paths, flat.arrays, strict=True)):
+                found = converted.get(path)
+                if found is None:
+                    if path in views:
+                        continue  # let through: a host view
+                    found = (array, numpy_kind, _spec(numpy_kind, array, path))
+                to_copy.append(i)
+                sources.append(found)
+        elif converted:  # copy=False lets every host leaf through: only the others are copied
+            to_copy = [i for i, path in enumerate(flat.paths) if path in converted]
+            sources = [converted[flat.paths[i]] for i in to_copy]
         # the staged tree shows host views and arena slots in place of the leaves
         staged = StagedState(
             state,
