@@ -822,6 +822,8 @@ async def test_a_cancelled_save_never_lends_out_a_pack_buffer_its_build_still_fi
         -0.0,
         1e-05,
         2**70,  # an int over 64 bits
+        2**64,  # the first int orjson would read back as a float
+        -(2**63) - 1,  # below int64: the same
         "h\u00e9llo \u4e16\u754c",  # not ASCII
         "lone \ud800 surrogate",
         None,

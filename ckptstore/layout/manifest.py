@@ -272,7 +272,7 @@ class Manifest:
         if actual != expected:
             raise reject(f"crc32c mismatch (recorded {expected}, computed {actual})")
         try:
-            doc = json.loads(body)
+            doc = _loads(body)
         except (ValueError, RecursionError) as exc:
             raise reject(f"body is not valid JSON ({str(exc)[:200]})") from None
         try:
@@ -628,6 +628,35 @@ _STR = frozenset({str})
 def _any_set(column: list[Any]) -> bool:
     """Whether any entry of ``column`` is not ``None`` (counted at C speed)."""
     return column.count(None) != len(column)
+
+
+#: Every digit as "0" (a run of digits found with one substring search, ~1.6 ms on a
+#: 20,000-leaf body, where a regular expression took 25).
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"000000000")
+
+
+def _wide_int(body: bytes) -> bool:
+    """Whether ``body`` may hold an integer literal that orjson reads as an inexact float:
+    over 2**64 - 1 (20 digits or more) or under -2**63 (a minus and 19 digits or more).
+    Looked for anywhere: a run inside a string or a float only sends the body to json."""
+    digits = body.translate(_DIGITS_AS_ZERO)
+    return b"0" * 20 in digits or b"-" + b"0" * 19 in digits
+
+
+def _loads(body: bytes) -> Any:
+    """The body's document, as json reads it: by orjson where that is the same (a 20,000-leaf
+    manifest's body in 7.8 ms against json's 17), else by json.
+
+    orjson refuses what json's extensions take (NaN and infinities, lone surrogates, a
+    byte-order mark), which then goes to json. The one input it reads differently, an
+    integer outside 64 bits (as a float), goes to json before orjson sees it.
+    """
+    if not _wide_int(body):
+        try:
+            return orjson.loads(body)
+        except orjson.JSONDecodeError:
+            pass  # json says what is wrong, or reads what orjson refuses
+    return json.loads(body)
 
 
 def _only_plain_finite(value: Any) -> bool:
