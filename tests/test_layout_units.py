@@ -6,7 +6,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -470,34 +470,44 @@ async def test_background_hashing_stays_on_the_bounded_hash_pool(
     lock = threading.Lock()
     running = {"now": 0, "most": 0}
     threads: set[str] = set()
-    real = checksum.crc32c
 
-    def slow_crc32c(data: object, crc: int = 0) -> int:
-        with lock:
-            running["now"] += 1
-            running["most"] = max(running["most"], running["now"])
-            threads.add(threading.current_thread().name)
-        time.sleep(0.01)  # long enough for a larger pool to overlap
-        try:
-            return real(data, crc)
-        finally:
+    def slow(real: Callable[..., object]) -> Callable[..., object]:
+        def hashing(*args: object) -> object:
             with lock:
-                running["now"] -= 1
+                running["now"] += 1
+                running["most"] = max(running["most"], running["now"])
+                threads.add(threading.current_thread().name)
+            time.sleep(0.01)  # long enough for a larger pool to overlap
+            try:
+                return real(*args)
+            finally:
+                with lock:
+                    running["now"] -= 1
 
-    monkeypatch.setattr(checksum, "crc32c", slow_crc32c)
+        return hashing
+
+    # the writes' checksums, and the incremental pass that hashes and checksums together
+    monkeypatch.setattr(checksum, "crc32c", slow(checksum.crc32c))
+    monkeypatch.setattr(checksum, "digests", slow(checksum.digests))
     monkeypatch.setenv("CKPTSTORE_HASH_THREADS", "2")
     state = {f"w{i}": np.full(1 << 19, i, np.float32) for i in range(12)}  # 2 MiB leaves
-    await write_checkpoint(MemoryStore(), flatten(state), step=0)
-    assert threads
-    assert all(name.startswith("ckptstore-hash") for name in threads)
-    assert running["most"] == 2
+    for incremental in (True, False):
+        store = MemoryStore(settings=Settings().replace(incremental=incremental))
+        threads.clear()
+        running["most"] = 0
+        await write_checkpoint(store, flatten(state), step=0)
+        assert threads
+        assert all(name.startswith("ckptstore-hash") for name in threads)
+        # the pass takes its turns one at a time; the writes' checksums fill the pool
+        assert running["most"] == (1 if incremental else 2)
 
 
-async def test_leaf_hashes_take_the_hash_pool_in_turns_with_the_writes(
+async def test_the_hashing_pass_gives_the_writes_their_checksums(
     monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
 ) -> None:
-    """With one hashing thread, the leaf hashes of a save with no base to compare with run
-    beside the writes: the writes' first checksum is not queued behind all of them."""
+    """An incremental save with no base hashes its leaves in turns beside the writes, and the
+    turn that hashes a leaf stored alone finds its crc32c too: the write sends that one and
+    no leaf is read a second time for its checksum."""
     import threading
 
     from ckptstore.layout import commit, incremental
@@ -505,36 +515,99 @@ async def test_leaf_hashes_take_the_hash_pool_in_turns_with_the_writes(
     from ckptstore.store import checksum
     from ckptstore.store.memory import MemoryStore
 
-    order: list[str] = []
+    order: list[tuple[str, Any]] = []
     lock = threading.Lock()
-    real_hashes, real_crc = incremental.leaf_hashes, checksum.crc32c
+    real_digests, real_crc = incremental.leaf_digests, checksum.crc32c
 
-    def hashes(arrays: list[np.ndarray]) -> list[str | None]:
+    def digests(arrays: list[np.ndarray], with_crc: list[bool]) -> Any:
         with lock:
-            order.append("hash")
-        return real_hashes(arrays)
+            order.append(("turn", list(with_crc)))
+        return real_digests(arrays, with_crc)
+
+    crc_calls: list[int] = []
 
     def crc(data: object, value: int = 0) -> int:
-        if threading.current_thread().name.startswith("ckptstore-hash"):
-            with lock:
-                order.append("crc")
+        size = len(memoryview(data).cast("B"))  # type: ignore[arg-type]
+        if size >= 1 << 20:
+            crc_calls.append(size)
         return real_crc(data, value)
 
-    monkeypatch.setattr(commit, "leaf_hashes", hashes)
+    monkeypatch.setattr(commit, "leaf_digests", digests)
     monkeypatch.setattr(checksum, "crc32c", crc)
     monkeypatch.setattr(commit, "HASH_TURN_BYTES", 4 << 20)
+    monkeypatch.setattr(commit, "FIRST_TURN_BYTES", 4 << 20)
     monkeypatch.setenv("CKPTSTORE_HASH_THREADS", "1")
-    state = {f"w{i:02}": np.full(1 << 20, i, np.float32) for i in range(16)}  # 4 MiB leaves
     store = MemoryStore()
+    real_put = store.put
+
+    async def put(key: str, data: Any, *, mode: Any = "overwrite", crc32c: Any = None) -> None:
+        with lock:
+            order.append(("put", (key, crc32c)))
+        await real_put(key, data, mode=mode, crc32c=crc32c)
+
+    monkeypatch.setattr(store, "put", put)
+    state = {f"w{i:02}": np.full(1 << 20, i, np.float32) for i in range(16)}  # 4 MiB leaves
+    state["small"] = np.arange(100, dtype=np.int64)  # packed: its pack hashes itself
     info = await write_checkpoint(store, flatten(state), step=0)
-    assert order.count("hash") == 16  # one turn per 4 MiB leaf
-    last_hash = len(order) - 1 - order[::-1].index("hash")
-    assert order.index("crc") < last_hash  # the writes' checksums began before the hashes ended
-    got = await ckptstore.aload(store, 0, target="numpy")
+    turns = [i for i, (kind, _) in enumerate(order) if kind == "turn"]
+    puts = [i for i, (kind, _) in enumerate(order) if kind == "put"]
+    assert len(turns) == 17  # one turn per 4 MiB leaf, and the small one's
+    assert [order[i][1] for i in turns[:16]] == [[True]] * 16
+    assert order[turns[-1]][1] == [False]  # the small leaf is hashed only
+    sent = {order[i][1][0] for i in puts if order[i][1][1] is not None}
+    assert crc_calls == []  # and nothing read a big leaf again for its checksum
+    got = await ckptstore.aload(store, 0, target="numpy")  # every checksum checked
     assert_same_state(got, state)
     manifest = await ckptstore.aread_manifest(store, 0)
     assert manifest.attempt == info.attempt
-    assert manifest.leaf_hash == real_hashes([state[p] for p in manifest.paths])
+    assert manifest.leaf_hash == incremental.leaf_hashes([state[p] for p in manifest.paths])
+    # each object's write sent a crc32c: a big leaf's the one its turn found, the pack its own
+    assert sent == {f"0/{key}" for key in manifest.object_keys}
+    assert len(sent) == 17
+    data = [i for i in puts if order[i][1][0] in sent]
+    assert data[0] < turns[-1]  # the writes began before the hashes ended
+
+
+async def test_leaves_the_base_reused_are_hashed_without_their_checksum(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
+) -> None:
+    """A leaf the base step reused from an earlier one is likely frozen: the hashing pass does
+    not compute its crc32c, and if it did change after all, its write hashes it itself."""
+    from ckptstore.layout import commit, incremental
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store.memory import MemoryStore
+
+    asked: list[list[bool]] = []
+    real_digests = incremental.leaf_digests
+
+    def digests(arrays: list[np.ndarray], with_crc: list[bool]) -> Any:
+        asked.append(list(with_crc))
+        return real_digests(arrays, with_crc)
+
+    monkeypatch.setattr(commit, "leaf_digests", digests)
+    monkeypatch.setattr(commit, "FIRST_TURN_BYTES", 1)  # the first turn: one leaf
+    store = MemoryStore()
+    state = {
+        "a": np.zeros(1 << 10, np.float32),  # 4 KiB, below the first turn's end
+        "frozen": np.ones(1 << 19, np.float32),  # 2 MiB
+        "trained": np.zeros(1 << 19, np.float32),
+    }
+    for step in range(3):
+        state["trained"] += 1
+        await write_checkpoint(store, flatten(state), step=step)
+    paths = sorted(state)
+    assert paths == ["a", "frozen", "trained"]
+    # step 0: no base; step 1: the base wrote both; step 2: the base reused "frozen"
+    assert asked[-2:] == [[False], [False, True]]
+    assert asked[-4:-2] == [[False], [True, True]]
+    state["frozen"] += 1  # changed after all: written, its crc32c found by its write
+    await write_checkpoint(store, flatten(state), step=3)
+    assert asked[-2:] == [[False], [False, True]]
+    assert_same_state(await ckptstore.aload(store, 3, target="numpy"), state)
+    assert_same_state(
+        await ckptstore.aload(store, 2, target="numpy"),
+        {**state, "frozen": np.ones(1 << 19, np.float32)},
+    )
 
 
 async def test_a_cancelled_save_waits_for_its_hashing_thread(
@@ -551,16 +624,16 @@ async def test_a_cancelled_save_waits_for_its_hashing_thread(
 
     started, release, finished = threading.Event(), threading.Event(), threading.Event()
 
-    def held(arrays: list[np.ndarray]) -> list[str | None]:
+    def held(arrays: list[np.ndarray], with_crc: list[bool]) -> Any:
         started.set()
         release.wait(30)
         finished.set()
-        return [None] * len(arrays)
+        return [None] * len(arrays), [None] * len(arrays)
 
     store = MemoryStore()
     state = {"w": np.ones(1024, np.float32)}
     await write_checkpoint(store, flatten(state), step=0)  # a base: the save awaits its hashes
-    monkeypatch.setattr(commit, "leaf_hashes", held)
+    monkeypatch.setattr(commit, "leaf_digests", held)
     save = asyncio.ensure_future(write_checkpoint(store, flatten(state), step=1))
     deadline = asyncio.get_running_loop().time() + 30
     while not started.is_set():

@@ -36,6 +36,30 @@ def test_combine_of_large_lengths() -> None:
     assert crc32c_combine(crc32c(a), crc32c(b), len(b)) == google_crc32c.value(a + b)
 
 
+def test_digests_equal_the_two_hashes_of_the_whole_buffer() -> None:
+    """One pass, block by block, gives what each hash gives of the whole bytes: at the block
+    edges, for a dtype without a buffer format (bfloat16), and through leaf_digests for a
+    strided leaf (its C-order bytes, as it is written)."""
+    import ml_dtypes
+    import numpy as np
+    import xxhash
+
+    from ckptstore.layout.incremental import leaf_digests, leaf_hashes
+    from ckptstore.store.checksum import DIGEST_BLOCK, digests
+
+    rng = np.random.default_rng(7)
+    for n in (0, 1, DIGEST_BLOCK - 1, DIGEST_BLOCK, DIGEST_BLOCK + 1, 3 * DIGEST_BLOCK + 7):
+        data = rng.integers(0, 256, n, dtype=np.uint8)
+        assert digests(data) == (xxhash.xxh3_128_hexdigest(data.tobytes()), crc32c(data)), n
+    bf16 = rng.standard_normal(DIGEST_BLOCK).astype(ml_dtypes.bfloat16)
+    assert digests(bf16) == (xxhash.xxh3_128_hexdigest(bf16.tobytes()), crc32c(bf16.tobytes()))
+    strided = rng.standard_normal((600, 400)).T
+    arrays = [strided, bf16, np.arange(10)]
+    hashes, crcs = leaf_digests(arrays, [True, True, False])
+    assert hashes == leaf_hashes(arrays)
+    assert crcs == [crc32c(strided.tobytes()), crc32c(bf16.tobytes()), None]
+
+
 def _stores(tmp_path: Path, part: int) -> tuple[MemoryStore, CountingStore]:
     src = MemoryStore()
     dst = CountingStore(

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,7 +46,13 @@ from ckptstore.errors import (
     NotFoundError,
     StoreError,
 )
-from ckptstore.layout.incremental import CHANGED, Reuse, leaf_hashes, plan_reuse
+from ckptstore.layout.incremental import (
+    CHANGED,
+    Reuse,
+    leaf_digests,
+    plan_reuse,
+    unchanged_before,
+)
 from ckptstore.layout.keys import (
     ATTEMPT_RE,
     MANIFEST_NAME,
@@ -70,6 +77,7 @@ from ckptstore.threads import collection_paused
 __all__ = [
     "Attempt",
     "CommitInfo",
+    "LeafDigests",
     "ObjectWriter",
     "SaveSession",
     "Written",
@@ -415,16 +423,26 @@ async def write_checkpoint(
     hashes: list[str | None] | None = None
     reuse: Reuse | None = None
     hashing: asyncio.Future[list[str | None]] | None = None
+    digests: LeafDigests | None = None
     if store.settings.layout.incremental:
         # The hashes run on a hashing thread while the base manifest is read, and, when
         # there is no base to compare with (the first save, a full one), while the data is
         # written: they are needed only for the manifest then. Awaited first, they added
-        # their whole time (~0.1 s a GiB) to every save. They take the hashing pool in
-        # turns (hashes_in_turns), so the writes' checksums are not queued behind them.
-        hashing = asyncio.ensure_future(hashes_in_turns(flat.arrays))
+        # their whole time (~0.1 s a GiB) to every save. The same pass finds the crc32c of
+        # each leaf written alone, which its write waits for (LeafDigests).
+        # a body sent in parts carries each part's crc32c, hashed as it is sent: for such a
+        # leaf the pass's would be one more read of it
+        parts = store.sends_checksums and store.capabilities.multipart
+        digests = LeafDigests(
+            flat.arrays,
+            crc_from=store.settings.layout.pack_threshold,
+            crc_below=store.settings.transport.multipart_threshold if parts else None,
+        )
+        hashing = digests.hashes
         try:
             base = None if full else await base_manifest(store, step)
             if base is not None:
+                digests.expect(base, flat.paths)
                 # shielded: a cancelled save must not stop waiting for the hashing thread,
                 # which goes on reading the arrays (_settled waits for it)
                 hashes = await asyncio.shield(hashing)
@@ -453,7 +471,7 @@ async def write_checkpoint(
                     # the base is being deleted meanwhile: write everything this time
                     reuse = None
                     plan = plan_changed(store, lengths, flat.paths, None)
-            written = await write_objects(store, flat.arrays, plan, session.prefix)
+            written = await write_objects(store, flat.arrays, plan, session.prefix, digests=digests)
             if hashing is not None and hashes is None:
                 hashes = await asyncio.shield(hashing)
         except BaseException:
@@ -470,24 +488,90 @@ async def write_checkpoint(
         return await session.commit(manifest, encoded=encoded)
 
 
-#: Bytes of leaves one turn of :func:`hashes_in_turns` hashes before it lets the writes'
-#: checksums have the hashing pool (one thread on a machine of up to 3 CPUs).
+#: Bytes of leaves one turn of :class:`LeafDigests` hashes before it lets the other work of the
+#: hashing pool (one thread on a machine of up to 3 CPUs) have it: pack builds, checksums.
 HASH_TURN_BYTES = 64 << 20
+#: The first turn's bytes: the writes of the leaves it hashes wait for it.
+FIRST_TURN_BYTES = 8 << 20
+
+
+class LeafDigests:
+    """The leaves' xxh3-128 hashes, and the crc32c of those written alone, computed on the
+    hashing pool in turns of about :data:`HASH_TURN_BYTES` (the first one smaller) from the
+    moment this is made.
+
+    One pass gives both (:func:`~ckptstore.layout.incremental.leaf_digests`): the write of a
+    leaf of at least ``crc_from`` bytes awaits its turn (:meth:`crc`) and sends the crc32c it
+    found instead of reading the leaf again. Leaves the base reused too (:meth:`expect`) are
+    likely frozen and not written: their turns hash them only. Turns, not one job: the pool
+    is first come, first served, and the hashes of a whole state submitted at once held every
+    pack build behind them (seen with one hashing thread, a machine of 2 CPUs).
+
+    Args:
+        arrays: the leaves' host arrays; read until :attr:`hashes` is done.
+        crc_from: the size from which a leaf's crc32c is computed with its hash.
+        crc_below: if given, the size from which it is not (a leaf the store sends in parts,
+            each with its own crc32c, hashed on the way).
+    """
+
+    def __init__(
+        self,
+        arrays: Sequence[np.ndarray[Any, Any]],
+        crc_from: int,
+        crc_below: int | None = None,
+    ) -> None:
+        self._arrays = arrays
+        self._crcs: list[int | None] = [None] * len(arrays)
+        below = crc_below if crc_below is not None else math.inf
+        self._with_crc = [crc_from <= array.nbytes < below for array in arrays]
+        self._turn_of: list[int] = []
+        self._turns: list[tuple[int, int]] = []
+        start = size = 0
+        goal = FIRST_TURN_BYTES
+        for end, array in enumerate(arrays, start=1):
+            size += array.nbytes
+            if size >= goal or end == len(arrays):
+                self._turn_of += [len(self._turns)] * (end - start)
+                self._turns.append((start, end))
+                start, size, goal = end, 0, HASH_TURN_BYTES
+        self._done = [asyncio.Event() for _ in self._turns]
+        #: Every leaf's hash, in order, once all turns ran; the pass's error if one failed.
+        self.hashes: asyncio.Future[list[str | None]] = asyncio.ensure_future(self._run())
+
+    async def _run(self) -> list[str | None]:
+        out: list[str | None] = []
+        try:
+            for turn, (start, end) in enumerate(self._turns):
+                hashes, crcs = await in_hash_thread(
+                    leaf_digests, self._arrays[start:end], self._with_crc[start:end]
+                )
+                out += hashes
+                self._crcs[start:end] = crcs
+                self._done[turn].set()
+        finally:
+            for done in self._done:  # a failed pass: the writes hash for themselves
+                done.set()
+        return out
+
+    def expect(self, base: Manifest, paths: Sequence[str]) -> None:
+        """The turns not begun yet skip the crc32c of the leaves ``base`` reused from an earlier
+        step (:func:`~ckptstore.layout.incremental.unchanged_before`): such a leaf is likely
+        unchanged again, and its crc32c would be read for nothing (a write of one that did
+        change hashes it itself)."""
+        for leaf, frozen in enumerate(unchanged_before(base, paths)):
+            if frozen:
+                self._with_crc[leaf] = False
+
+    async def crc(self, leaf: int) -> int | None:
+        """The crc32c of leaf ``leaf`` found by the pass, once its turn ran; ``None`` for a
+        leaf outside the pass's sizes or one it skipped (:meth:`expect`), or if it failed."""
+        await self._done[self._turn_of[leaf]].wait()
+        return self._crcs[leaf]
 
 
 async def hashes_in_turns(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
-    """:func:`leaf_hashes` of ``arrays`` on the hashing pool, about :data:`HASH_TURN_BYTES` at a
-    time: the pool is first come, first served, and submitted as one job the hashes of a
-    whole state held every pack build and checksum of the write behind them, so the writes
-    began only when the hashing ended (seen with one hashing thread, a machine of 2 CPUs)."""
-    out: list[str | None] = []
-    start = size = 0
-    for end, array in enumerate(arrays, start=1):
-        size += array.nbytes
-        if size >= HASH_TURN_BYTES or end == len(arrays):
-            out += await in_hash_thread(leaf_hashes, arrays[start:end])
-            start, size = end, 0
-    return out
+    """The leaves' xxh3-128 hashes on the hashing pool, in turns (:class:`LeafDigests`)."""
+    return await LeafDigests(arrays, crc_from=1 << 62).hashes
 
 
 async def _settled(work: asyncio.Future[Any] | None) -> None:
@@ -564,6 +648,8 @@ async def write_objects(
     arrays: Sequence[np.ndarray[Any, Any]],
     plan: PackPlan,
     prefix: str,
+    *,
+    digests: LeafDigests | None = None,
 ) -> Written:
     """Write the objects of ``plan`` under ``prefix`` (every key is ``prefix + name``) and
     return their checksums. Returns once every object is durable; on a failure, only after
@@ -576,8 +662,10 @@ async def write_objects(
             strides: a pack copies each leaf once, gathering strided ones on the way).
         plan: which object and offset each leaf gets.
         prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
+        digests: the leaves' hashing pass, whose crc32c a leaf written alone takes rather
+            than hashing itself again.
     """
-    writer = ObjectWriter(store, plan, prefix, arrays)
+    writer = ObjectWriter(store, plan, prefix, arrays, digests=digests)
     await gather_all((writer.write(i) for i in range(len(plan.objects))), cancel=False)
     return writer.written
 
@@ -595,6 +683,8 @@ class ObjectWriter:
         plan: which object and offset each leaf gets.
         prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
         arrays: one host array per leaf; read when an object holding the leaf is written.
+        digests: the leaves' hashing pass (:class:`LeafDigests`) if one runs: a leaf written
+            alone waits for the crc32c it finds rather than reading its bytes again.
     """
 
     def __init__(
@@ -603,9 +693,12 @@ class ObjectWriter:
         plan: PackPlan,
         prefix: str,
         arrays: Sequence[np.ndarray[Any, Any]],
+        *,
+        digests: LeafDigests | None = None,
     ) -> None:
         settings = store.settings
         self.store = store
+        self.digests = digests
         self.plan = plan
         self.prefix = prefix
         self.arrays = arrays
@@ -640,8 +733,13 @@ class ObjectWriter:
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         view = as_uint8(array)
-        # hashed once: with the put where the backend sends a checksum, else beside it
-        crc = await self.store.put_crc32c(self.prefix + obj.name, view)
+        key = self.prefix + obj.name
+        crc = None if self.digests is None else await self.digests.crc(leaf)
+        if crc is not None:
+            await self.store.put(key, view, crc32c=crc)
+        else:
+            # hashed once: with the put where the backend sends a checksum, else beside it
+            crc = await self.store.put_crc32c(key, view)
         self.written.leaf_crc[leaf] = self.written.object_crc[index] = crc
 
     async def _write_pack(self, index: int) -> None:

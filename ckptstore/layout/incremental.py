@@ -29,7 +29,15 @@ import numpy as np
 
 from ckptstore.layout.manifest import Manifest
 
-__all__ = ["STABLE", "CHANGED", "Reuse", "leaf_hashes", "plan_reuse"]
+__all__ = [
+    "STABLE",
+    "CHANGED",
+    "Reuse",
+    "leaf_digests",
+    "leaf_hashes",
+    "plan_reuse",
+    "unchanged_before",
+]
 
 #: Pack groups: unchanged leaves written again, and changed leaves, never share a pack.
 STABLE, CHANGED = 0, 1
@@ -49,6 +57,45 @@ def leaf_hashes(arrays: Sequence[np.ndarray[Any, Any]]) -> list[str | None]:
         # (ml_dtypes' included), and a flat uint8 view per leaf cost as much as the hash on
         # 20,000 leaves of 4 KiB
         out.append(digest(array))  # type: ignore[arg-type]  # a buffer
+    return out
+
+
+def leaf_digests(
+    arrays: Sequence[np.ndarray[Any, Any]], with_crc: Sequence[bool]
+) -> tuple[list[str | None], list[int | None]]:
+    """:func:`leaf_hashes`, and for each leaf whose ``with_crc`` is true its crc32c, hashed
+    in the same pass (:func:`~ckptstore.store.checksum.digests`; ``None`` for the others):
+    the write of a leaf stored alone then need not read it again for its checksum. Run it
+    in a hashing thread."""
+    from ckptstore.store.checksum import digests
+
+    hashes = iter(leaf_hashes([a for a, crc in zip(arrays, with_crc, strict=True) if not crc]))
+    out: list[str | None] = []
+    crcs: list[int | None] = []
+    for array, crc in zip(arrays, with_crc, strict=True):
+        if not crc:
+            out.append(next(hashes))
+            crcs.append(None)
+            continue
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)
+        digest, value = digests(array)
+        out.append(digest)
+        crcs.append(value)
+    return out, crcs
+
+
+def unchanged_before(base: Manifest, paths: Sequence[str]) -> list[bool]:
+    """Per path, whether ``base`` reused its leaf from an earlier step (its object lies under
+    another attempt than the base's own): a leaf frozen then is likely frozen still, and an
+    incremental save will not write it."""
+    own = base.attempt + "/"
+    keys, objects = base.object_keys, base.leaf_object
+    index = {path: j for j, path in enumerate(base.paths)}
+    out = []
+    for path in paths:
+        j = index.get(path, -1)
+        out.append(j >= 0 and objects[j] >= 0 and not keys[objects[j]].startswith(own))
     return out
 
 

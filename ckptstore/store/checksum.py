@@ -59,6 +59,7 @@ __all__ = [
     "crc32c",
     "crc32c_b64",
     "crc32c_combine",
+    "digests",
     "hash_threads",
     "in_hash_thread",
     "ledger",
@@ -87,6 +88,34 @@ def crc32c(data: Any, crc: int = 0) -> int:
     for start in range(0, max(len(view), 1), CHUNK):
         crc = _crc32c.crc32c(view[start : start + CHUNK], crc)
     return int(crc)
+
+
+#: Bytes of a buffer :func:`digests` gives each hash in turn: a block stays in the core's
+#: cache from the xxh3 to the crc32c, so the buffer is read from memory once; each call is
+#: long enough to release the GIL.
+DIGEST_BLOCK = 256 << 10
+
+
+def digests(data: Any) -> tuple[str, int]:
+    """The xxh3-128 (32 hex digits) and the crc32c of a contiguous buffer, in one pass.
+
+    An incremental save needs both for every large leaf (the hash decides reuse, the crc32c
+    goes into the manifest and, for S3 and GCS, with the body); hashed one after the other,
+    each read the whole leaf from memory. Block by block, 126 leaves of 3.6 MiB took 56-57
+    ms against 68 ms for the two passes (3 rounds each on the development machine, 2 CPUs).
+    """
+    import xxhash  # a dependency of ckptstore; imported here to keep `import ckptstore` light
+
+    view = as_uint8(data)
+    n = len(view)
+    if n <= DIGEST_BLOCK:
+        return xxhash.xxh3_128_hexdigest(view), int(_crc32c.crc32c(view))  # type: ignore[arg-type,unused-ignore]
+    state, crc = xxhash.xxh3_128(), 0
+    for start in range(0, n, DIGEST_BLOCK):
+        block = view[start : start + DIGEST_BLOCK]
+        state.update(block)  # type: ignore[arg-type]  # a buffer
+        crc = _crc32c.crc32c(block, crc)  # type: ignore[arg-type]  # a buffer
+    return state.hexdigest(), int(crc)
 
 
 def crc32c_b64(data: Any) -> str:
