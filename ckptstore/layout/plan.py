@@ -33,10 +33,9 @@ import numpy as np
 
 from ckptstore.config import Settings
 from ckptstore.store.base import Capabilities
+from ckptstore.store.checksum import gather_crc32c
 
 __all__ = ["PackPlan", "PlannedObject"]
-
-_UINT8 = np.dtype(np.uint8)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,32 +188,9 @@ class PackPlan:
         """Copy the leaves of pack ``index`` into ``out`` (a writable uint8 array of at least
         the pack's size) and zero the alignment gaps; returns each member's crc32c.
 
-        One copy per leaf; a non-contiguous leaf is gathered by that same copy.
+        One copy per leaf; a non-contiguous leaf is gathered by that same copy
+        (:func:`~ckptstore.store.checksum.gather_crc32c`: one compiled call per pack where
+        the install has it).
         """
-        import crc32c  # releases the GIL on leaves over 32 KiB (see store.checksum)
-
         obj = self.objects[index]
-        buf: np.ndarray[Any, np.dtype[np.uint8]] = out
-        whole = memoryview(buf)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
-        crcs: list[int] = []
-        position = 0
-        offsets = self.leaf_offset
-        lengths = self.leaf_length
-        for leaf in obj.leaves:
-            offset = offsets[leaf]
-            end = offset + lengths[leaf]
-            if offset > position:
-                buf[position:offset] = 0
-            array = arrays[leaf]
-            if array.flags.c_contiguous:
-                try:
-                    # memoryview assignment is a plain memcpy, ~3x cheaper than numpy's
-                    # assignment for small leaves.
-                    whole[offset:end] = memoryview(array).cast("B")  # type: ignore[arg-type]
-                except (ValueError, TypeError):  # dtypes without a buffer format (ml_dtypes)
-                    buf[offset:end] = array.reshape(-1).view(_UINT8)
-            else:
-                np.copyto(np.ndarray(array.shape, array.dtype, buffer=buf[offset:end]), array)
-            crcs.append(crc32c.crc32c(whole[offset:end]))
-            position = end
-        return crcs
+        return gather_crc32c(out, arrays, obj.leaves, self.leaf_offset, self.leaf_length)
