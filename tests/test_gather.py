@@ -38,10 +38,10 @@ def reference(data: bytes) -> int:
 def layout(
     rng: np.random.Generator, count: int, alignment: int = 64
 ) -> tuple[list[np.ndarray], list[int], list[int], int]:
-    """Leaves of many kinds (sizes around the kernel's three-stream step and its crc32c
-    cut-off, strided ones, a byte-swapped one, ml_dtypes, 0-d, empty) at aligned offsets."""
-    sizes = [0, 1, 7, 8, 9, 767, 768, 769, 1535, 2304, 4096, 5000, checksum.NATIVE_CRC_BELOW]
-    sizes += [checksum.NATIVE_CRC_BELOW - 1, checksum.NATIVE_CRC_BELOW + 3, 200_001]
+    """Leaves of many kinds (sizes around the kernel's two three-stream steps, strided ones, a
+    byte-swapped one, ml_dtypes, 0-d, empty) at aligned offsets."""
+    sizes = [0, 1, 7, 8, 9, 767, 768, 769, 1535, 2304, 4096, 5000, 3 * 8192 - 1, 3 * 8192]
+    sizes += [3 * 8192 + 769, 6 * 8192 + 3 * 256 + 9, 200_001]
     arrays: list[np.ndarray] = []
     for i in range(count):
         kind = i % 6

@@ -11,7 +11,6 @@ def gather(
     leaves: Sequence[int],
     offsets: Sequence[int],
     lengths: Sequence[int],
-    crc_below: int,
     /,
 ) -> tuple[list[int | None], list[int]]: ...
 def first_mismatch(

@@ -146,10 +146,6 @@ def _native_wanted() -> bool:
 #: and checksums.
 NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c) and _native_wanted()
 
-#: Leaves from this size get their crc32c from the crc32c package, which is faster on long
-#: buffers than the compiled module's (and releases the GIL from 32 KiB as well).
-NATIVE_CRC_BELOW = 64 << 10
-
 _UINT8 = np.dtype(np.uint8)
 
 
@@ -181,14 +177,12 @@ def gather_crc32c(
             position = offset + length
             crcs.append(_crc32c.crc32c(whole[offset:position]))
         return crcs
-    found, skipped = _gather.gather(out, arrays, leaves, offsets, lengths, NATIVE_CRC_BELOW)
+    found, skipped = _gather.gather(out, arrays, leaves, offsets, lengths)
     for at in skipped:  # no C-contiguous buffer: gathered here
         leaf = leaves[at]
-        _copy_leaf(out, whole, arrays[leaf], offsets[leaf], lengths[leaf])
-    for at, crc in enumerate(found):
-        if crc is None:  # a long leaf, or one gathered here
-            offset = offsets[leaves[at]]
-            found[at] = _crc32c.crc32c(whole[offset : offset + lengths[leaves[at]]])
+        offset = offsets[leaf]
+        _copy_leaf(out, whole, arrays[leaf], offset, lengths[leaf])
+        found[at] = _crc32c.crc32c(whole[offset : offset + lengths[leaf]])
     return found  # type: ignore[return-value]  # every None was replaced
 
 
