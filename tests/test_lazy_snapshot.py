@@ -168,6 +168,120 @@ def test_a_copy_started_while_the_interpreter_exits_still_runs(
 
 
 @pytest.mark.torch
+def test_the_save_call_leaves_the_slots_and_copy_records_to_the_copying_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The call takes each leaf's counter and the arena's offsets; the leaves' slots and
+    copy records are made by the thread that copies, and the flat view the writer reads
+    shows the slots (with the bytes save() saw) once the copy is done."""
+    import torch
+
+    from ckptstore.stage import stager as stager_module
+
+    made_in: list[str] = []
+    original = stager_module._slot
+
+    def slot(*args: Any) -> Any:
+        made_in.append(threading.current_thread().name)
+        return original(*args)
+
+    monkeypatch.setattr(stager_module, "_slot", slot)
+    stager = Stager()
+    sources = {f"w{i}": torch.arange(1000, dtype=torch.float32) * i for i in range(5)}
+    staged = stager.stage({**sources, "n": np.arange(3)}, lazy=True, start=False)
+    assert made_in == [threading.current_thread().name]  # the numpy leaf only: copied now
+    flat = staged.flat()
+    assert [a.nbytes for a in flat.arrays] == [0] * 5 + [24]  # stand-ins until the copy
+    assert staged.nbytes == 5 * 4000 + 24
+    staged.start()
+    staged.wait_ready()
+    assert made_in[1:] == ["ckpt-lazy_0"] * 5
+    for path, array in zip(flat.paths, flat.arrays, strict=True):
+        expected = sources[path].numpy() if path in sources else np.arange(3)
+        np.testing.assert_array_equal(array, expected)
+        assert np.shares_memory(array, staged.buffer.view(0, staged.buffer.capacity))
+    staged.release()
+    stager.close()
+
+
+@pytest.mark.torch
+def test_the_copying_thread_waits_for_copy_records_a_fence_hook_is_still_making(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The optimizer hook's ``holds_any`` can be the first to need the copy records, and
+    make them while the copying thread starts: that thread must wait for them, not find
+    no batch, call the copy done and let the writer read slots nothing copied into (a
+    multi-rank lazy save committed a leaf whose bytes did not match its checksum)."""
+    import torch
+
+    from ckptstore.stage import lazy
+
+    entered, finished = threading.Event(), threading.Event()
+    maker: list[str] = []
+
+    class Probe(lazy.LazyCopy):
+        def _complete(self) -> None:
+            super()._complete()
+            finished.set()
+
+    def leaf_copy(*args: Any) -> Any:
+        if not maker:
+            maker.append(threading.current_thread().name)
+            entered.set()
+            # Made while the copying thread runs: with the fault it completes (with no
+            # batch) during this wait; done right, it waits for these records instead.
+            finished.wait(1.0)
+        return lazy_leaf_copy(*args)
+
+    lazy_leaf_copy = lazy.LeafCopy
+    monkeypatch.setattr(lazy, "LazyCopy", Probe)
+    monkeypatch.setattr(lazy, "LeafCopy", leaf_copy)
+    stager = Stager()
+    sources = {f"w{i}": torch.arange(1000, dtype=torch.float32) + i for i in range(4)}
+    staged = stager.stage(sources, lazy=True, start=False)
+    assert staged.snapshot is not None
+    hook = threading.Thread(
+        target=staged.snapshot.holds_any, args=(lambda: [],), name="optimizer-hook"
+    )
+    hook.start()
+    assert entered.wait(10)
+    staged.start()
+    staged.wait_ready()
+    hook.join(10)
+    assert maker == ["optimizer-hook"]
+    flat = staged.flat()
+    for path, array in zip(flat.paths, flat.arrays, strict=True):
+        np.testing.assert_array_equal(array, sources[path].numpy())
+    staged.release()
+    stager.close()
+
+
+@pytest.mark.torch
+def test_a_failure_to_make_the_copy_records_fails_the_save_instead_of_hanging(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from ckptstore.stage import lazy
+
+    def broken(*args: Any) -> Any:
+        raise MemoryError("no room for the copy records")
+
+    monkeypatch.setattr(lazy, "LeafCopy", broken)
+    manager = CheckpointManager(root, snapshot="lazy")
+    manager.save(1, {"w": torch.ones(1 << 10)})
+    with pytest.raises(MemoryError, match="no room for the copy records"):
+        manager.wait_until_finished()
+    assert manager.all_steps() == []
+    assert manager._stager.pool.stats().lent_bytes == 0
+    monkeypatch.undo()
+    manager.save(2, {"w": torch.ones(1 << 10)})  # the next save is unharmed
+    manager.wait_until_finished()
+    assert manager.all_steps() == [2]
+    manager.close()
+
+
+@pytest.mark.torch
 def test_a_copy_its_thread_refuses_fails_its_waiters_instead_of_hanging() -> None:
     import torch
 

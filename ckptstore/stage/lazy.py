@@ -112,7 +112,10 @@ class LazyCopy:
     """The background copy of one lazy snapshot.
 
     Args:
-        leaves: what to copy (in any order; copied smallest first).
+        leaves: what to copy (in any order; copied smallest first), or a function that
+            makes that list: it is called once, by the first thread that needs it (the
+            copying thread, a fence, the writer's wait), so the ``save()`` call does not
+            build a record per leaf.
         devices: the accelerator copies among them, one per framework that has some.
         chunk_bytes: host copies are run in batches of about this many bytes.
         executor: whose thread copies, from :meth:`start`.
@@ -120,31 +123,58 @@ class LazyCopy:
 
     def __init__(
         self,
-        leaves: list[LeafCopy],
+        leaves: list[LeafCopy] | Callable[[], list[LeafCopy]],
         devices: list[DeviceCopies],
         chunk_bytes: int,
         executor: ThreadPoolExecutor,
     ) -> None:
         self._executor: ThreadPoolExecutor | None = executor
-        self._leaves = sorted(leaves, key=lambda leaf: leaf.nbytes)
+        self._make: Callable[[], list[LeafCopy]] | None = (
+            leaves if callable(leaves) else lambda: leaves
+        )
+        self._made = threading.Lock()
         self._devices = devices
         self._chunk_bytes = chunk_bytes
         self._issued = threading.Event()
         self._lock = threading.Lock()
-        self._device_checked = not any(leaf.on_device for leaf in leaves)
+        self._leaves: list[LeafCopy] = []
+        self._device_checked = False
         self._error: BaseException | None = None
         self._storages: set[int] | None = None
         # Device leaves are issued by the background thread alone (on its side stream); host
         # batches go to whichever thread takes them first (the background one, or a fence).
-        self._device_batches = _batches(
-            [leaf for leaf in self._leaves if leaf.on_device], chunk_bytes
-        )
-        self._host_batches = _batches(
-            [leaf for leaf in self._leaves if not leaf.on_device], chunk_bytes
-        )
+        self._device_batches: list[list[LeafCopy]] = []
+        self._host_batches: list[list[LeafCopy]] = []
         self._next = 0  # the next host batch to take
         self._in_flight = 0  # host batches taken and not yet finished
         self._runner_done = False  # the background thread has nothing more to take
+
+    def _ready(self) -> None:
+        """Make the leaves' records and batches, once, in the first thread that needs them;
+        if that fails, the copy fails with its error (and copies nothing)."""
+        if self._make is None:  # set to None only once the batches are made
+            return
+        with self._made:
+            make = self._make
+            if make is None:
+                return
+            try:
+                leaves = sorted(make(), key=lambda leaf: leaf.nbytes)
+            except BaseException as exc:
+                self._fail(exc)
+                leaves = []
+            chunk_bytes = self._chunk_bytes
+            self._device_batches = _batches(
+                [leaf for leaf in leaves if leaf.on_device], chunk_bytes
+            )
+            self._host_batches = _batches(
+                [leaf for leaf in leaves if not leaf.on_device], chunk_bytes
+            )
+            self._device_checked = not any(leaf.on_device for leaf in leaves)
+            self._leaves = leaves
+            # last: a thread that sees None without the lock must find the batches made,
+            # or the copying thread could finish with none while a fence still makes them
+            self._make = None
 
     def start(self) -> None:
         """Begin copying on the executor's thread (once; later calls do nothing).
@@ -175,6 +205,7 @@ class LazyCopy:
 
     def _run(self) -> None:
         try:
+            self._ready()
             for batch in self._device_batches:
                 self._copy(batch)
             for device in self._devices:
@@ -265,6 +296,7 @@ class LazyCopy:
         if self.done():
             return False
         self.start()
+        self._ready()
         self._help()  # the caller would only wait: it copies what no thread has started
         self._issued.wait()
         if self._error is None:
@@ -289,6 +321,7 @@ class LazyCopy:
         # Checked and landed: let the sources and the arena's views go, so a fence that
         # still holds this copy keeps neither the training state nor an old arena alive.
         self._leaves, self._host_batches, self._device_batches = [], [], []
+        self._make = None
         if self._error is not None:
             raise self._error
 
@@ -297,6 +330,7 @@ class LazyCopy:
     def holds_any(self, storages: Callable[[], list[int]]) -> bool:
         """Whether any source of this copy shares memory with ``storages()`` (the data
         pointers of an optimizer's tensors); computed while the copy is pending."""
+        self._ready()
         with self._lock:
             if self._storages is None:
                 self._storages = {

@@ -10,10 +10,11 @@ source arrays can no longer change what is written (for CUDA sources: once
 are ordered on the source's stream, so the training loop's later kernels on that stream cannot
 overtake them).
 
-A *lazy* stage (``Stager.stage(state, lazy=True)``) lays the arena out and builds the flat view
-in the call, like an eager one, but leaves the copies to a background thread
-(:mod:`ckptstore.stage.lazy`): the call returns at once and the copy overlaps whatever the
-caller does next, until something fences it.
+A *lazy* stage (``Stager.stage(state, lazy=True)``) walks the state, takes each leaf's
+mutation counter and lays the arena out in the call, like an eager one, but leaves the copies
+to a background thread (:mod:`ckptstore.stage.lazy`), and with them the making of each leaf's
+slot in the arena, which the flat view shows once the copy is done: the call returns at once
+and the copy overlaps whatever the caller does next, until something fences it.
 
 Each framework is an :class:`ArrayKind` in its own module (``numpy``, ``torch``, ``jax``),
 imported only when that framework is already imported by the caller, so staging a numpy state
@@ -395,40 +396,66 @@ class Stager:
             return self._lazy(state, start=start) if lazy else self._copied(state, copy=copy)
 
     def _lazy(self, state: Any, *, start: bool) -> StagedState:
-        """``stage(state, lazy=True)``: the state walked once and the arena laid out as for
-        a copy (:meth:`_laid_out`), the copies left to a background thread where the leaf's
-        framework keeps a mutation counter to check them by, made now where it does not."""
+        """``stage(state, lazy=True)``: the state walked once (:meth:`_walked`) and the arena
+        laid out as for a copy, the copies left to a background thread where the leaf's
+        framework keeps a mutation counter to check them by, made now where it does not.
+
+        Only what must happen in the call happens in it: the walk (which refuses what cannot
+        be stored), each leaf's counter, the arena's offsets, the events CUDA copies wait
+        for. The leaves' slots in the arena, their copy records and batches are made by
+        whichever thread first needs them (:class:`~ckptstore.stage.lazy.LazyCopy`): on the
+        async benchmark's transformer (496 tensors) they were half of the 6 ms call.
+        """
         from ckptstore.stage.lazy import LazyCopy, LeafCopy
 
-        staged, paths, sources, slots = self._laid_out(state, copy=True)
-        if staged.buffer is None:
+        flat, to_copy, sources, staged, views = self._walked(state, copy=True)
+        if not to_copy:
             return staged
+        for kind, mine in _kinds_of(sources):
+            kind.start(mine)
+        specs = [spec for _, _, spec in sources]
+        buffer, offsets = self._layout(specs)
+        staged.buffer = buffer
+        staged.nbytes = sum(spec.nbytes for spec in specs)
+        paths = [flat.paths[i] for i in to_copy]
+        arrays = flat.arrays
         try:
             versions = [kind.version(leaf) for leaf, kind, _ in sources]
             now: list[CopyTask] = []
-            for (leaf, kind, _), dst, version in zip(sources, slots, versions, strict=True):
-                if version is None:
+            for j, version in enumerate(versions):
+                if version is None:  # no counter to check a later copy by: copied now
+                    leaf, kind, spec = sources[j]
+                    dst = arrays[to_copy[j]] = views[paths[j]] = _slot(buffer, spec, offsets[j])
                     now += kind.copies(leaf, dst, self.chunk_bytes)
             if now:
                 copying = _Copying(now, self.threads, self.chunk_bytes)
                 copying.start(self._helpers)
                 copying.finish()
-            # Only what must happen now happens here (the counters, the events CUDA copies
-            # wait for); even the copy tasks are built by the background thread.
-            counted = [s for s, v in zip(sources, versions, strict=True) if v is not None]
+            counted = (
+                [s for s, v in zip(sources, versions, strict=True) if v is not None]
+                if None in versions
+                else sources
+            )
             device_of = {id(kind): kind.device_copies(mine) for kind, mine in _kinds_of(counted)}
-            later: list[LeafCopy] = []
-            for path, (leaf, kind, _), dst, version in zip(
-                paths, sources, slots, versions, strict=True
-            ):
-                if version is None:
-                    continue
-                device = device_of[id(kind)]
-                if device is not None and not device.owns(leaf):
-                    device = None
-                later.append(LeafCopy(path, leaf, kind, version, dst, device, self.chunk_bytes))
+            chunk_bytes = self.chunk_bytes
+
+            def leaf_copies() -> list[LeafCopy]:
+                # in the copying thread (or a fence's): the slots, shown in the flat view
+                # the writer reads once the copy is done
+                later = []
+                for j, version in enumerate(versions):
+                    if version is None:
+                        continue
+                    leaf, kind, spec = sources[j]
+                    dst = arrays[to_copy[j]] = views[paths[j]] = _slot(buffer, spec, offsets[j])
+                    device = device_of[id(kind)]
+                    if device is not None and not device.owns(leaf):
+                        device = None
+                    later.append(LeafCopy(paths[j], leaf, kind, version, dst, device, chunk_bytes))
+                return later
+
             devices = [device for device in device_of.values() if device is not None]
-            snapshot = LazyCopy(later, devices, self.chunk_bytes, self._lazy_thread())
+            snapshot = LazyCopy(leaf_copies, devices, chunk_bytes, self._lazy_thread())
             staged.snapshot = snapshot
             staged.fences.append(snapshot.result)
             if start:
@@ -450,7 +477,14 @@ class Stager:
 
     def _arena(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[NDArray[Any]]]:
         """A pooled arena for leaves of these specs, and each leaf's slot in it (an array of
-        its dtype and shape): small leaves at ``leaf_alignment``, large ones on a page."""
+        its dtype and shape): see :meth:`_layout`."""
+        buffer, offsets = self._layout(specs)
+        slots = [_slot(buffer, spec, offset) for spec, offset in zip(specs, offsets, strict=True)]
+        return buffer, slots
+
+    def _layout(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[int]]:
+        """A pooled arena for leaves of these specs, and each leaf's offset in it: small
+        leaves at ``leaf_alignment``, large ones on a page."""
         offsets, total = [], 0
         small = self.leaf_alignment
         large = max(PAGE, small)
@@ -461,11 +495,7 @@ class Stager:
             total = start + nbytes
         pinned = any(spec.pinned for spec in specs)
         buffer = self.pool.acquire(align_up(total, small), pin=pinned_memory if pinned else None)
-        slots = [
-            buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
-            for spec, offset in zip(specs, offsets, strict=True)
-        ]
-        return buffer, slots
+        return buffer, offsets
 
     def _copied(self, state: Any, *, copy: bool) -> StagedState:
         """``stage(state)`` (not lazy): the state walked once (:meth:`_walked`), the arena
@@ -681,6 +711,11 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
 _STAND_INS: dict[np.dtype[Any], NDArray[Any]] = {}
 
 
+def _slot(buffer: HostBuffer, spec: LeafSpec, offset: int) -> NDArray[Any]:
+    """A leaf's slot in an arena: an array of its dtype and shape at ``offset``."""
+    return buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
+
+
 def _stand_in(dtype: np.dtype[Any]) -> NDArray[Any]:
     array = _STAND_INS.get(dtype)
     if array is None:
@@ -804,6 +839,11 @@ def rebuild_leaf(
 
 def _kinds_of(sources: list[tuple[Any, ArrayKind, LeafSpec]]) -> list[tuple[ArrayKind, list[Any]]]:
     """The kinds among ``sources``, each with its leaves, in order of first appearance."""
+    if not sources:
+        return []
+    kinds = [kind for _, kind, _ in sources]
+    if kinds.count(kinds[0]) == len(kinds):  # one framework, as most states: no loop per leaf
+        return [(kinds[0], [leaf for leaf, _, _ in sources])]
     by_kind: dict[int, tuple[ArrayKind, list[Any]]] = {}
     for leaf, kind, _ in sources:
         entry = by_kind.get(id(kind))
