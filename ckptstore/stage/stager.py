@@ -132,7 +132,10 @@ class ArrayKind(ABC):
 
     @abstractmethod
     def owns(self, leaf: Any) -> bool:
-        """Whether ``leaf`` is an array of this framework."""
+        """Whether ``leaf`` is an array of this framework.
+
+        The answer must follow from ``type(leaf)`` alone (an ``isinstance`` check): a stage asks
+        once per leaf type and reuses the answer for every leaf of that type."""
 
     def start(self, leaves: list[Any]) -> None:
         """Begin asynchronous device-to-host transfers of ``leaves`` before any is copied."""
@@ -571,22 +574,42 @@ class Stager:
         attrs: dict[Path, dict[str, Any]] = {}
         views: dict[Path, NDArray[Any]] = {}
 
-        def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any] | None] | None:
+        # The kind that owns each leaf type met, by type (ownership is an isinstance check,
+        # so the type decides it): the kinds' checks run once per type, not once per leaf.
+        owner_of: dict[type, ArrayKind | None] = {}
+
+        def owner(leaf: Any) -> ArrayKind | None:
             # a copy stages numpy scalars as 0-d arrays marked as scalars; a copy=False stage
             # leaves them to the walker, which stores them as scalars
             scalar = isinstance(leaf, np.generic)
             for kind in (numpy_kind,) if scalar and copy else () if scalar else others:
                 if kind.owns(leaf):
-                    spec = _spec(kind, leaf, path)
-                    if spec.attrs is not None:
-                        attrs[path] = spec.attrs
-                    view = None if copy else kind.host_view(leaf)
-                    if view is not None:
-                        views[path] = view
-                        return view, spec.attrs
-                    converted[path] = (leaf, kind, spec)
-                    return _stand_in(spec.dtype), spec.attrs
+                    return kind
             return None
+
+        def convert(leaf: Any, path: str) -> tuple[NDArray[Any], dict[str, Any] | None] | None:
+            # runs for every leaf of every save: its calls are inlined (a lazy save's call is
+            # mostly this walk)
+            kind = owner_of.get(type(leaf), _UNSEEN)
+            if kind is _UNSEEN:
+                kind = owner_of[type(leaf)] = owner(leaf)
+            if kind is None:
+                return None
+            try:
+                spec = kind.spec(leaf)
+            except TypeError as exc:
+                raise TypeError(f"cannot stage the leaf at {_show(path)}: {exc}") from None
+            leaf_attrs = spec.attrs
+            if leaf_attrs is not None:
+                attrs[path] = leaf_attrs
+            if not copy:
+                view = kind.host_view(leaf)
+                if view is not None:
+                    views[path] = view
+                    return view, leaf_attrs
+            converted[path] = (leaf, kind, spec)
+            stand_in = _STAND_INS.get(spec.dtype)
+            return (_stand_in(spec.dtype) if stand_in is None else stand_in), leaf_attrs
 
         flat = flatten(state, convert=convert, expand=expand)
         to_copy: list[int] = []
@@ -709,6 +732,9 @@ def _run_batch(copies: list[Callable[[], None]]) -> None:
 #: Zero-length arrays by dtype: what a leaf stands for in the flat view of
 #: :meth:`Stager._copied` until its arena slot exists.
 _STAND_INS: dict[np.dtype[Any], NDArray[Any]] = {}
+
+#: A leaf type :meth:`Stager._walked` has not asked the kinds about yet.
+_UNSEEN: Any = object()
 
 
 def _slot(buffer: HostBuffer, spec: LeafSpec, offset: int) -> NDArray[Any]:
