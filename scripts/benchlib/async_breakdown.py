@@ -18,7 +18,13 @@ bytes). A part's cost is what the loop loses with it less what it loses without 
   done once instead of 128 times;
 * ``memory``: the manager saves to ``memory://``: no file at all, so what is left is the
   staging copy, the hashing and ckptstore's Python;
-* ``lazy``: ``snapshot="lazy"``, as shipped (the loop fences before ``opt.step()``).
+* ``lazy``: ``snapshot="lazy"``, as shipped (the loop fences before ``opt.step()``);
+* ``writer process``: not a part taken away but the work moved: the loop copies the state
+  into shared memory and signals a second process, which runs ``ckptstore.save`` (the same
+  hashing, packing, incremental check, writes, commit) and the retention over it
+  (:mod:`benchlib.writer_probe`). What a writer process would save the loop, measured before
+  it is built; its process's CPU is not in the CPU figure, and the shared memory, mapped by
+  the training process, is in its peak.
 
 Variants that break a checkpoint (no crc32c) exist only in this suite's children. Each line
 also gives the CPU time a save costs the whole process (``process_time``, less the loop
@@ -52,6 +58,7 @@ VARIANTS: list[tuple[str, str, dict[str, str]]] = [
     ),
     ("memory", "ckptstore", {PATCH_ENV: "memory"}),
     ("lazy", "ckptstore-lazy", {}),
+    ("writer process", "writer-probe", {}),
 ]
 
 
@@ -101,7 +108,7 @@ def run(ctx: Context) -> list[Result]:
     parts = [
         f"{name}: {(ours - lost[name]) * 1e3:+.0f} ms"
         for name, _, _ in VARIANTS
-        if name not in ("none", "bare", "ckptstore", "lazy")
+        if name not in ("none", "bare", "ckptstore", "lazy", "writer process")
     ]
     against_bare = (
         f"ckptstore lost/bare lost {ours / lost['bare']:.2f}x"
@@ -111,7 +118,8 @@ def run(ctx: Context) -> list[Result]:
     lines.append(
         "- **Cost of each part** (ckptstore's lost time less the variant's): "
         + "; ".join(parts)
-        + f". {against_bare}; lazy lost/eager lost {lost['lazy'] / ours:.2f}x"
+        + f". {against_bare}; lazy lost/eager lost {lost['lazy'] / ours:.2f}x; writer "
+        f"process lost/eager lost {lost['writer process'] / ours:.2f}x"
     )
     ctx.options["summary"] = (
         f"Loop: {(saves + 1) * every} steps, a save every {every} steps ({saves} timed saves "

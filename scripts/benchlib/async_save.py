@@ -171,6 +171,10 @@ class _Saver:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )
+        elif system == "writer-probe":  # the async-breakdown suite's (benchlib.writer_probe)
+            from benchlib.writer_probe import ProbeSaver
+
+            self.probe = ProbeSaver(torch_tensors(state), workdir)
         elif system in OURS:
             from ckptstore.manager import CheckpointManager
 
@@ -220,6 +224,8 @@ class _Saver:
                 self.pending = step
         elif self.system in (*OURS, "tiered"):
             self.mgr.save(step, self.state, force=True)
+        elif self.system == "writer-probe":
+            self.probe.save()
         elif self.system == "dcp":
             import torch.distributed.checkpoint as dcp
 
@@ -246,6 +252,8 @@ class _Saver:
             if self.pending is not None and select.select([stdout], [], [], 0)[0]:  # type: ignore[type-var]
                 self._bare_ack()
             return self.pending is None
+        if self.system == "writer-probe":
+            return self.probe.done()
         if self.system in (*OURS, "tiered"):
             handle = self.mgr.last_handle
             return handle is None or handle.done()
@@ -261,6 +269,8 @@ class _Saver:
     def wait(self) -> None:
         if self.system == "bare":
             self._bare_ack()
+        elif self.system == "writer-probe":
+            self.probe.ack()
         elif self.system in (*OURS, "tiered"):
             self.mgr.wait_until_finished()
         elif self.system == "dcp" and self.pending is not None:
@@ -269,7 +279,9 @@ class _Saver:
             self.ckptr.wait_until_finished()
 
     def close(self) -> None:
-        if self.system == "bare":
+        if self.system == "writer-probe":
+            self.probe.close()
+        elif self.system == "bare":
             assert self.writer.stdin is not None
             self.writer.stdin.close()
             self.writer.wait()
