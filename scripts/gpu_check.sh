@@ -17,9 +17,13 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The compiled pack kernel (setup.py), as an install builds it; without a compiler the
+# Python loop runs, and gpu.txt says which.
+python3 setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1 || echo "build_ext failed" >>"$OUT/build.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c 'import torch, jax; print("torch", torch.__version__, torch.cuda.get_device_name(),
-"jax", jax.__version__, jax.devices())' | tee -a "$OUT/gpu.txt"
+"jax", jax.__version__, jax.devices())
+from ckptstore.store import checksum; print("native pack kernel:", checksum.NATIVE)' | tee -a "$OUT/gpu.txt"
 status=0
 # -p no:cacheprovider: the copy's tree may be read-only in places; the suite's config (strict
 # markers, warnings as errors) applies as on every machine.
