@@ -60,7 +60,8 @@ __all__ = [
 #: smaller ones are only aligned to ``Settings.leaf_alignment``.
 PAGE_ALIGN_MIN = 64 << 10
 
-#: One copy of a staging plan: ``(bytes it moves, the copy)``. The copy may be an object
+#: One copy of a staging plan: ``(bytes the host's CPU moves for it, the copy)``: 0 for a
+#: copy that a device's copy engine makes, which the thread only queues. The copy may be an object
 #: whose class defines ``run_many(copies)``: consecutive copies of that class are then run by
 #: one ``run_many`` call (torch copies a batch with one ``torch._foreach_copy_``, which releases
 #: the GIL once for the batch instead of once per tensor).
