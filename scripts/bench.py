@@ -198,6 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "bench-results")
     parser.add_argument("--workdir", type=Path, default=None, help="scratch directory")
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument(
+        "--workloads",
+        default="",
+        help="comma-separated workloads, for the suites that run several (async, async-gpu): "
+        "the section then holds those alone; default all",
+    )
     parser.add_argument("--no-doc", action="store_true", help="do not touch docs/benchmarks.md")
     parser.add_argument("--list", action="store_true")
     parser.add_argument(
@@ -232,7 +238,12 @@ def main(argv: list[str] | None = None) -> int:
             suite = suites[name]
             workdir = Path(scratch) / name
             workdir.mkdir()
-            ctx = Context(repeat=args.repeat, workdir=workdir, quick=args.quick)
+            ctx = Context(
+                repeat=args.repeat,
+                workdir=workdir,
+                quick=args.quick,
+                workloads=tuple(w for w in args.workloads.split(",") if w),
+            )
             print(f"== {name}: {suite.title}", flush=True)
             rows = suite.run(ctx)
             if "skipped" in ctx.options:  # nothing it needs here: its section stays as it was

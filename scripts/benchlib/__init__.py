@@ -31,6 +31,17 @@ class Context:
     workdir: Path
     quick: bool = False
     options: dict[str, Any] = field(default_factory=dict)
+    #: the workloads to run, for a suite that runs several (``--workloads``); empty: all
+    workloads: tuple[str, ...] = ()
+
+    def chosen(self, names: Iterable[str]) -> list[str]:
+        """Those of a suite's workloads ``names`` that this run asked for, in their order;
+        a name the suite does not have fails the run before anything is measured."""
+        names = list(names)
+        unknown = sorted(set(self.workloads) - set(names))
+        if unknown:
+            raise SystemExit(f"--workloads {unknown}: this suite runs {names}")
+        return [n for n in names if not self.workloads or n in self.workloads]
 
 
 @dataclass

@@ -540,7 +540,7 @@ def measure(ctx: Context, suite: str, device: str, every: int, saves: int) -> li
     target = "local" if device == "cpu" else f"local, {device} state"
     rows: list[Result] = []
     lines = []
-    for workload in ("1GiB", "transformer"):
+    for workload in ctx.chosen(("1GiB", "transformer")):
         runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
         for _ in range(ctx.repeat):
             for system in systems:
