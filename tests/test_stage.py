@@ -329,7 +329,8 @@ def test_cuda_copies_follow_the_callers_stream_from_every_staging_thread() -> No
         pytest.skip("no CUDA device on this machine")
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        # Large enough that the helper thread issues some of the copies.
+        # Large enough that a host state this size is shared with the helper thread; CUDA
+        # copies weigh no host bytes, so the calling thread queues them all, on ``side``.
         state = {f"w{i}": torch.full((8 << 20,), float(i), device="cuda") for i in range(4)}
         expected = {k: bits(v) for k, v in state.items()}
         staged = Stager(threads=2).stage(state)
@@ -338,6 +339,71 @@ def test_cuda_copies_follow_the_callers_stream_from_every_staging_thread() -> No
     staged.wait_ready()
     for key in state:
         assert bits(staged.tree[key]) == expected[key], key
+
+
+def test_copies_that_weigh_no_host_bytes_run_on_the_calling_thread() -> None:
+    import threading
+
+    from ckptstore.stage.stager import _Copying
+
+    ran: list[tuple[int, int]] = []
+
+    def task(i: int) -> tuple[int, Any]:
+        return 0, lambda: ran.append((i, threading.get_ident()))
+
+    def no_helpers(count: int) -> Any:
+        raise AssertionError(f"{count} helper threads asked for copies a device engine makes")
+
+    copying = _Copying([task(i) for i in range(500)], threads=4, chunk_bytes=1)
+    copying.start(no_helpers)
+    copying.finish()
+    assert sorted(i for i, _ in ran) == list(range(500))
+    assert {ident for _, ident in ran} == {threading.get_ident()}
+
+
+@pytest.mark.torch
+def test_cuda_copies_are_queued_in_one_foreach_call_per_stream(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batching of CUDA copies, on CPU tensors with the CUDA calls recorded (the copies
+    themselves run on a lent GPU machine: the two tests above)."""
+    import contextlib
+
+    import torch
+
+    from ckptstore.stage.stager import _run_batch
+    from ckptstore.stage.torch import _CudaCopy
+
+    entered: list[str] = []
+    foreach: list[tuple[int, bool]] = []
+    held: list[tuple[int, str]] = []
+
+    @contextlib.contextmanager
+    def stream(name: str) -> Iterator[None]:
+        entered.append(name)
+        yield
+
+    real = torch._foreach_copy_
+
+    def foreach_copy(dsts: list[Any], srcs: list[Any], non_blocking: bool = False) -> None:
+        foreach.append((len(dsts), non_blocking))
+        real(dsts, srcs, non_blocking=non_blocking)
+
+    monkeypatch.setattr(torch.cuda, "stream", stream)
+    monkeypatch.setattr(torch, "_foreach_copy_", foreach_copy)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: held.append((t.data_ptr(), s)))
+    srcs = [torch.arange(n, dtype=torch.float32) * (n + 1) for n in (3, 5, 7, 2, 4)]
+    srcs[4] = torch.arange(12, dtype=torch.float32).view(3, 4).t()  # strided: copy_ lays it out
+    dsts = [torch.zeros(s.shape) for s in srcs]
+    # the caller's stream ("main", eager saves) and a lazy snapshot's side stream ("side")
+    where = [("main", False), ("side", True), ("main", False), ("side", True), ("main", False)]
+    copies = zip(where, dsts, srcs, strict=True)
+    _run_batch([_CudaCopy(name, dst, src, hold) for (name, hold), dst, src in copies])
+    for dst, src in zip(dsts, srcs, strict=True):
+        assert torch.equal(dst, src)
+    assert entered == ["main", "side"]
+    assert foreach == [(3, True), (2, True)]
+    assert held == [(srcs[1].data_ptr(), "side"), (srcs[3].data_ptr(), "side")]
 
 
 # -- JAX ----------------------------------------------------------------------------------
