@@ -212,3 +212,17 @@ def test_the_page_is_not_written_from_uncommitted_changes(
     finally:
         default_settings.cache_clear()
     assert not (tmp_path / "benchmarks.md").exists()
+
+
+def test_workloads_choose_a_suites_workloads_in_its_order_and_refuse_unknown_ones(
+    tmp_path: Path,
+) -> None:
+    from benchlib import Context
+
+    names = ("1GiB", "transformer")
+    assert Context(1, tmp_path).chosen(names) == ["1GiB", "transformer"]
+    assert Context(1, tmp_path, workloads=("transformer",)).chosen(names) == ["transformer"]
+    both = Context(1, tmp_path, workloads=("transformer", "1GiB"))
+    assert both.chosen(names) == ["1GiB", "transformer"]
+    with pytest.raises(SystemExit, match=r"--workloads \['small'\]: this suite runs"):
+        Context(1, tmp_path, workloads=("small", "transformer")).chosen(names)
