@@ -375,10 +375,13 @@ class _CudaCopy:
     batch of them with one ``torch._foreach_copy_`` per stream.
 
     Its task weighs 0 bytes: the device's copy engine moves the bytes, and the thread only
-    queues the copy, so the stager never hands such copies to its helper threads. Queued one
-    by one from several threads (a stream context, a ``copy_`` and a GIL hand-off each), the
-    496 copies of the async benchmark's transformer held an H200 loop 35 ms, 3.6x the 10 ms
-    a plain loop of ``copy_`` calls took to copy the same bytes.
+    queues the copy. A state of device tensors alone is then queued by the calling thread,
+    with no helper woken; beside host copies, the batch goes to whichever staging thread is
+    free once the host copies are handed out (the stream was taken in the caller's thread
+    at ``copies``, so any thread queues it in the right place). Queued one by one from
+    several threads (a stream context, a ``copy_`` and a GIL hand-off each), the 496 copies
+    of the async benchmark's transformer held an H200 loop 35 ms, 3.6x the 10 ms a plain
+    loop of ``copy_`` calls took to copy the same bytes.
 
     ``hold``: the stream is a side stream, so each source is marked as used by it
     (``record_stream``): the caching allocator does not hand its memory out while the copy
