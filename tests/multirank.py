@@ -24,8 +24,7 @@ import pytest
 import ckptstore
 from ckptstore import background
 from ckptstore.store.registry import open_store
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 #: seconds each rank has to finish its scenario before the test fails
 RANK_TIMEOUT = 240.0
@@ -108,7 +107,7 @@ def run_ranks(
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
             "GLOO_SOCKET_IFNAME": "lo",
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": python_path(),
         }
         procs.append(
             subprocess.Popen(

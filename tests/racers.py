@@ -11,9 +11,8 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 #: ``ckptstore.save`` of step 7 under ``ROOT_URL``; the winner prints its attempt id.
 SAVE_RACER = textwrap.dedent(
@@ -63,7 +62,7 @@ CREATE_RACER = textwrap.dedent(
 def race(code: str, argvs: list[list[str]], *, timeout: float = 120.0) -> list[list[str]]:
     """Start one child per argument list, wait until all are ready, release them together,
     and return the words each printed after ``ready``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     racers = [
         subprocess.Popen(
             [sys.executable, "-c", code, *argv],

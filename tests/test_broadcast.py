@@ -31,6 +31,7 @@ from ckptstore.manager.broadcast import plan_reads
 from ckptstore.store.base import Store
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, transient_error
+from tests.children import python_path
 from tests.test_distributed import assert_same, run_ranks
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -461,7 +462,7 @@ def test_orphaned_segments_are_removed_and_live_ones_kept(segment_dir: Path) -> 
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": python_path()},
     ) as child:
         try:
             assert child.stdout is not None

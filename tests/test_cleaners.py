@@ -24,6 +24,7 @@ import pytest
 import ckptstore
 from ckptstore import background
 from ckptstore.store.local import LocalStore
+from tests.children import python_path
 from tests.matrix import trials
 from tests.multirank import SOAK_TARGETS, Target
 
@@ -91,7 +92,7 @@ def test_gc_loops_beside_retention_never_fail_and_keep_every_step(
     bit-exact throughout and at the end."""
     url, options = target.base, target.options
     stop = tmp_path / "stop"
-    env = {**os.environ, **target.env(), "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, **target.env(), "PYTHONPATH": python_path()}
     cleaners = [
         subprocess.Popen(
             [sys.executable, "-c", _GC_LOOP, url, str(stop)],
@@ -157,7 +158,7 @@ def test_gc_rollback_retention_and_tier_cleanup_together_never_fail(
     env = {
         **os.environ,
         **target.env(),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
         "CKPTSTORE_SAVE_LEASE_SECONDS": str(LEASE),
     }
     local.mkdir()

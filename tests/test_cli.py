@@ -30,8 +30,8 @@ import pytest
 import ckptstore
 from ckptstore import cli
 from ckptstore.store import registry
+from tests.children import python_path
 
-ROOT = Path(__file__).resolve().parent.parent
 COMMANDS = ["ls", "show", "verify", "cp", "gc", "rm", "tune"]
 
 
@@ -769,7 +769,7 @@ def test_bench_is_the_old_name_of_tune(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def _entry_point_env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "PYTHONPATH": python_path()}
 
 
 def test_python_dash_m_runs_the_command(tmp_path: Path) -> None:

@@ -29,9 +29,8 @@ from ckptstore.store.local import LocalStore
 from ckptstore.store.nfs import NFSStore
 from ckptstore.testing import assert_same_state
 from ckptstore.testing.servers import FuseMount
+from tests.children import python_path
 from tests.racers import SAVE_RACER, one_winner, race
-
-ROOT = Path(__file__).resolve().parent.parent
 
 # The child saves step 2 (or collects garbage) and, at the phase named on its command line,
 # creates the marker file and blocks until the parent kills it.
@@ -156,7 +155,7 @@ def _state(seed: int) -> dict[str, Any]:
 
 def _run_until_stopped(where: Where, phase: str) -> None:
     """Run the child until it reports that it reached ``phase``, then SIGKILL it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD, str(where.path), phase, where.backend],
         env=env,

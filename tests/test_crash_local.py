@@ -26,8 +26,7 @@ from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.local import LocalStore, temp_files
 from ckptstore.store.nfs import NFSStore
 from ckptstore.testing.servers import FuseMount
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 # 2 GiB through one I/O thread in 16 MiB parts: seconds of writing, so the kill lands while
 # the put is still under way (the test checks that the child did not finish).
@@ -90,7 +89,7 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Path]:
 def _spawn(code: str, *args: str) -> subprocess.Popen[str]:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONPATH": python_path(),
     }
     return subprocess.Popen(
         [sys.executable, "-c", code, *args],

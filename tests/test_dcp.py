@@ -36,6 +36,7 @@ from ckptstore.layout.commit import commit_manifest, read_manifest  # noqa: E402
 from ckptstore.layout.keys import new_attempt_id  # noqa: E402
 from ckptstore.store.registry import open_store  # noqa: E402
 from ckptstore.store.wrappers import CountingStore  # noqa: E402
+from tests.children import python_path  # noqa: E402
 
 pytestmark = [
     pytest.mark.torch,
@@ -582,7 +583,7 @@ def test_a_load_of_a_step_never_committed_closes_its_client(moto_s3: Any) -> Non
     url = f"s3://{moto_s3.bucket}/run/7?endpoint_url={moto_s3.endpoint}&region={moto_s3.region}"
     out = subprocess.run(
         [sys.executable, "-X", "dev", "-c", _LOAD_A_MISSING_STEP, url],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=120,

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 from ckptstore.testing.servers import SeaweedFS, free_ports
+from tests.children import python_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
@@ -77,7 +78,7 @@ def run_script(script: str, cwd: Path, name: str = "page.py") -> subprocess.Comp
     return subprocess.run(
         [sys.executable, name],
         cwd=cwd,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=600,
@@ -116,7 +117,7 @@ def run_ranks(script: str, ranks: int, cwd: Path) -> list[str]:
             cwd=cwd,
             env={
                 **os.environ,
-                "PYTHONPATH": str(ROOT),
+                "PYTHONPATH": python_path(),
                 "RANK": str(rank),
                 "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(ranks),

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from tests.children import python_path
+
 CHILD = Path(__file__).with_name("error_paths_child.py")
 
 #: What each scenario must raise: a piece of its message (every other scenario fails too,
@@ -37,7 +39,7 @@ def _run(dialect: str, url: str, nobucket: str, options: dict[str, Any], scratch
     env = {
         **os.environ,
         "CKPTSTORE_TEST_STORE_OPTIONS": json.dumps(options),
-        "PYTHONPATH": str(Path(__file__).parents[1]),
+        "PYTHONPATH": python_path(),
     }
     proc = subprocess.run(
         [

@@ -26,7 +26,6 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -38,8 +37,8 @@ from ckptstore.layout.keys import new_attempt_id
 from ckptstore.store.base import TEMP_PREFIX, Store
 from ckptstore.store.registry import open_store
 from ckptstore.testing import assert_same_state
+from tests.children import python_path
 
-ROOT = Path(__file__).resolve().parent.parent
 SEAWEED_BUCKET = "ckptstore-gc-tests"
 
 
@@ -209,7 +208,7 @@ def _gc_command(backend: Backend, *args: str) -> dict[str, Any]:
         capture_output=True,
         text=True,
         timeout=120,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         check=False,
     )
     assert result.returncode == 0, result.stderr

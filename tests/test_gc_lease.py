@@ -35,8 +35,7 @@ from ckptstore.store.memory import MemoryStore
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import Fault, FaultStore, StoreWrapper
 from ckptstore.testing import assert_same_state
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.children import python_path
 
 # A save that stops after its first data object is durable and goes on when told to.
 SAVER = textwrap.dedent(
@@ -82,7 +81,7 @@ def _gc_in_another_process(url: str, options: dict[str, str]) -> dict[str, Any]:
     flags = [arg for name, value in options.items() for arg in ("-o", f"{name}={value}")]
     done = subprocess.run(
         [sys.executable, "-m", "ckptstore", "gc", url, "--grace", "0", "--json", *flags],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=120,
@@ -96,7 +95,7 @@ def _gc_in_another_process(url: str, options: dict[str, str]) -> dict[str, Any]:
 def _save_while_gc_runs(url: str, options: dict[str, str]) -> tuple[str, dict[str, Any]]:
     saver = subprocess.Popen(
         [sys.executable, "-c", SAVER, url, json.dumps(options)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

@@ -38,10 +38,10 @@ from ckptstore import CheckpointManager
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout import manifest as manifest_module
 from tests import golden_states
+from tests.children import python_path
 from tests.test_standalone_reader import Typed, assert_same, read_in_child
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-ROOT = GOLDEN.parent.parent
 
 
 def golden_states_dtypes() -> dict[str, Any]:
@@ -164,7 +164,7 @@ def test_the_cli_verifies_every_step(golden: tuple[str, Path]) -> None:
         [sys.executable, "-m", "ckptstore", "verify", "--all", "--no-progress", str(root)],
         capture_output=True,
         text=True,
-        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": python_path(), "PATH": "/usr/bin:/bin"},
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr

@@ -26,10 +26,8 @@ import ckptstore
 from ckptstore.cli.main import main
 from ckptstore.layout.keys import new_attempt_id
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
+from tests.children import python_path
 from tests.matrix import trials
-
-ROOT = Path(__file__).resolve().parent.parent
-
 
 #: The step cp copies: 8 objects of 16 MiB (leaf-000000 ... leaf-000007).
 STATE = {
@@ -67,7 +65,7 @@ def _interrupt_cp(src: str, dst: str, sig: int, started: Any, *options: str) -> 
     exit status and stderr."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _AS_A_TERMINAL_WOULD, "cp", src, dst, "--no-progress", *options],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -244,7 +242,7 @@ def test_ctrl_c_in_a_plain_save_removes_its_attempt(
     for _ in range(trials(3, 1)):
         proc = subprocess.Popen(
             [sys.executable, "-c", _SAVE, str(root), delivered],
-            env={**os.environ, "PYTHONPATH": str(ROOT)},
+            env={**os.environ, "PYTHONPATH": python_path()},
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -18,8 +18,7 @@ import pytest
 
 import ckptstore
 from ckptstore.cli.main import main
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 STATE = {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(7), "step": 3}
 
@@ -88,7 +87,7 @@ def test_nothing_is_printed_without_logging_configured(tmp_path: Path) -> None:
     )
     done = subprocess.run(
         [sys.executable, "-c", script, str(tmp_path / "run")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=120,

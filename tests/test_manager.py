@@ -19,8 +19,7 @@ from ckptstore import CommitConflictError, NotFoundError, StoreError
 from ckptstore.manager import CheckpointManager
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import Fault, FaultStore
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 
 def bits(array: Any) -> bytes:
@@ -381,7 +380,7 @@ def run_child_until(
     root: Path, marker: Path, phase: str, ready: Any, deadline_s: float = 60
 ) -> None:
     """Start the child, wait until ``ready()`` holds, then SIGKILL it."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": python_path()}
     child = subprocess.Popen(
         [sys.executable, "-c", CHILD.format(), str(root), phase, str(marker)],
         env=env,
@@ -482,7 +481,7 @@ def _run_script(code: str, root: Path, *, timeout: float) -> subprocess.Complete
     """Run ``code`` in a fresh interpreter with ``root`` as its argument, as a user's script."""
     return subprocess.run(
         [sys.executable, "-c", code, str(root)],
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=timeout,

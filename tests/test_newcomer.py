@@ -24,6 +24,7 @@ import pytest
 
 import ckptstore
 from ckptstore.testing.servers import process_is
+from tests.children import python_path
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "getting-started.md"
@@ -53,7 +54,7 @@ def shell(script: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess
     scripts = sysconfig.get_path("scripts")  # where pip put the ckptstore command
     env = {
         **os.environ,
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
         "PATH": f"{scripts}{os.pathsep}{os.environ.get('PATH', '')}",
         "PYTHON": sys.executable,
     }
@@ -158,7 +159,7 @@ def test_local_s3_needs_nothing_from_the_test_extra(tmp_path: Path) -> None:
     run = "import runpy; runpy.run_module('ckptstore.testing.local_s3', run_name='__main__')"
     result = subprocess.run(
         [sys.executable, "-c", blocked + run, "status", "--dir", str(tmp_path / "none")],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=60,

@@ -19,8 +19,7 @@ import pytest
 import ckptstore
 from ckptstore import CheckpointManager
 from ckptstore.manager.preemption import DEADLINE_STATUS, PreemptionWatch
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 TRAIN = textwrap.dedent(
     """
@@ -46,7 +45,7 @@ TRAIN = textwrap.dedent(
 def _train(root: Path, limit: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-c", TRAIN, str(root), limit],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

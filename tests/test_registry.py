@@ -18,6 +18,7 @@ from ckptstore.store import registry
 from ckptstore.store.local import LocalStore
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.nfs import NFSStore
+from tests.children import python_path
 
 
 @pytest.fixture
@@ -177,7 +178,7 @@ def test_open_store_imports_no_client_library() -> None:
         capture_output=True,
         text=True,
         check=True,
-        env={**os.environ, "PYTHONPATH": str(root)},
+        env={**os.environ, "PYTHONPATH": python_path(root)},
     ).stdout
     assert out.strip() == "[]"
 

@@ -24,6 +24,7 @@ import ckptstore.distributed
 from ckptstore import CheckpointManager
 from ckptstore.errors import CommitConflictError, CorruptCheckpointError, NotFoundError
 from ckptstore.layout.rollback import SET_ASIDE_NAME
+from tests.children import python_path
 from tests.multirank import EVERY_TARGET, Target
 
 
@@ -228,7 +229,7 @@ def test_a_training_script_restarted_resumes_and_a_rolled_back_one_continues(
     def run(*args: Any) -> None:
         done = subprocess.run(
             [sys.executable, str(script), str(tmp_path / "ck"), *map(str, args)],
-            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+            env={**os.environ, "PYTHONPATH": python_path()},
             capture_output=True,
             text=True,
             timeout=120,

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.children import python_path
+
 pytest.importorskip("jax")
 
 pytestmark = pytest.mark.jax
@@ -24,7 +26,7 @@ def test_jax_arrays_sharded_on_one_mesh_load_onto_another(tmp_path: Path) -> Non
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
     }
     run = subprocess.run(
         [sys.executable, str(ROOT / "tests" / "jax_shards.py"), str(tmp_path / "ckpt")],

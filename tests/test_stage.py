@@ -19,8 +19,7 @@ from ckptstore.layout.tree import UnsupportedLeafError
 from ckptstore.stage import BufferPool, Stager, rebuild_state
 from ckptstore.stage.stager import collection_paused
 from ckptstore.store.buffers import PAGE
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 
 def bits(array: Any) -> bytes:
@@ -500,7 +499,7 @@ def test_sharded_jax_arrays_on_one_host_gathered(tmp_path: Path) -> None:
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
         "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
     }
     result = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
@@ -535,7 +534,7 @@ def test_importing_ckptstore_imports_neither_torch_nor_jax() -> None:
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         capture_output=True,
         text=True,
         timeout=60,

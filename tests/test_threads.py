@@ -10,13 +10,11 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
 from ckptstore.threads import Pool
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.children import python_path
 
 
 def test_runs_work_on_at_most_max_workers_threads_and_reports_errors() -> None:
@@ -77,7 +75,7 @@ def test_wait_is_interrupted_by_a_sigint_another_thread_took() -> None:
     ended (the Ctrl-C tests of test_interrupts.py hung on it)."""
     proc = subprocess.Popen(
         [sys.executable, "-c", _WAIT],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -31,6 +31,7 @@ from ckptstore.store.base import TEMP_PREFIX
 from ckptstore.store.registry import open_store
 from ckptstore.testing import assert_same_state
 from tests import tier_child
+from tests.children import python_path
 from tests.matrix import trials
 
 pytestmark = pytest.mark.s3
@@ -51,7 +52,7 @@ def _start(local: Path, url: str) -> subprocess.Popen[str]:
     child = subprocess.Popen(
         [sys.executable, "-m", "tests.tier_child", str(local), url, str(STEPS)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": python_path()},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

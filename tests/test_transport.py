@@ -29,10 +29,9 @@ from ckptstore.errors import CkptStoreError, InvalidURLError, NotFoundError, Sto
 from ckptstore.store.base import MultipartUpload, Store
 from ckptstore.store.transport import ByteBudget, Unreachable
 from ckptstore.testing.proxy import FaultProxy, ProxyFault
+from tests.children import python_path
 from tests.servers.fakegcs import FakeGCS
 from tests.servers.moto import MotoS3
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def closed_port() -> int:
@@ -178,7 +177,7 @@ def test_cli_ls_against_a_closed_port_fails_at_once_in_one_line(tmp_path: Path) 
     env = {
         "PATH": "/usr/bin:/bin",
         "HOME": str(tmp_path),
-        "PYTHONPATH": str(ROOT),
+        "PYTHONPATH": python_path(),
         # a retry would wait 60 s, well past the subprocess timeout
         "CKPTSTORE_RETRY_DELAY": "60",
         "CKPTSTORE_RETRY_MAX_DELAY": "60",
