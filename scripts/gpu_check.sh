@@ -12,9 +12,10 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 if compgen -G ".whl/*.whl" >/dev/null; then
-    # Into the machine's own environment where it may be written: the tests that start a
-    # Python child set its PYTHONPATH to the checkout alone, and at aa56214 two of them
-    # failed on the lent machine for want of orjson, which lay only in /tmp/site.
+    # Into the machine's own environment where it may be written, else into /tmp/site on
+    # PYTHONPATH. At aa56214 two tests failed on the lent machine for want of orjson, which
+    # lay only in /tmp/site: their Python child's PYTHONPATH held the checkout alone. Since
+    # 4215dd4 a child keeps the parent's entries after the checkout (tests/children.py).
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir .whl/*.whl ||
     {
         python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
