@@ -20,13 +20,20 @@ import pytest
 import ckptstore
 from ckptstore import files
 from ckptstore.testing.servers import SeaweedFS
+from tests.children import python_path
 from tests.servers.moto import MotoS3
 
 RUNS = Path(__file__).with_name("tree_adapters.py")
 
 
 def _child(which: str, options: dict[str, Any]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    # the checkout on the path: the script imports tests.multirank for its ranks
+    env = {
+        **os.environ,
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": python_path(),
+    }
     return subprocess.run(
         [sys.executable, str(RUNS), which, json.dumps(options)],
         capture_output=True,

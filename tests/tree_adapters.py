@@ -285,7 +285,7 @@ def run_ranks(opts: dict[str, Any]) -> dict[int, Any]:
     output."""
     import tempfile
 
-    from multirank import run_ranks as launch
+    from tests.multirank import run_ranks as launch
 
     with tempfile.TemporaryDirectory() as logs:
         outcomes = launch(Path(__file__), 2, "ranks-worker", json.dumps(opts), logs=Path(logs))
