@@ -166,3 +166,51 @@ def test_a_checkpoint_is_the_same_with_and_without_the_kernel(
     two = ckptstore.read_manifest(tmp_path / "native-False")
     assert one.leaf_crc == two.leaf_crc
     assert one.object_crcs == two.object_crcs
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gather_digests_finds_each_leafs_xxh3_as_xxhash_does(path: str, seed: int) -> None:
+    """The pack build of a save with no base hashes each leaf in the same pass (the compiled
+    kernel calls the xxhash package's own XXH3_128bits): the same bytes and crc32c as
+    gather_crc32c, and the digests xxhash gives the leaves themselves."""
+    import xxhash
+
+    rng = np.random.default_rng(200 + seed)
+    arrays, offsets, lengths, size = layout(rng, 60)
+    order = [i for i in range(len(arrays)) if lengths[i]]  # a plan packs no empty leaf
+    out, again = np.full(size, 0xAB, np.uint8), np.full(size, 0xAB, np.uint8)
+    crcs, hashes = checksum.gather_digests(out, arrays, order, offsets, lengths)
+    assert crcs == checksum.gather_crc32c(again, arrays, order, offsets, lengths)
+    assert out.tobytes() == again.tobytes()
+    assert hashes == [
+        xxhash.xxh3_128_hexdigest(np.ascontiguousarray(arrays[i]).tobytes()) for i in order
+    ]
+
+
+@needs_native
+def test_the_kernel_hashes_with_xxhash_where_its_function_is_found(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found in the installed xxhash (and checked against it), the kernel hashes; where the
+    function cannot be found, gather_digests still gives the digests, from Python."""
+    import xxhash
+
+    assert checksum.native_hashes()
+    monkeypatch.setattr(checksum, "_xxh3_bound", None)
+
+    def missing() -> bool:
+        raise AssertionError("must not be called twice")
+
+    real = checksum._bind_xxh3
+    monkeypatch.setattr(checksum, "_bind_xxh3", lambda: False)
+    assert not checksum.native_hashes()
+    monkeypatch.setattr(checksum, "_bind_xxh3", missing)
+    assert not checksum.native_hashes()  # decided once
+    arrays = [np.arange(i + 1, dtype=np.float32) for i in range(50)]
+    offsets = [sum(64 * ((a.nbytes + 63) // 64) for a in arrays[:i]) for i in range(50)]
+    lengths = [a.nbytes for a in arrays]
+    out = np.empty(offsets[-1] + lengths[-1], np.uint8)
+    _, hashes = checksum.gather_digests(out, arrays, range(50), offsets, lengths)
+    assert hashes == [xxhash.xxh3_128_hexdigest(a.tobytes()) for a in arrays]
+    monkeypatch.setattr(checksum, "_xxh3_bound", None)
+    assert real()

@@ -33,7 +33,7 @@ import numpy as np
 
 from ckptstore.config import Settings
 from ckptstore.store.base import Capabilities
-from ckptstore.store.checksum import gather_crc32c
+from ckptstore.store.checksum import gather_crc32c, gather_digests
 
 __all__ = ["PackPlan", "PlannedObject"]
 
@@ -194,3 +194,11 @@ class PackPlan:
         """
         obj = self.objects[index]
         return gather_crc32c(out, arrays, obj.leaves, self.leaf_offset, self.leaf_length)
+
+    def fill_digests(
+        self, index: int, arrays: Sequence[np.ndarray[Any, Any]], out: Any
+    ) -> tuple[list[int], list[str]]:
+        """:meth:`fill`, and each member's xxh3-128 too, found in the same pass
+        (:func:`~ckptstore.store.checksum.gather_digests`)."""
+        obj = self.objects[index]
+        return gather_digests(out, arrays, obj.leaves, self.leaf_offset, self.leaf_length)

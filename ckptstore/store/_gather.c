@@ -11,8 +11,14 @@
  * copy is still in the core's cache. Without the instruction the module says so
  * (``hardware_crc32c`` is 0) and ckptstore uses its Python loop.
  *
- * Used through ckptstore.store.checksum (gather_crc32c, first_mismatch), which also holds the
- * Python loop that gives the same results where this module is missing.
+ * The leaves' xxh3-128 can be found in the same pass (``gather(..., True)``), right after each
+ * copy, while the leaf is still in cache and without the GIL: a save with nothing to compare
+ * with hashes its packed leaves so. The function is the xxhash package's own ``XXH3_128bits``,
+ * whose address ckptstore.store.checksum finds in that package's module and hands to
+ * ``bind_xxh3``; this module hashes nothing itself.
+ *
+ * Used through ckptstore.store.checksum (gather_crc32c, gather_digests, first_mismatch), which
+ * also holds the Python loop that gives the same results where this module is missing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -226,29 +232,74 @@ placement_of(const struct placement *p, Py_ssize_t leaf, Py_ssize_t size, Py_ssi
     return 0;
 }
 
+/* XXH128_hash_t and XXH3_128bits of the xxhash library (xxhash.h): two 64-bit halves,
+ * returned by value. */
+typedef struct {
+    uint64_t low64;
+    uint64_t high64;
+} xxh128_t;
+typedef xxh128_t (*xxh3_128_fn)(const void *data, size_t length);
+
+static xxh3_128_fn xxh3_128 = NULL; /* set by bind_xxh3 */
+
 struct member {
     Py_ssize_t offset;
     Py_ssize_t length;
     Py_buffer view; /* view.obj is NULL for a leaf this call does not copy */
     uint32_t crc;
+    xxh128_t hash;
 };
 
-/* gather(out, arrays, leaves, offsets, lengths) -> (crcs, skipped)
+/* bind_xxh3(address) -> None: the address of the xxhash library's XXH3_128bits. */
+static PyObject *
+bind_xxh3(PyObject *self, PyObject *arg)
+{
+    void *address = PyLong_AsVoidPtr(arg);
+    if (address == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "bind_xxh3: a null address");
+        return NULL;
+    }
+    xxh3_128 = (xxh3_128_fn)address;
+    Py_RETURN_NONE;
+}
+
+/* The hex digest xxhash.xxh3_128_hexdigest gives: the high half, then the low one. */
+static PyObject *
+hex_digest(xxh128_t h)
+{
+    static const char digits[] = "0123456789abcdef";
+    char text[32];
+    for (int i = 0; i < 16; i++) {
+        text[i] = digits[(h.high64 >> (60 - 4 * i)) & 15];
+        text[16 + i] = digits[(h.low64 >> (60 - 4 * i)) & 15];
+    }
+    return PyUnicode_FromStringAndSize(text, 32);
+}
+
+/* gather(out, arrays, leaves, offsets, lengths, hashed=False) -> (crcs, skipped[, hashes])
  *
  * For each position k of ``leaves`` (leaf i = leaves[k]): copy the C-contiguous buffer of
  * arrays[i] to out[offsets[i]:offsets[i] + lengths[i]], zero the bytes between the previous
- * member's end and that offset, and find its crc32c. ``crcs`` has one entry per position;
- * ``skipped`` lists the positions whose array exports no C-contiguous buffer: they are
- * neither copied nor hashed (their entry in ``crcs`` is None).
+ * member's end and that offset, and find its crc32c (and, if ``hashed``, its xxh3-128 hex
+ * digest: bind_xxh3 first). ``crcs`` (``hashes``) has one entry per position; ``skipped``
+ * lists the positions whose array exports no C-contiguous buffer: they are neither copied
+ * nor hashed (their entries are None).
  */
 static PyObject *
 gather(PyObject *self, PyObject *args)
 {
     Py_buffer out;
     PyObject *arrays, *leaves, *offsets_seq, *lengths_seq;
-    if (!PyArg_ParseTuple(args, "w*OOOO:gather", &out, &arrays, &leaves, &offsets_seq,
-                          &lengths_seq))
+    int hashed = 0;
+    if (!PyArg_ParseTuple(args, "w*OOOO|p:gather", &out, &arrays, &leaves, &offsets_seq,
+                          &lengths_seq, &hashed))
         return NULL;
+    if (hashed && xxh3_128 == NULL) {
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_RuntimeError, "gather: no xxh3 function bound (bind_xxh3)");
+        return NULL;
+    }
     PyObject *result = NULL, *fast_arrays = NULL;
     struct placement place;
     Py_ssize_t n = 0, taken = 0;
@@ -302,6 +353,8 @@ gather(PyObject *self, PyObject *args)
         if (m->view.obj != NULL) {
             memcpy(base + m->offset, m->view.buf, (size_t)m->length);
             m->crc = crc32c(base + m->offset, (size_t)m->length);
+            if (hashed)
+                m->hash = xxh3_128(base + m->offset, (size_t)m->length);
         }
         position = m->offset + m->length;
     }
@@ -309,9 +362,11 @@ gather(PyObject *self, PyObject *args)
 
     PyObject *crcs = PyList_New(n);
     PyObject *skipped = PyList_New(0);
-    if (crcs == NULL || skipped == NULL) {
+    PyObject *hashes = hashed ? PyList_New(n) : NULL;
+    if (crcs == NULL || skipped == NULL || (hashed && hashes == NULL)) {
         Py_XDECREF(crcs);
         Py_XDECREF(skipped);
+        Py_XDECREF(hashes);
         goto done;
     }
     for (Py_ssize_t k = 0; k < n; k++) {
@@ -325,6 +380,12 @@ gather(PyObject *self, PyObject *args)
         if (value == NULL)
             goto fail_lists;
         PyList_SET_ITEM(crcs, k, value);
+        if (hashed) {
+            value = m->view.obj != NULL ? hex_digest(m->hash) : Py_NewRef(Py_None);
+            if (value == NULL)
+                goto fail_lists;
+            PyList_SET_ITEM(hashes, k, value);
+        }
         if (m->view.obj == NULL) {
             PyObject *at = PyLong_FromSsize_t(k);
             if (at == NULL || PyList_Append(skipped, at) < 0) {
@@ -334,11 +395,13 @@ gather(PyObject *self, PyObject *args)
             Py_DECREF(at);
         }
     }
-    result = Py_BuildValue("(NN)", crcs, skipped);
+    result = hashed ? Py_BuildValue("(NNN)", crcs, skipped, hashes)
+                    : Py_BuildValue("(NN)", crcs, skipped);
     goto done;
 fail_lists:
     Py_DECREF(crcs);
     Py_DECREF(skipped);
+    Py_XDECREF(hashes);
 done:
     if (members != NULL) {
         for (Py_ssize_t k = 0; k < taken && k < n; k++)
@@ -412,7 +475,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
-     "gather(out, arrays, leaves, offsets, lengths) -> (crcs, skipped)"},
+     "gather(out, arrays, leaves, offsets, lengths, hashed=False) -> (crcs, skipped[, hashes])"},
+    {"bind_xxh3", bind_xxh3, METH_O, "bind_xxh3(address) -> None"},
     {"first_mismatch", first_mismatch, METH_VARARGS,
      "first_mismatch(buf, leaves, offsets, lengths, recorded) -> None | (leaf, crc)"},
     {NULL, NULL, 0, NULL},

@@ -1,18 +1,31 @@
 # The compiled module's interface (ckptstore/store/_gather.c); used through
 # ckptstore.store.checksum.gather_crc32c and first_mismatch.
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal, overload
 
 hardware_crc32c: int
 
+@overload
 def gather(
     out: Any,
     arrays: Sequence[Any],
     leaves: Sequence[int],
     offsets: Sequence[int],
     lengths: Sequence[int],
+    hashed: Literal[False] = ...,
     /,
 ) -> tuple[list[int | None], list[int]]: ...
+@overload
+def gather(
+    out: Any,
+    arrays: Sequence[Any],
+    leaves: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    hashed: Literal[True],
+    /,
+) -> tuple[list[int | None], list[int], list[str | None]]: ...
+def bind_xxh3(address: int, /) -> None: ...
 def first_mismatch(
     buf: Any,
     leaves: Sequence[int],

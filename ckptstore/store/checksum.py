@@ -45,6 +45,7 @@ import asyncio
 import base64
 import contextlib
 import contextvars
+import importlib
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -69,6 +70,8 @@ __all__ = [
     "digests",
     "first_mismatch",
     "gather_crc32c",
+    "gather_digests",
+    "native_hashes",
     "hash_threads",
     "in_hash_thread",
     "ledger",
@@ -184,6 +187,80 @@ def gather_crc32c(
         _copy_leaf(out, whole, arrays[leaf], offset, lengths[leaf])
         found[at] = _crc32c.crc32c(whole[offset : offset + lengths[leaf]])
     return found  # type: ignore[return-value]  # every None was replaced
+
+
+def native_hashes() -> bool:
+    """Whether :func:`gather_digests` finds the leaves' xxh3-128 in the compiled pass (with
+    the crc32c, right after each copy, without the GIL): :data:`NATIVE`, and the xxhash
+    package's ``XXH3_128bits`` found in its module and checked to give xxhash's own digest.
+    Otherwise the hashes are a Python loop over the built pack (one GIL hold per leaf)."""
+    global _xxh3_bound
+    if not NATIVE:
+        return False
+    if _xxh3_bound is None:
+        _xxh3_bound = _bind_xxh3()
+    return _xxh3_bound
+
+
+_xxh3_bound: bool | None = None  # found once, on the first native_hashes()
+
+
+def _bind_xxh3() -> bool:
+    import ctypes
+
+    import xxhash
+
+    try:
+        # the package's compiled module, which holds the library and exports its functions
+        compiled = importlib.import_module("xxhash._xxhash").__file__
+        function = ctypes.CDLL(compiled).XXH3_128bits
+    except (ImportError, OSError, AttributeError, TypeError):
+        return False  # another build of the package: the Python loop
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    if not address:
+        return False
+    _gather.bind_xxh3(address)
+    # the same digest as the package's own, on lengths that take each of its code paths
+    for length in (1, 16, 17, 128, 129, 240, 241, 1024, 4096, 100_003):
+        sample = np.arange(length, dtype=np.uint32).astype(np.uint8)
+        out = np.empty(length, np.uint8)
+        _, _, found = _gather.gather(out, [sample], [0], [0], [length], True)
+        if found != [xxhash.xxh3_128_hexdigest(sample)]:  # type: ignore[arg-type]  # a buffer
+            return False
+    return True
+
+
+def gather_digests(
+    out: np.ndarray[Any, np.dtype[np.uint8]],
+    arrays: Sequence[np.ndarray[Any, Any]],
+    leaves: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+) -> tuple[list[int], list[str]]:
+    """:func:`gather_crc32c`, and each leaf's xxh3-128 (32 hex digits, as
+    :func:`~ckptstore.layout.incremental.leaf_hashes` gives), in order: one pass over each
+    leaf where :func:`native_hashes`, else hashed from ``out`` after the copies.
+
+    Raises:
+        ValueError: a leaf reaching past ``out``, or whose size is not its length.
+    """
+    import xxhash  # a dependency of ckptstore; imported here to keep `import ckptstore` light
+
+    whole = memoryview(out)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+    if not native_hashes():
+        crcs = gather_crc32c(out, arrays, leaves, offsets, lengths)
+        digest = xxhash.xxh3_128_hexdigest
+        return crcs, [
+            digest(whole[offsets[leaf] : offsets[leaf] + lengths[leaf]]) for leaf in leaves
+        ]
+    found, skipped, hashes = _gather.gather(out, arrays, leaves, offsets, lengths, True)
+    for at in skipped:  # no C-contiguous buffer: gathered here
+        leaf = leaves[at]
+        offset, end = offsets[leaf], offsets[leaf] + lengths[leaf]
+        _copy_leaf(out, whole, arrays[leaf], offset, lengths[leaf])
+        found[at] = _crc32c.crc32c(whole[offset:end])
+        hashes[at] = xxhash.xxh3_128_hexdigest(whole[offset:end])
+    return found, hashes  # type: ignore[return-value]  # every None was replaced
 
 
 def _copy_leaf(
