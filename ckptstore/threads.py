@@ -18,18 +18,42 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
+import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["Pool", "collection_paused", "wait"]
+__all__ = ["LEAVES_PER_OFFER", "Pool", "collection_paused", "in_turns", "wait"]
 
 _T = TypeVar("_T")
 _Item = tuple[concurrent.futures.Future[Any], Callable[[], Any]]
 
 #: How often a thread waiting in :func:`wait` wakes to act on a signal another thread took.
 SIGNAL_CHECK_SECONDS = 0.1
+
+#: Leaves a per-leaf loop in a worker thread handles between two offers of the GIL
+#: (:func:`in_turns`): 64 small leaves are about 30 us of holding it.
+LEAVES_PER_OFFER = 64
+
+_offer_gil: Callable[[], None] = getattr(os, "sched_yield", lambda: None)
+
+
+def in_turns(items: Sequence[_T], size: int = LEAVES_PER_OFFER) -> Iterator[Sequence[_T]]:
+    """``items`` in slices of ``size``, the GIL offered to other threads before each one.
+
+    A worker thread's Python loop over thousands of small leaves (their hashes, say) keeps
+    the GIL, and every other thread of the process waits up to the interpreter's switch
+    interval (5 ms) each time it needs it: the event loop, the writes' threads and the
+    training loop's own. Measured on 20,000 leaves of 4 KiB, a thread hashing them let the
+    main thread run 3 times in 13 ms, ~5 ms each wait. ``os.sched_yield`` lets the GIL go
+    (a thread waiting for it takes it) and costs about 1 us where nobody waits: with it
+    every 64 leaves the main thread ran 29 times, waiting 0.3 ms at the median, and the
+    hashes took no longer (``time.sleep(0)`` does the same at ~80 us a call).
+    """
+    for start in range(0, len(items), size):
+        _offer_gil()
+        yield items[start : start + size]
 
 
 def wait(futures: Iterable[concurrent.futures.Future[Any]]) -> None:

@@ -90,3 +90,32 @@ def test_wait_is_interrupted_by_a_sigint_another_thread_took() -> None:
         proc.kill()
     assert "KeyboardInterrupt" in err, err
     assert time.monotonic() - start < 20
+
+
+def test_in_turns_offers_the_gil_before_each_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker's per-leaf loop lets other threads have the GIL every few leaves: each slice
+    comes after one offer, and together they are the items, in order."""
+    from ckptstore import threads
+
+    offers: list[int] = []
+    seen: list[int] = []
+    monkeypatch.setattr(threads, "_offer_gil", lambda: offers.append(len(seen)))
+    for turn in threads.in_turns(list(range(10)), 4):
+        seen += turn
+    assert seen == list(range(10))
+    assert offers == [0, 4, 8]
+    assert list(threads.in_turns([], 4)) == []
+
+
+def test_leaf_hashes_let_other_threads_run_between_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    import numpy as np
+
+    from ckptstore import threads
+    from ckptstore.layout.incremental import leaf_hashes
+
+    offers: list[None] = []
+    monkeypatch.setattr(threads, "_offer_gil", lambda: offers.append(None))
+    leaves = [np.full(16, i, np.int32) for i in range(threads.LEAVES_PER_OFFER * 3 + 1)]
+    hashes = leaf_hashes(leaves)
+    assert len(offers) == 4
+    assert len(set(hashes)) == len(leaves)
