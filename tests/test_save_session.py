@@ -22,6 +22,7 @@ from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.lease import LEASE_NAME
 from ckptstore.layout.maintenance import copy_step
 from ckptstore.layout.tree import flatten
+from ckptstore.manager.functions import aload
 from ckptstore.store.base import Store
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper
@@ -191,3 +192,103 @@ async def test_a_save_whose_manifest_is_over_the_cap_leaves_nothing() -> None:
     with pytest.raises(ValueError, match=r"over Settings\.manifest_max_bytes"):
         await write_checkpoint(store, flat, step=1)
     assert await _keys(store) == []
+
+
+class _GatedStore(StoreWrapper):
+    """Holds the put of one data object until :attr:`gate` opens (or 10 s pass, then
+    records the timeout), and records the order of puts and their ends."""
+
+    def __init__(self, inner: Store, held: str) -> None:
+        super().__init__(inner)
+        self.held = held
+        self.gate = asyncio.Event()
+        self.holding = asyncio.Event()  # the held put is waiting
+        self.timed_out = False
+        self.events: list[str] = []
+        self.pending = 0
+
+    async def _put(self, key: str, data: memoryview, mode: Any) -> None:
+        data_object = "/attempt-" in key and not key.endswith(LEASE_NAME)
+        if data_object:
+            self.pending += 1
+        try:
+            if key.endswith(self.held):
+                self.holding.set()
+                try:
+                    await asyncio.wait_for(self.gate.wait(), 10)
+                except TimeoutError:
+                    self.timed_out = True
+            self.events.append(f"put {key.rsplit('/', 1)[-1]}")
+            await self.inner._put(key, data, mode)
+        finally:
+            if data_object:
+                self.pending -= 1
+                self.events.append(f"done {key.rsplit('/', 1)[-1]}")
+
+
+def _small_leaves(count: int = 40) -> dict[str, Any]:
+    rng = np.random.default_rng(7)
+    return {f"w{i:03d}": rng.standard_normal(100).astype(np.float32) for i in range(count)}
+
+
+async def test_the_manifest_is_encoded_while_the_last_write_is_in_flight_then_put_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``write_checkpoint`` builds and encodes the manifest once every object's checksums
+    are known (each pack's when it is built), so that Python overlaps the last writes; the
+    manifest is still put only after every data put returned (invariant 3)."""
+    from ckptstore.config import Settings
+    from ckptstore.layout import commit
+
+    settings = Settings(pack_size=1024, pack_threshold=512)
+    store = _GatedStore(MemoryStore(settings=settings), "pack-000003")
+    real_encode = commit.encode_checked
+    pending_at_encode: list[int] = []
+
+    def encode(manifest: Any, max_bytes: int) -> bytes:
+        pending_at_encode.append(store.pending)
+        store.gate.set()  # the held write may end only once the manifest is encoded
+        return real_encode(manifest, max_bytes)
+
+    monkeypatch.setattr(commit, "encode_checked", encode)
+    state = _small_leaves()
+    info = await write_checkpoint(store, flatten(state), step=1)
+    assert not store.timed_out, "the manifest waited for the last write to end"
+    assert pending_at_encode == [1]  # only the held pack was still being written
+    manifest_put = store.events.index("put manifest.json")
+    assert "done pack-000003" in store.events[:manifest_put]
+    assert all(not e.startswith("done") for e in store.events[manifest_put:])
+    assert info.objects == len((await read_manifest(store, 1)).object_keys) > 3
+    got = await aload(store, 1)
+    for key, value in state.items():
+        np.testing.assert_array_equal(got[key], value)
+
+
+@pytest.mark.parametrize("failing", ["pack-000001", "leaf-"])
+async def test_a_failed_data_write_ends_the_save_with_nothing_left(failing: str) -> None:
+    """A write that fails before or after its object's checksums were known: the save
+    raises the write's error (it does not wait for checksums that never come) and leaves
+    no object and no lease behind."""
+    from ckptstore.config import Settings
+
+    inner = MemoryStore(settings=Settings(pack_size=1024, pack_threshold=512))
+    fault = Fault(frozenset({"put"}), error=StoreError("disk gone"), key=failing)
+    store = FaultStore(inner, [fault])
+    state = {**_small_leaves(), "big": np.arange(1000, dtype=np.float32)}
+    with pytest.raises(StoreError, match="disk gone"):
+        await asyncio.wait_for(write_checkpoint(store, flatten(state), step=2), 10)
+    assert await _keys(inner) == []
+
+
+async def test_a_save_cancelled_while_a_write_is_in_flight_leaves_nothing() -> None:
+    from ckptstore.config import Settings
+
+    inner = MemoryStore(settings=Settings(pack_size=1024, pack_threshold=512))
+    store = _GatedStore(inner, "pack-000002")
+    task = asyncio.ensure_future(write_checkpoint(store, flatten(_small_leaves()), step=3))
+    await asyncio.wait_for(store.holding.wait(), 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await _keys(inner) == []
+    assert not await inner.exists(manifest_key(3))
