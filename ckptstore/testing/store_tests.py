@@ -191,6 +191,9 @@ class StoreTests:
         assert await store.list_keys("mp/") == []
 
     @pytest.mark.slow
+    # Over fsspec and gcsfs against fake-gcs-server this took 272 and 276 s in two full runs
+    # and passed the suite's 300 s limit in a third, on a shared 2-core machine.
+    @pytest.mark.timeout(900)
     async def test_multi_gib_sparse_round_trip(self, store: Store) -> None:
         size = self.huge_size
         data = np.zeros(size, dtype=np.uint8)  # untouched pages cost no memory
