@@ -490,8 +490,6 @@ async def write_checkpoint(
                 hash_packs=digests is not None and digests.deferred and native_hashes(),
             )
             writes = asyncio.ensure_future(writer.write_all())
-            # the turns defer() held run once the packs are built (at once if none were held)
-            resuming = asyncio.ensure_future(_resume_once_built(digests, writer))
         except BaseException:
             # the session is abandoned once the hashing thread, which reads the arrays, ended
             await _settled_digests(digests)
@@ -524,8 +522,6 @@ async def write_checkpoint(
             await _settled(writes)
             await _settled_digests(digests)
             raise
-        finally:
-            resuming.cancel()
         return await session.commit(manifest, encoded=encoded)
 
 
@@ -692,15 +688,6 @@ async def _settled_digests(digests: LeafDigests | None) -> None:
         await _settled(digests.hashes)
 
 
-async def _resume_once_built(digests: LeafDigests | None, writer: ObjectWriter) -> None:
-    if digests is None:
-        return
-    try:
-        await writer.packs_built.wait()
-    finally:
-        digests.resume(writer.leaf_hashes if writer.hash_packs else None)
-
-
 async def _settled(work: asyncio.Future[Any] | None) -> None:
     """Wait for ``work`` (a thread's, which cannot be stopped) to end, ignoring its outcome:
     a save that fails does not leave it running on the arrays it was given."""
@@ -856,8 +843,6 @@ class ObjectWriter:
         self.leaf_hashes: list[str | None] = [None] * len(plan.leaf_length)
         self._unchecked = len(plan.objects)
         self._unbuilt = sum(obj.packed for obj in plan.objects)
-        #: Set once every pack is built (or its build failed or was cancelled).
-        self.packs_built = asyncio.Event()
         #: Set once every object's checksums are in :attr:`written` (an object's are known
         #: when it is built, before it is durable) or its write failed (:attr:`failed`): the
         #: manifest can be built while the last writes are still in flight.
@@ -867,7 +852,7 @@ class ObjectWriter:
         if not self._unchecked:
             self.checksummed.set()
         if not self._unbuilt:
-            self.packs_built.set()
+            self._packs_built()
 
     async def write_all(self) -> None:
         """Write every object of the plan; returns once all are durable, and on a failure
@@ -904,7 +889,13 @@ class ObjectWriter:
         if self.plan.objects[index].packed:
             self._unbuilt -= 1
             if not self._unbuilt:
-                self.packs_built.set()
+                self._packs_built()
+
+    def _packs_built(self) -> None:
+        """Every pack is built (or its build failed): the hashing pass's turns that
+        :meth:`LeafDigests.defer` held run now, taking the hashes the builds found."""
+        if self.digests is not None:
+            self.digests.resume(self.leaf_hashes if self.hash_packs else None)
 
     async def _write_leaf(self, index: int, known: Callable[[Sequence[int], int], None]) -> None:
         obj = self.plan.objects[index]
