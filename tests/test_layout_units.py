@@ -932,6 +932,41 @@ def test_a_manifest_keeps_every_plain_value_and_key_exactly(value: Any, tmp_path
     assert key in manifest.paths
 
 
+def test_manifest_bodies_go_to_json_only_where_orjson_would_read_an_int_as_a_float() -> None:
+    """A body goes to json, which is slower, only where it may hold an integer literal
+    outside 64 bits. A run of 20 decimal digits inside a 128-bit hex digest is no such
+    literal: 20,000-leaf manifests, which nearly always hold one, are read by orjson.
+    Whichever reads it, every body reads as json reads it: exactly, int or float."""
+    from ckptstore.layout import manifest as m
+
+    digest = "1862424802015684979860ad8c4ba0f9"  # 20 digits after the opening quote
+    assert not m._wide_int(json.dumps({"xxh3": [digest, "ab" + digest[:30]]}).encode())
+    assert not m._wide_int(b"[0.12345678901234567890123, 1e+12345678901234567890, 2]")
+    wide = [str(2**64), str(-(2**63) - 1), "123456789012345678901.5"]
+    for literal in wide:
+        for shape in ("{0}", "[{0}]", "[1,{0}]", '{{"k":{0}}}', "[ {0}]", "[\n\t\r{0}]"):
+            assert m._wide_int(shape.format(literal).encode()), shape.format(literal)
+
+    rng = np.random.default_rng(31)
+    alphabet = list("0123456789abcdef-.e:, ")
+    for _ in range(3000):
+        parts: list[Any] = []
+        for _ in range(int(rng.integers(1, 6))):
+            pick = int(rng.integers(0, 4))
+            if pick == 0:
+                parts.append("".join(rng.choice(alphabet, int(rng.integers(0, 40)))))
+            elif pick == 1:
+                parts.append(int(rng.integers(-9, 10)) * 10 ** int(rng.integers(0, 25)) - 1)
+            elif pick == 2:
+                parts.append(float(rng.normal()) * 10.0 ** int(rng.integers(-30, 30)))
+            else:
+                parts.append({"h": "".join(rng.choice(list("0123456789"), 24))})
+        body = json.dumps(parts).encode()
+        read = m._loads(body)
+        assert read == json.loads(body)
+        assert [type(x) for x in read] == [type(x) for x in json.loads(body)], body
+
+
 def test_a_manifest_body_joined_from_its_pieces_is_one_document_under_its_crc(
     tmp_path: Path,
 ) -> None:
