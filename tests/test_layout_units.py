@@ -121,6 +121,35 @@ def test_paths_escape_separators() -> None:
     assert flatten(np.zeros(3)).paths == [""]
 
 
+def test_a_container_of_plain_arrays_is_flattened_in_bulk_as_leaf_by_leaf() -> None:
+    """A dict or list whose children are all plain numpy arrays is added in one step, not
+    leaf by leaf: the same indices, paths, attrs and tree as the walk gives leaf by leaf (a
+    container of one array, or of arrays and other values, still goes that way), and an
+    array of a dtype no checkpoint holds is still named by its path."""
+    a, b, c, d = (np.full(2, i, np.float32) for i in range(4))
+    e = np.arange(3, dtype=np.int8)
+    m = np.zeros(2).view(np.memmap)  # a subclass: leaf by leaf, as an array
+    state = {"mlp": {"w/1": a, "b": b}, "one": [c], "mixed": [d, 3, m], "ints": (e, e)}
+    flat = flatten(state)
+    assert flat.paths == ["mlp/w~11", "mlp/b", "one/0", "mixed/0", "mixed/2", "ints/0", "ints/1"]
+    assert [x is y for x, y in zip(flat.arrays, [a, b, c, d, m, e, e], strict=True)] == [
+        True, True, True, True, False, True, True
+    ]  # fmt: skip
+    assert flat.attrs == [None] * 7
+    assert flat.tree == {
+        "d": ["mlp", "one", "mixed", "ints"],
+        "c": [
+            {"d": ["w/1", "b"], "c": [0, 1]},
+            {"l": [2]},
+            {"l": [3, {"v": 3}, 4]},
+            {"t": [5, 6]},
+        ],
+    }
+    assert_same_state(unflatten(flat.tree, flat.arrays), state)
+    with pytest.raises(UnsupportedLeafError, match=r"'layer/q'.*dtype object"):
+        flatten({"layer": {"k": a, "q": np.array([None, 1]), "v": b}})
+
+
 def test_unflatten_with_selection_prunes() -> None:
     state = {"m": {"w": np.zeros(2), "b": np.ones(2)}, "l": [np.zeros(1), 5], "x": 1}
     flat = flatten(state)

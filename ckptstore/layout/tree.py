@@ -58,7 +58,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from operator import itemgetter
+from operator import attrgetter, itemgetter
 from typing import Any
 
 import numpy as np
@@ -562,14 +562,28 @@ def flatten(
                 "use arrays, nested dicts/lists/tuples/dataclasses and plain JSON values "
                 "(nothing is pickled)",
             )
-        children = [
-            # a leaf of a type ``convert`` took goes to it here, without a visit of its own
-            # (one call and its type checks fewer for each leaf of every save)
-            add_array(converted[0], child, converted[1])
-            if type(value) in converted_types and (converted := convert(value, child)) is not None  # type: ignore[misc]
-            else visit(value, child, depth + 1)
-            for value, child in zip(found.values, _child_paths(found, path, depth), strict=True)
-        ]
+        values = found.values
+        child_paths = _child_paths(found, path, depth)
+        children: list[Any]
+        if _all_plain_arrays(values, storable):
+            # a container of plain numpy arrays alone, of dtypes found storable (a flat dict
+            # of 20,000 weights): added in bulk, without a call per leaf (the staging walk
+            # of such a dict took 12 ms leaf by leaf, 5 ms so)
+            start = len(arrays)
+            arrays.extend(values)
+            paths.extend(child_paths)
+            attrs.extend([None] * len(values))
+            children = list(range(start, len(arrays)))
+        else:
+            children = [
+                # a leaf of a type ``convert`` took goes to it here, without a visit of its
+                # own (one call and its type checks fewer for each leaf of every save)
+                add_array(converted[0], child, converted[1])
+                if type(value) in converted_types
+                and (converted := convert(value, child)) is not None  # type: ignore[misc]
+                else visit(value, child, depth + 1)
+                for value, child in zip(values, child_paths, strict=True)
+            ]
         if found.tag == "d":
             if kind is OrderedDict:
                 return {"d": list(found.keys), "c": children, "o": 1}
@@ -578,6 +592,22 @@ def flatten(
 
     flat.tree = visit(state, "", 0)
     return flat
+
+
+def _all_plain_arrays(values: Sequence[Any], storable: set[np.dtype[Any]]) -> bool:
+    """Whether ``values`` (more than one) are all numpy arrays of that exact type, of dtypes
+    in ``storable`` or storable (which are added to it). False for a dtype that is not: the
+    walk then visits leaf by leaf and names the first such leaf."""
+    if len(values) < 2 or set(map(type, values)) != {np.ndarray}:
+        return False
+    for dtype in set(map(_DTYPE, values)) - storable:
+        if dtype_name(dtype) is None:
+            return False
+        storable.add(dtype)
+    return True
+
+
+_DTYPE = attrgetter("dtype")
 
 
 def _plain(value: bool | int | float | str) -> bool | int | float | str:
