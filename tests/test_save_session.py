@@ -292,3 +292,25 @@ async def test_a_save_cancelled_while_a_write_is_in_flight_leaves_nothing() -> N
         await task
     assert await _keys(inner) == []
     assert not await inner.exists(manifest_key(3))
+
+
+async def test_a_save_of_a_committed_step_is_refused_and_leaves_that_step_as_it_was() -> None:
+    store = _store()
+    await write_checkpoint(store, flatten(_small_leaves()), step=1)
+    before = await _keys(store)
+    with pytest.raises(CommitConflictError):
+        await write_checkpoint(store, flatten(_small_leaves(8)), step=1)
+    assert await _keys(store) == before
+
+
+async def test_a_save_cancelled_while_its_lease_is_put_leaves_nothing() -> None:
+    inner = _store()
+    store = _GatedStore(inner, LEASE_NAME)
+    task = asyncio.ensure_future(write_checkpoint(store, flatten(_small_leaves()), step=3))
+    await asyncio.wait_for(store.holding.wait(), 10)
+    task.cancel()
+    store.gate.set()  # the lease's put ends after the cancellation
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not store.timed_out
+    assert await _keys(inner) == []
