@@ -1049,6 +1049,38 @@ async def test_leaf_digests_turns_are_bounded_in_leaves_and_bytes(
         commit.LeafDigests(arrays, crc_from=1 << 20, lengths=[1, 2])
 
 
+async def test_leaf_digests_turns_match_a_walk_over_the_leaves(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
+) -> None:
+    """The turns and which leaves are hashed for their crc32c are found in bulk: the same
+    as a walk over the leaves that ends a turn at the leaf bringing its bytes to the goal,
+    at HASH_TURN_LEAVES leaves, or at the last leaf (empty leaves, and a leaf alone over the
+    goal, included)."""
+    from ckptstore.layout import commit
+    from ckptstore.layout.incremental import leaf_hashes
+
+    monkeypatch.setattr(commit, "HASH_TURN_LEAVES", 7)
+    monkeypatch.setattr(commit, "FIRST_TURN_BYTES", 50)
+    monkeypatch.setattr(commit, "HASH_TURN_BYTES", 120)
+    rng = np.random.default_rng(5)
+    for count in (0, 1, 2, 9, 40, 300):
+        sizes = [int(x) for x in rng.choice([0, 1, 8, 30, 64, 119, 120, 500], count)]
+        turns, start, size, goal = [], 0, 0, 50
+        for end, nbytes in enumerate(sizes, start=1):
+            size += nbytes
+            if size >= goal or end - start >= 7 or end == len(sizes):
+                turns.append((start, end))
+                start, size, goal = end, 0, 120
+        arrays = [np.zeros(n, np.uint8) for n in sizes]
+        for below in (None, 100):
+            digests = commit.LeafDigests(arrays, crc_from=64, crc_below=below, lengths=sizes)
+            assert digests._turns == turns
+            assert digests._turn_of == [t for t, (a, b) in enumerate(turns) for _ in range(a, b)]
+            limit = below if below is not None else math.inf
+            assert digests._with_crc == [64 <= n < limit for n in sizes]
+            assert await digests.hashes == leaf_hashes(arrays)
+
+
 async def test_held_turns_wait_for_resume_and_take_the_hashes_given(
     monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
 ) -> None:
