@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -165,3 +166,31 @@ async def test_checkpoint_save_refused_without_single_writer() -> None:
     with pytest.raises(NotSupportedError, match="memory://"):
         await asave(store, {"x": np.ones(3)}, step=1)
     assert await alist_steps(store) == []
+
+
+async def test_a_put_in_one_request_gets_a_deadline_per_part(tmp_path: Path) -> None:
+    """fsspec writes an object in one pipe_file, so a deadline meant for one part would fail
+    every large put on a slow link: the deadline counts once per ``part_size`` of the body."""
+    from ckptstore.errors import DeadlineExceededError
+
+    store = open_store(
+        f"local://{tmp_path}/slow",
+        single_writer=True,
+        request_deadline=0.5,
+        part_size="1MiB",
+        retry_attempts=1,
+    )
+    assert isinstance(store, FsspecStore)
+    pipe_file = store.fs.pipe_file
+
+    def slow_pipe_file(*args: object, **kwargs: object) -> object:
+        time.sleep(0.8)  # longer than one deadline, far shorter than four
+        return pipe_file(*args, **kwargs)
+
+    store.fs.pipe_file = slow_pipe_file  # type: ignore[method-assign]
+    async with store:
+        body = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: four parts, a 2 s deadline
+        await store.put("big", body)
+        assert await store.get("big") == body.tobytes()
+        with pytest.raises(DeadlineExceededError, match=r"request deadline of 0\.5 s"):
+            await store.put("small", b"x" * 1000)  # one part: 0.5 s

@@ -273,14 +273,18 @@ class FsspecStore(base.Store):
     def _path(self, key: str) -> str:
         return f"{self._root}/{key}" if self._root else key
 
-    async def _call(self, name: str, key: str, *args: Any, **kwargs: Any) -> Any:
+    async def _call(
+        self, name: str, key: str, *args: Any, body_bytes: int = 0, **kwargs: Any
+    ) -> Any:
         """:meth:`_invoke` under the transport policy's retries, its failures translated
-        into ckptstore's errors (``key`` names the object in messages)."""
+        into ckptstore's errors (``key`` names the object in messages). ``body_bytes``: the
+        bytes the call moves in one request, which scale its deadline."""
         try:
             return await self._transport.run(
                 lambda: self._invoke(name, *args, **kwargs),
                 transient=_transient,
                 what=f"{name} {self.url}/{key}",
+                body_bytes=body_bytes,
             )
         except Exception as exc:
             raise self._translate(exc, name, key) from None
@@ -342,15 +346,16 @@ class FsspecStore(base.Store):
         path = self._path(key)
         await self._ensure_parent(path)
         body: memoryview | bytes = bytes(data) if self._bytes_only else data
+        size = len(data)  # one pipe_file moves the whole body: its deadline scales with it
         if mode == "overwrite":
-            await self._call("pipe_file", key, path, body)
+            await self._call("pipe_file", key, path, body, body_bytes=size)
         elif self._atomic:
-            await self._call("pipe_file", key, path, body, mode="create")
+            await self._call("pipe_file", key, path, body, body_bytes=size, mode="create")
         else:
             async with self._create_lock:  # single_writer: check-then-write, one at a time
                 if await self._exists(key, path):
                     raise errors.AlreadyExistsError(f"{self.url}/{key} already exists")
-                await self._call("pipe_file", key, path, body)
+                await self._call("pipe_file", key, path, body, body_bytes=size)
 
     async def _exists(self, key: str, path: str) -> bool:
         try:
@@ -376,7 +381,9 @@ class FsspecStore(base.Store):
         # docstring inherited
         end = start + len(out)
         try:
-            data = await self._call("cat_file", key, self._path(key), start=start, end=end)
+            data = await self._call(
+                "cat_file", key, self._path(key), start=start, end=end, body_bytes=len(out)
+            )
         except errors.InvalidRangeError:  # HTTP-backed drivers: 416 Range Not Satisfiable
             raise errors.InvalidRangeError(
                 f"range [{start}, {end}) reaches past the end of {self.url}/{key}"

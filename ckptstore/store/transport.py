@@ -573,6 +573,7 @@ class Transport:
         transient: Callable[[BaseException], bool],
         what: str,
         hedge_bytes: int | None = None,
+        body_bytes: int = 0,
     ) -> _T:
         """Await ``request()`` until it succeeds, retrying failures ``transient`` accepts.
 
@@ -595,7 +596,7 @@ class Transport:
         # A request runs as a task of its own that a cancelled caller does not cancel: an
         # upload whose body the server has may still create its object, and cleanup after an
         # interrupt (settle, then delete) must come after it. It ends by its deadline.
-        work = asyncio.ensure_future(self._bounded(request, transient, what))
+        work = asyncio.ensure_future(self._bounded(request, transient, what, body_bytes))
         self._running.add(work)
         work.add_done_callback(self._ended)
         return await asyncio.shield(work)
@@ -615,8 +616,10 @@ class Transport:
         request: Callable[[], Awaitable[_T]],
         transient: Callable[[BaseException], bool],
         what: str,
+        body_bytes: int,
     ) -> _T:
-        limit = self._settings().transport.request_deadline
+        settings = self._settings().transport
+        limit = settings.request_deadline * max(1, -(-body_bytes // settings.part_size))
         tries: list[BaseException] = []
         timeout = asyncio.timeout(limit)
         try:
