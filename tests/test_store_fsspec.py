@@ -168,15 +168,12 @@ async def test_checkpoint_save_refused_without_single_writer() -> None:
     assert await alist_steps(store) == []
 
 
-async def test_a_put_in_one_request_gets_a_deadline_per_part(tmp_path: Path) -> None:
-    """fsspec writes an object in one pipe_file, so a deadline meant for one part would fail
-    every large put on a slow link: the deadline counts once per ``part_size`` of the body."""
-    from ckptstore.errors import DeadlineExceededError
-
+def _slow_store(root: Path, deadline: float) -> FsspecStore:
+    """A local fsspec store whose pipe_file takes 0.8 s longer, parts of 1 MiB."""
     store = open_store(
-        f"local://{tmp_path}/slow",
+        f"local://{root}",
         single_writer=True,
-        request_deadline=0.5,
+        request_deadline=deadline,
         part_size="1MiB",
         retry_attempts=1,
     )
@@ -184,13 +181,29 @@ async def test_a_put_in_one_request_gets_a_deadline_per_part(tmp_path: Path) -> 
     pipe_file = store.fs.pipe_file
 
     def slow_pipe_file(*args: object, **kwargs: object) -> object:
-        time.sleep(0.8)  # longer than one deadline, far shorter than four
+        time.sleep(0.8)
         return pipe_file(*args, **kwargs)
 
     store.fs.pipe_file = slow_pipe_file  # type: ignore[method-assign]
-    async with store:
-        body = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: four parts, a 2 s deadline
-        await store.put("big", body)
+    return store
+
+
+async def test_a_put_in_one_request_gets_a_deadline_per_part(tmp_path: Path) -> None:
+    """fsspec writes an object in one pipe_file, so a deadline meant for one part would fail
+    every large put on a slow link: the deadline counts once per ``part_size`` of the body."""
+    from ckptstore.errors import DeadlineExceededError
+
+    body = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: four parts
+    async with _slow_store(tmp_path / "a", 0.5) as store:  # 0.8 s: over one deadline
+        await store.put("big", body)  # under four
         assert await store.get("big") == body.tobytes()
-        with pytest.raises(DeadlineExceededError, match=r"request deadline of 0\.5 s"):
-            await store.put("small", b"x" * 1000)  # one part: 0.5 s
+        with pytest.raises(DeadlineExceededError) as raised:
+            await store.put("small", np.zeros(1 << 18, np.float32))  # 1 MiB: one part
+        assert "request deadline of 0.5 s (Settings.request_deadline) after" in str(raised.value)
+    async with _slow_store(tmp_path / "b", 0.1) as store:  # four parts: 0.4 s
+        with pytest.raises(DeadlineExceededError) as raised:
+            await store.put("big", body)
+    assert (
+        "request deadline of 0.4 s (Settings.request_deadline, 0.1 s per part_size of its "
+        "4,194,304-byte body)" in str(raised.value)
+    )

@@ -619,7 +619,8 @@ class Transport:
         body_bytes: int,
     ) -> _T:
         settings = self._settings().transport
-        limit = settings.request_deadline * max(1, -(-body_bytes // settings.part_size))
+        parts = max(1, -(-body_bytes // settings.part_size))
+        limit = settings.request_deadline * parts
         tries: list[BaseException] = []
         timeout = asyncio.timeout(limit)
         try:
@@ -629,9 +630,14 @@ class Transport:
             if not timeout.expired():
                 raise  # a timeout of the client's own, raised by the last try
             last = f"; the last try failed with {tries[-1]}" if tries else ""
+            scaled = (
+                f", {settings.request_deadline:g} s per part_size of its {body_bytes:,}-byte body"
+                if parts > 1
+                else ""
+            )
             raise errors.DeadlineExceededError(
                 f"{what}: no complete answer within the request deadline of {limit:g} s "
-                f"(Settings.request_deadline) after {len(tries) + 1} tries{last}; the "
+                f"(Settings.request_deadline{scaled}) after {len(tries) + 1} tries{last}; the "
                 f"server at {self.endpoint} accepts but does not answer, or answers too "
                 "slowly"
             ) from None
