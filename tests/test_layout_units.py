@@ -16,9 +16,10 @@ import pytest
 
 import ckptstore
 from ckptstore.config import Settings
+from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
 from ckptstore.layout.keys import manifest_key
-from ckptstore.layout.manifest import Manifest
+from ckptstore.layout.manifest import Manifest, SharedManifests
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import (
     MAX_DEPTH,
@@ -213,6 +214,28 @@ def test_typed_values_and_ordered_dicts_round_trip_through_the_tree() -> None:
     assert selected == {"dtypes": [None, torch.float8_e5m2, None]}
 
 
+def _empty_manifest(step: int, metadata: Any = None, tree: Any = None) -> Manifest:
+    """A manifest of no arrays, with ``tree`` (an empty dict's if not given)."""
+    return Manifest(
+        step=step,
+        attempt="attempt-000000000001-0000000000000001",
+        created=0.0,
+        metadata=metadata,
+        tree=flatten({}).tree if tree is None else tree,
+        object_keys=[],
+        object_lengths=[],
+        object_crcs=[],
+        paths=[],
+        dtypes=[],
+        shapes=[],
+        leaf_object=[],
+        leaf_offset=[],
+        leaf_length=[],
+        leaf_crc=[],
+        attrs=[],
+    )
+
+
 def test_a_manifest_is_version_4_only_when_its_tree_needs_it() -> None:
     """The version is found by a search of the tree's JSON: a user's keys and strings that
     spell the new fields do not count, an ordered dict or a typed value does."""
@@ -220,24 +243,7 @@ def test_a_manifest_is_version_4_only_when_its_tree_needs_it() -> None:
 
     def version(state: Any) -> int:
         flat = flatten(state)
-        manifest = Manifest(
-            step=1,
-            attempt="attempt-000000000001-0000000000000001",
-            created=0.0,
-            metadata={"o": 1, "x": '{"x":'},
-            tree=flat.tree,
-            object_keys=[],
-            object_lengths=[],
-            object_crcs=[],
-            paths=[],
-            dtypes=[],
-            shapes=[],
-            leaf_object=[],
-            leaf_offset=[],
-            leaf_length=[],
-            leaf_crc=[],
-            attrs=[],
-        )
+        manifest = _empty_manifest(1, {"o": 1, "x": '{"x":'}, flat.tree)
         data = manifest.encode()
         assert Manifest.parse(data, step=1).tree == flat.tree
         return int(data[len(b'{"format":"ckptstore","version":') :].split(b",")[0])
@@ -248,6 +254,42 @@ def test_a_manifest_is_version_4_only_when_its_tree_needs_it() -> None:
     assert version(OrderedDict()) == 4
     torch = pytest.importorskip("torch")
     assert version({"a": [torch.int8]}) == 4
+
+
+def test_shared_manifests_spare_the_parse_of_the_same_bytes_only() -> None:
+    held = SharedManifests(entries=2, max_bytes=1 << 20)
+    data = _empty_manifest(3, {"n": 1}).encode()
+    first = held.parse(data, 3, 1 << 20, "m")
+    assert first.metadata == {"n": 1}
+    assert held.parse(bytes(bytearray(data)), 3, 1 << 20, "m") is first  # equal bytes
+    # other bytes are parsed (and validated) anew: a changed manifest is never served
+    other = _empty_manifest(3, {"n": 2}).encode()
+    assert held.parse(other, 3, 1 << 20, "m").metadata == {"n": 2}
+    flipped = data.replace(b'"n":1', b'"n":7')
+    with pytest.raises(CorruptCheckpointError, match="crc32c mismatch"):
+        held.parse(flipped, 3, 1 << 20, "m")
+    # nor are bytes held for one step served for another
+    with pytest.raises(CorruptCheckpointError, match="read as step 4"):
+        held.parse(data, 4, 1 << 20, "m")
+    assert len(held) == 2
+
+
+def test_shared_manifests_drop_the_least_recently_used_and_keep_to_their_bytes() -> None:
+    held = SharedManifests(entries=2, max_bytes=1 << 20)
+    a, b, c = (_empty_manifest(step).encode() for step in (1, 2, 3))
+    ma, mb = held.parse(a, 1, 1 << 20, "a"), held.parse(b, 2, 1 << 20, "b")
+    assert held.parse(a, 1, 1 << 20, "a") is ma  # a is now the most recently used
+    held.parse(c, 3, 1 << 20, "c")
+    assert held.parse(a, 1, 1 << 20, "a") is ma
+    assert held.parse(b, 2, 1 << 20, "b") is not mb  # b was dropped, so parsed again
+    big = _empty_manifest(9, "x" * 5000).encode()
+    small = SharedManifests(entries=8, max_bytes=len(big) - 1)
+    assert small.parse(big, 9, 1 << 20, "big") is not small.parse(big, 9, 1 << 20, "big")
+    assert len(small) == 0  # over the bytes alone: parsed, never held
+    two = SharedManifests(entries=8, max_bytes=len(b) + len(c))
+    for step, data in ((1, a), (2, b), (3, c)):
+        two.parse(data, step, 1 << 20, "m")
+    assert len(two) == 2  # the third went over the bytes: the oldest was dropped
 
 
 def test_dtype_names_round_trip_and_keep_byte_order() -> None:

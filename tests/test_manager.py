@@ -16,6 +16,7 @@ import pytest
 
 import ckptstore
 from ckptstore import CommitConflictError, NotFoundError, StoreError
+from ckptstore.layout.manifest import Manifest
 from ckptstore.manager import CheckpointManager
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import Fault, FaultStore
@@ -279,6 +280,28 @@ def test_max_to_keep_keeps_the_newest() -> None:
         assert int(mgr.restore(4)["x"][0]) == 4
         with pytest.raises(NotFoundError):
             mgr.restore(3)
+
+
+def test_retention_parses_each_manifest_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Retention reads the kept steps' manifests every save (to decide, and again after
+    marking), and each save reads its base's: each manifest's bytes are parsed and
+    validated once (Manifest.parse_shared), not at every read."""
+    parsed: list[int | None] = []
+    parse = Manifest.parse.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], data: bytes, **kwargs: Any) -> Manifest:
+        parsed.append(kwargs.get("step"))
+        return parse(cls, data, **kwargs)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Manifest, "parse", classmethod(counted))
+    with CheckpointManager(memory_store("parse-once"), max_to_keep=2) as mgr:
+        for step in range(8):
+            mgr.save(step, {"x": np.full(4, step)})
+            mgr.wait_until_finished()
+        assert mgr.all_steps() == [6, 7]
+        assert int(mgr.restore(6)["x"][0]) == 6
+    # once per step, and once more for the restore, which reads its own (Manifest.parse)
+    assert sorted(parsed) == sorted([*range(8), 6]), parsed
 
 
 def test_keep_period_keeps_every_nth_forever() -> None:

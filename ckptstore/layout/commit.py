@@ -711,7 +711,8 @@ async def base_manifest(store: Store, step: int) -> Manifest | None:
         if candidate == step:
             continue
         try:
-            return await read_manifest(store, candidate)
+            # only read: the plan copies what it takes (the base's own object entries)
+            return await read_manifest(store, candidate, shared=True)
         except (NotFoundError, CorruptCheckpointError):
             return None
     return None
@@ -1186,12 +1187,16 @@ async def _read_existing_manifest(store: Store, step: int) -> Manifest:
 # ---------------------------------------------------------------------- reading the index
 
 
-async def read_manifest(store: Store, step: int, *, under: str = "") -> Manifest:
+async def read_manifest(
+    store: Store, step: int, *, under: str = "", shared: bool = False
+) -> Manifest:
     """Read and validate the manifest of ``step``.
 
     Args:
         under: the prefix of a root inside ``store`` (``"name/"``), for a caller that reads
             the manifests of many roots side by side (Lightning's checkpoints in a directory).
+        shared: the caller only reads the manifest: the bytes read are parsed by
+            :meth:`Manifest.parse_shared`, which spares the parse of bytes it parsed lately.
 
     Raises:
         NotFoundError: the step is not committed.
@@ -1213,7 +1218,8 @@ async def read_manifest(store: Store, step: int, *, under: str = "") -> Manifest
         raise  # not the step: nothing under the URL can be found
     except NotFoundError:
         raise NotFoundError(f"{store.url}: step {step} is not committed (no {key})") from None
-    return Manifest.parse(data, step=step, max_bytes=cap, source=f"{store.url}/{key}")
+    parse = Manifest.parse_shared if shared else Manifest.parse
+    return parse(data, step=step, max_bytes=cap, source=f"{store.url}/{key}")
 
 
 async def _step_candidates(store: Store) -> list[int]:

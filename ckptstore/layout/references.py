@@ -199,7 +199,7 @@ async def _referenced(store: Store, report: ReclaimReport) -> set[str] | None:
 
     async def one(step: int) -> Manifest | None:
         try:
-            return await read_manifest(store, step)
+            return await read_manifest(store, step, shared=True)
         except NotFoundError:
             return None  # deleted meanwhile
         except CorruptCheckpointError:
@@ -370,7 +370,7 @@ async def _retire(store: Store, step: int, known: Manifest | None = None) -> lis
             with contextlib.suppress(NotFoundError, CorruptCheckpointError):
                 # nothing can reference an attempt of a manifest that is not valid
                 data = await store.get(mkey)
-                manifest = Manifest.parse(
+                manifest = Manifest.parse_shared(
                     data, step=step, max_bytes=store.settings.layout.manifest_max_bytes, source=mkey
                 )
         if manifest is not None:

@@ -553,7 +553,7 @@ class CheckpointManager:
                     if self._tiers is not None:  # the same manifest on either tier
                         manifest = await self._tiers.manifest(step)
                     else:
-                        manifest = await read_manifest(self._store, step)
+                        manifest = await read_manifest(self._store, step, shared=True)
                         if read is not None:
                             read[step] = manifest
                         self._uses[step] = frozenset(
