@@ -268,9 +268,11 @@ def test_shared_manifests_spare_the_parse_of_the_same_bytes_only() -> None:
     flipped = data.replace(b'"n":1', b'"n":7')
     with pytest.raises(CorruptCheckpointError, match="crc32c mismatch"):
         held.parse(flipped, 3, 1 << 20, "m")
-    # nor are bytes held for one step served for another
+    # nor are bytes held for one step served for another, or to a reader of a smaller cap
     with pytest.raises(CorruptCheckpointError, match="read as step 4"):
         held.parse(data, 4, 1 << 20, "m")
+    with pytest.raises(CorruptCheckpointError, match="over the"):
+        held.parse(data, 3, len(data) - 1, "m")
     assert len(held) == 2
 
 
