@@ -304,6 +304,17 @@ def test_retention_parses_each_manifest_once(monkeypatch: pytest.MonkeyPatch) ->
     assert sorted(parsed) == sorted([*range(8), 6]), parsed
 
 
+def test_metrics_a_user_changes_do_not_reach_another_manager(tmp_path: Path) -> None:
+    """The manifests retention parses once are shared (Manifest.parse_shared); the metrics
+    a manager hands out come from a manifest of their own."""
+    with CheckpointManager(tmp_path, max_to_keep=3) as mgr:
+        mgr.save(1, {"x": np.ones(2)}, metrics={"loss": 0.5})
+    with CheckpointManager(tmp_path, max_to_keep=3) as first:
+        first.metrics(1)["loss"] = 99.0
+    with CheckpointManager(tmp_path, max_to_keep=3) as second:
+        assert second.metrics(1) == {"loss": 0.5}
+
+
 def test_keep_period_keeps_every_nth_forever() -> None:
     with CheckpointManager(memory_store("period"), max_to_keep=2, keep_period=4) as mgr:
         saves(mgr, range(11))

@@ -553,7 +553,9 @@ class CheckpointManager:
                     if self._tiers is not None:  # the same manifest on either tier
                         manifest = await self._tiers.manifest(step)
                     else:
-                        manifest = await read_manifest(self._store, step, shared=True)
+                        # not shared: the metrics kept below are handed to the user
+                        # (metrics()), who may change them
+                        manifest = await read_manifest(self._store, step)
                         if read is not None:
                             read[step] = manifest
                         self._uses[step] = frozenset(
