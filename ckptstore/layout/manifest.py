@@ -498,12 +498,6 @@ class SharedManifests:
                     self._bytes -= len(dropped)
         return manifest
 
-    def clear(self) -> None:
-        """Drop every manifest held."""
-        with self._lock:
-            self._held.clear()
-            self._bytes = 0
-
 
 #: The process's :class:`SharedManifests`: 8 manifests or 4 MiB of them (a
 #: CheckpointManager's retention reads 3-4 a save; a 496-leaf model's is 107 KB).
