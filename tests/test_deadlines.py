@@ -82,6 +82,38 @@ async def test_a_stalled_read_fails_within_its_deadline(
     assert isinstance(raised.value, StoreError)
 
 
+@pytest.mark.gcs
+async def test_a_put_in_one_request_gets_a_deadline_per_part(
+    server: tuple[str, str, str, dict[str, Any]],
+) -> None:
+    """A put under ``multipart_threshold`` sends its whole body in one request, which may be
+    larger than a part: its deadline counts once per ``part_size`` of the body, so a large
+    put on a slow link is not failed by a deadline meant for one part."""
+    dialect, endpoint, bucket, options = server
+    put = frozenset({"put_object"} if dialect == "s3" else {"upload"})
+    big = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: four parts, one request
+    delay = ProxyFault("delay", ops=put, seconds=0.8)  # over one deadline, under four
+    with FaultProxy(endpoint, [delay], dialect=dialect) as proxy:  # type: ignore[arg-type]
+        store = _store(
+            dialect,
+            proxy.endpoint,
+            bucket,
+            request_deadline=0.5,
+            part_size="1MiB",
+            multipart_threshold="16MiB",
+            retry_attempts=1,
+            **options,
+        )
+        async with store:
+            await store.put("big", big)
+            assert len(proxy.calls(*put)) == 1  # the whole body in one request
+            with pytest.raises(DeadlineExceededError) as raised:
+                await store.put("small", np.zeros(1 << 18, np.float32))  # 1 MiB: one part
+            proxy.set_faults([])
+            assert await store.get("big") == big.tobytes()
+    assert "request deadline of 0.5 s (Settings.request_deadline) after" in str(raised.value)
+
+
 @pytest.mark.s3
 async def test_retries_stop_at_the_deadline_with_the_last_failure_named(moto_s3: Any) -> None:
     """A server answering 503 to every try would be retried 10 times with pauses of up to

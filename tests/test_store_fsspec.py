@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckptstore import open_store
-from ckptstore.errors import AlreadyExistsError, NotSupportedError
+from ckptstore.errors import AlreadyExistsError, DeadlineExceededError, NotSupportedError
 from ckptstore.manager.functions import alist_steps, asave
 from ckptstore.store.fsspec import FsspecStore
 from ckptstore.testing import CheckpointTests, StoreTests
@@ -191,8 +191,6 @@ def _slow_store(root: Path, deadline: float) -> FsspecStore:
 async def test_a_put_in_one_request_gets_a_deadline_per_part(tmp_path: Path) -> None:
     """fsspec writes an object in one pipe_file, so a deadline meant for one part would fail
     every large put on a slow link: the deadline counts once per ``part_size`` of the body."""
-    from ckptstore.errors import DeadlineExceededError
-
     body = np.arange(1 << 20, dtype=np.float32)  # 4 MiB: four parts
     async with _slow_store(tmp_path / "a", 0.5) as store:  # 0.8 s: over one deadline
         await store.put("big", body)  # under four

@@ -324,12 +324,15 @@ class GCSStore(base.Store):
         headers: dict[str, str] | None = None,
         body: Callable[[], Any] | None = None,
         hedge_bytes: int | None = None,
+        body_bytes: int = 0,
     ) -> _T:
         """Send one request, retrying transient failures; ``handle`` reads a 2xx response.
 
         ``handle`` may raise :class:`_Transient` (a short or corrupt body) to retry. Error
         statuses are translated by :meth:`_raise_for`. A ranged read passes ``hedge_bytes``
-        (:class:`~ckptstore.store.transport.Hedger`).
+        (:class:`~ckptstore.store.transport.Hedger`); an upload passes ``body_bytes``, the
+        size of its body, which scales its deadline (:meth:`~ckptstore.store.transport.
+        Transport.run`).
         """
 
         async def attempt() -> _T:
@@ -348,7 +351,11 @@ class GCSStore(base.Store):
 
         try:
             return await self._transport.run(
-                attempt, transient=_transient, what=what, hedge_bytes=hedge_bytes
+                attempt,
+                transient=_transient,
+                what=what,
+                hedge_bytes=hedge_bytes,
+                body_bytes=body_bytes,
             )
         except errors.DeadlineExceededError:
             raise  # said already, with the deadline
@@ -417,7 +424,9 @@ class GCSStore(base.Store):
             return meta
 
         url = f"{self._fs._location}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
-        return await self._request("POST", url, handle, what=what, params=params, body=body)
+        return await self._request(
+            "POST", url, handle, what=what, params=params, body=body, body_bytes=len(data)
+        )
 
     async def _put(self, key: str, data: memoryview, mode: base.PutMode) -> None:
         # docstring inherited

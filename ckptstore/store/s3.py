@@ -644,12 +644,24 @@ class S3Store(base.Store):
         raise self._translate(exc, op, key) from None
 
     async def _call(
-        self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
+        self,
+        op: str,
+        key: str,
+        fn: Callable[..., Awaitable[_T]],
+        /,
+        *,
+        body_bytes: int = 0,
+        **params: Any,
     ) -> _T:
         """One API call under the transport policy's retries; the last raw botocore
-        exception propagates (callers translate it, some inspect it first)."""
+        exception propagates (callers translate it, some inspect it first). ``body_bytes``:
+        the size of a body sent in one request, which scales its deadline
+        (:meth:`~ckptstore.store.transport.Transport.run`)."""
         return await self._transport.run(
-            lambda: fn(**params), transient=_transient, what=f"{op} {self._where(key)}"
+            lambda: fn(**params),
+            transient=_transient,
+            what=f"{op} {self._where(key)}",
+            body_bytes=body_bytes,
         )
 
     async def _request(
@@ -845,7 +857,7 @@ class S3Store(base.Store):
             elif await self._exists_raw(key):  # single_writer on a server without conditions
                 raise errors.AlreadyExistsError(f"{self._where(key)} already exists")
         try:
-            await self._call("put", key, client.put_object, **params)
+            await self._call("put", key, client.put_object, body_bytes=len(data), **params)
         except bx.ClientError as exc:
             if mode == "create" and _precondition_failed(exc):
                 # A retried request (botocore's, or aiohttp's own resend on a dropped

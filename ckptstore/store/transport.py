@@ -581,9 +581,11 @@ class Transport:
         number of attempts made, for :func:`attempts_made`. A first contact that finds no
         server raises :class:`Unreachable` instead. The tries and the pauses between them
         share one deadline (``Settings.request_deadline``): past it, the try in flight is
-        cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised. A read of
-        ``hedge_bytes`` bytes of an immutable object may be hedged (:class:`Hedger`): a try
-        that is slow against its peers is sent a second time, and the first answer wins.
+        cancelled and :class:`~ckptstore.errors.DeadlineExceededError` is raised; a request
+        that sends a body of ``body_bytes`` in one piece gets that deadline once per
+        ``part_size`` of it. A read of ``hedge_bytes`` bytes of an immutable object may be
+        hedged (:class:`Hedger`): a try that is slow against its peers is sent a second
+        time, and the first answer wins.
         """
         if hedge_bytes is not None:
             hedger = self.hedger
