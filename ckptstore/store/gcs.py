@@ -331,8 +331,8 @@ class GCSStore(base.Store):
         ``handle`` may raise :class:`_Transient` (a short or corrupt body) to retry. Error
         statuses are translated by :meth:`_raise_for`. A ranged read passes ``hedge_bytes``
         (:class:`~ckptstore.store.transport.Hedger`); an upload passes ``body_bytes``, the
-        size of its body, which scales its deadline (:meth:`~ckptstore.store.transport.
-        Transport.run`).
+        size of its body, which scales its deadline
+        (:meth:`~ckptstore.store.transport.Transport.run`).
         """
 
         async def attempt() -> _T:
