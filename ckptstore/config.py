@@ -84,8 +84,9 @@ class TransportSettings:
             second cannot hold a save or a restore for hours. A request moves at most one
             part (``part_size``) or range, so the default leaves 32 MiB more than 10 s at
             under 1 MiB/s; one that must move a larger body in one piece (an fsspec put is
-            one ``pipe_file``; an S3 or GCS put under ``multipart_threshold`` is one request)
-            gets the deadline once per ``part_size`` of the body.
+            one ``pipe_file``; an S3 or GCS put under ``multipart_threshold`` is one request;
+            S3 grows parts to its 5 MiB minimum, or to fit 10,000 parts) gets the deadline
+            once per ``part_size`` of the body.
         hedged_reads: the largest share of an object store's ranged reads sent a second time
             when slow against their peers (twice the median time per MiB of the last
             64 reads, at least 50 ms); the first answer wins (``ckptstore.store.transport.

@@ -115,6 +115,32 @@ async def test_a_put_in_one_request_gets_a_deadline_per_part(
 
 
 @pytest.mark.s3
+async def test_a_part_grown_past_part_size_gets_a_deadline_per_part_size(moto_s3: Any) -> None:
+    """S3 refuses parts under 5 MiB, so a smaller ``part_size`` uploads 5 MiB parts (and
+    objects over ``max_parts`` parts grow theirs too): each part's deadline counts once per
+    ``part_size`` of that part, as a put in one request does."""
+    delay = ProxyFault("delay", ops=frozenset({"upload_part"}), seconds=0.8)
+    with FaultProxy(moto_s3.endpoint, [delay]) as proxy:
+        store = _store(
+            "s3",
+            proxy.endpoint,
+            moto_s3.bucket,
+            region=moto_s3.region,
+            request_deadline=0.5,  # over the delay for 5 MiB, under it for one part_size
+            part_size="1MiB",
+            multipart_threshold="6MiB",
+            retry_attempts=1,
+        )
+        async with store:
+            assert store.part_size_for(10 << 20) == 5 << 20
+            body = np.arange(10 << 18, dtype=np.float32)  # 10 MiB: two parts of 5 MiB
+            await store.put("big", body)
+            assert len(proxy.calls("upload_part")) == 2
+            proxy.set_faults([])
+            assert await store.get("big") == body.tobytes()
+
+
+@pytest.mark.s3
 async def test_retries_stop_at_the_deadline_with_the_last_failure_named(moto_s3: Any) -> None:
     """A server answering 503 to every try would be retried 10 times with pauses of up to
     5 s; the deadline cuts the tries and the pauses short and names the last failure."""

@@ -1324,6 +1324,7 @@ class _S3Upload(base.MultipartUpload):
             PartNumber=index + 1,
             Body=_ViewBody(data),
             ChecksumCRC32C=crc,
+            body_bytes=len(data),  # part_size_for may grow a part past part_size
         )
         self._parts[index] = (response["ETag"], crc)
 
