@@ -30,7 +30,7 @@ import ckptstore.dcp
 from ckptstore import background
 from ckptstore.store.registry import open_store
 from ckptstore.store.wrappers import CountingStore
-from tests.multirank import KILL_ME
+from tests.multirank import KILL_ME, join_group
 
 #: Store options (an S3 endpoint...) as JSON, from the test.
 OPTIONS: dict[str, Any] = json.loads(os.environ.get("CKPTSTORE_TEST_STORE_OPTIONS", "{}"))
@@ -215,7 +215,7 @@ SCENARIOS = {
 
 def main() -> None:
     scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    join_group(timedelta(seconds=60))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     try:
         result = SCENARIOS[scenario](mesh, *args)

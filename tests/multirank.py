@@ -16,6 +16,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,10 @@ class RankOutcome:
 def rank_main(scenarios: dict[str, Callable[..., dict[str, Any]]]) -> None:
     """A worker script's main: join the gloo group its environment names, run the scenario
     named by the first argument with the rest, and print its result as ``RESULT <json>``."""
-    from datetime import timedelta
-
     import torch.distributed as dist
 
     scenario, *args = sys.argv[1:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    join_group(timedelta(seconds=60))
     try:
         result = scenarios[scenario](*args)
         print("RESULT " + json.dumps(result), flush=True)
@@ -66,6 +65,33 @@ def outcome_of(call: Callable[[], Any]) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "succeeded"
+
+
+def join_group(timeout: timedelta) -> None:
+    """Join the gloo group of this rank's environment. Rank 0 serves the group's TCPStore on
+    a port the kernel picks and publishes it in the file ``CKPTSTORE_TEST_RENDEZVOUS``
+    names; the other ranks wait for that file. A port chosen free beforehand
+    (``MASTER_PORT``) can be taken by another test's server before rank 0 binds it."""
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    published = Path(os.environ["CKPTSTORE_TEST_RENDEZVOUS"])
+    if rank == 0:
+        store = dist.TCPStore(
+            "127.0.0.1", 0, world, is_master=True, timeout=timeout, wait_for_workers=False
+        )
+        scratch = published.with_suffix(".tmp")
+        scratch.write_text(str(store.port))
+        scratch.rename(published)  # the others never see a half-written port
+    else:
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not published.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank 0 published no port in {published} within {timeout}")
+            time.sleep(0.01)
+        port = int(published.read_text())
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
 
 
 def free_port() -> int:
@@ -90,8 +116,9 @@ def run_ranks(
     are started, while they run (to signal one of them from outside, say); each rank then
     has :data:`RANK_TIMEOUT` to exit before it is killed and the test fails.
     """
-    port = free_port()
+    port = free_port()  # for workers that need one chosen up front (jax's coordinator)
     logs.mkdir(parents=True, exist_ok=True)
+    rendezvous = logs / f"{scenario}-{world}-{uuid.uuid4().hex[:8]}.port"
     procs = []
     files = []
     paths = [logs / f"{scenario}-{world}-rank{rank}.log" for rank in range(world)]
@@ -106,6 +133,7 @@ def run_ranks(
             "WORLD_SIZE": str(world),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port),
+            "CKPTSTORE_TEST_RENDEZVOUS": str(rendezvous),
             "GLOO_SOCKET_IFNAME": "lo",
             "PYTHONPATH": python_path(),
         }
