@@ -1,7 +1,8 @@
 """Running one scenario on N real processes (gloo over 127.0.0.1), and where they save.
 
 A test starts N copies of a worker script (tests/dcp_ranks.py, tests/native_ranks.py), one
-per rank, with a fresh free port, and reads the ``RESULT <json>`` lines each prints.
+per rank, and reads the ``RESULT <json>`` lines each prints. Rank 0 serves the gloo group's
+store on a port the kernel picks and tells the others through a file (:func:`join_group`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """DCP through ckptstore with several real processes on gloo over 127.0.0.1.
 
-Each test starts N copies of tests/dcp_ranks.py (one per rank) with a fresh free port and
-reads the ``RESULT`` line each prints. The state holds a row-sharded DTensor, so saving on 4
-ranks and loading on 2 makes DCP reshard.
+Each test starts N copies of tests/dcp_ranks.py (one per rank), which meet through
+tests/multirank.py's ``join_group``, and reads the ``RESULT`` line each prints. The state
+holds a row-sharded DTensor, so saving on 4 ranks and loading on 2 makes DCP reshard.
 """
 
 from __future__ import annotations
