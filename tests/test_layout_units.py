@@ -16,7 +16,8 @@ import pytest
 
 import ckptstore
 from ckptstore.config import Settings
-from ckptstore.errors import CorruptCheckpointError
+from ckptstore.errors import CorruptCheckpointError, StoreError
+from ckptstore.layout.commit import read_manifest
 from ckptstore.layout.dtypes import dtype_from_name, dtype_name
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.manifest import Manifest, SharedManifests
@@ -29,9 +30,10 @@ from ckptstore.layout.tree import (
     tree_paths,
     unflatten,
 )
-from ckptstore.store.base import Capabilities
+from ckptstore.store.base import Capabilities, Store
 from ckptstore.store.buffers import PAGE, BufferPool
 from ckptstore.store.checksum import crc32c
+from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper, transient_error
 from ckptstore.testing import assert_same_state
 
 
@@ -881,6 +883,104 @@ async def test_a_copy_over_the_destinations_manifest_cap_copies_nothing() -> Non
     with pytest.raises(ValueError, match=r"over Settings\.manifest_max_bytes"):
         await copy_step(src, dst, 1)
     assert await dst.list_keys() == []  # refused before any byte was copied
+
+
+#: 40 leaves of 1.2 MiB: one object each, so a copy reads them in batches of several.
+MANY_OBJECTS = {f"w{i}": np.full(150_000, i, dtype=np.float64) for i in range(40)}
+
+
+class _Batches(StoreWrapper):
+    """Records the sizes of the objects each read_objects_crc32c call asks for."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.batches: list[list[int]] = []
+
+    async def read_objects_crc32c(self, requests: Any) -> list[int]:
+        self.batches.append([len(memoryview(out)) for _, out in requests])
+        return await super().read_objects_crc32c(requests)
+
+
+@pytest.mark.parametrize("room", [64, 5])
+async def test_a_copy_reads_small_objects_in_batches_of_bytes_and_room(room: int) -> None:
+    from ckptstore.layout.maintenance import COPY_BATCH_BYTES, copy_step, verify_step
+    from ckptstore.store.memory import MemoryStore
+
+    src = _Batches(MemoryStore(f"batches-src-{room}"))
+    await ckptstore.asave(src, MANY_OBJECTS, step=1)
+    dst = MemoryStore(f"batches-dst-{room}", settings=Settings(max_concurrency=room))
+    report = await copy_step(src, dst, 1)
+    assert report.objects == 40
+    assert (await verify_step(dst, 1)).ok
+    sizes = [n for batch in src.batches for n in batch]
+    assert sorted(sizes) == sorted((await read_manifest(src, 1)).object_lengths)
+    for batch, after in zip(src.batches, src.batches[1:], strict=False):
+        # each batch as full as the bytes and the destination's concurrency allow
+        assert sum(batch) <= COPY_BATCH_BYTES
+        assert len(batch) <= room
+        assert sum(batch) + after[0] > COPY_BATCH_BYTES or len(batch) == room
+    assert len(src.batches) < 40 // 2
+
+
+async def test_a_failed_write_of_a_copy_starts_no_other_and_commits_nothing() -> None:
+    from ckptstore.layout.maintenance import copy_step
+    from ckptstore.store.memory import MemoryStore
+
+    src = MemoryStore("failed-write-src")
+    await ckptstore.asave(src, MANY_OBJECTS, step=1)
+    inner = MemoryStore("failed-write-dst", settings=Settings(max_concurrency=4))
+    counting = CountingStore(inner)
+    fault = Fault(frozenset({"put"}), error=transient_error, key="leaf-", after=6, times=1)
+    with pytest.raises(StoreError, match="injected fault in put"):
+        await copy_step(src, FaultStore(counting, [fault]), 1)
+    # the seventh write failed; at most the writes of its batch had started beside it
+    assert counting.requests["put"] - 1 <= 6 + 4  # the lease's put, then the data
+    assert await ckptstore.alist_steps(inner) == []
+    assert [k for k in await inner.list_keys() if "leaf-" in k] == []
+
+
+async def test_a_copy_cancelled_while_reading_keeps_the_buffers_the_read_may_fill_out_of_the_pool(
+    tmp_path: Path,
+) -> None:
+    """A local read runs on in its thread after the copy is cancelled: the buffers it fills
+    must never go back to the pool, where the next user would see them change."""
+    import asyncio
+    import threading
+
+    from ckptstore.layout.maintenance import copy_step
+    from ckptstore.store.buffers import host_buffers
+    from ckptstore.store.local import LocalStore
+    from ckptstore.store.memory import MemoryStore
+
+    src = LocalStore(tmp_path)
+    await ckptstore.asave(src, MANY_OBJECTS, step=1)
+    entered, go_on = threading.Event(), threading.Event()
+    filled: list[int] = []
+    read = src._read_objects_crc32c
+
+    def held_read(requests: list[tuple[str, memoryview]]) -> list[int]:
+        filled.extend(np.frombuffer(view, np.uint8).ctypes.data for _, view in requests)
+        entered.set()
+        go_on.wait(30)
+        return read(requests)
+
+    src._read_objects_crc32c = held_read  # type: ignore[method-assign]
+    lent = host_buffers.stats().lent_bytes
+    dst = MemoryStore("cancelled-copy-dst")
+    copy = asyncio.ensure_future(copy_step(src, dst, 1))
+    assert await asyncio.to_thread(entered.wait, 30)
+    copy.cancel()
+    await asyncio.sleep(0.05)
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await copy
+    await src.settle()
+    assert host_buffers.stats().lent_bytes == lent
+    pooled = {b.data.ctypes.data for b in host_buffers._idle}
+    assert filled
+    assert pooled.isdisjoint(filled)
+    assert await ckptstore.alist_steps(dst) == []
+    await src.close()
 
 
 def test_missing_keys_and_select_paths_are_one_rule() -> None:

@@ -10,6 +10,7 @@ import tracemalloc
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,6 +54,34 @@ async def test_put_of_a_large_array_copies_nothing_in_python(tmp_path: Path, siz
             tracemalloc.stop()
         assert peak < size // 50, f"read_into allocated {peak} bytes for {size} bytes"
         assert np.array_equal(out, array)
+
+
+async def test_small_objects_are_read_and_hashed_in_one_call_to_the_io_threads(
+    tmp_path: Path,
+) -> None:
+    """What a copy of many small objects asks for: one hand-over to the io threads for all
+    of those under a part, and parallel ranges for a larger one."""
+    from ckptstore.store.checksum import crc32c
+
+    settings = Settings(part_size=1 << 20, durable=False)
+    rng = np.random.default_rng(0)
+    bodies = [rng.bytes(100_000 + i) for i in range(20)] + [rng.bytes(3 << 20)]
+    async with LocalStore(tmp_path, settings=settings) as store:
+        for i, body in enumerate(bodies):
+            await store.put(f"o/{i}", body)
+        calls: list[str] = []
+        run = store._run
+
+        async def counted(fn: Callable[..., Any], *args: Any) -> Any:
+            calls.append(fn.__name__)
+            return await run(fn, *args)
+
+        store._run = counted  # type: ignore[method-assign]
+        outs = [bytearray(len(body)) for body in bodies]
+        crcs = await store.read_objects_crc32c([(f"o/{i}", o) for i, o in enumerate(outs)])
+    assert [bytes(o) for o in outs] == bodies
+    assert crcs == [crc32c(body) for body in bodies]
+    assert sorted(calls) == ["_read_objects_crc32c"] + ["_read_range"] * 3
 
 
 async def test_temp_files_are_never_listed_and_are_found_for_cleanup(tmp_path: Path) -> None:

@@ -522,6 +522,19 @@ class Store(ABC):
             return await acrc32c(out)
         return await self._read_parts(key, start, out, checksum=True)
 
+    async def read_objects_crc32c(self, requests: Sequence[tuple[str, Buffer]]) -> list[int]:
+        """Fill each ``(key, out)`` buffer with the first ``len(out)`` bytes of its object;
+        return their crc32c checksums, in order.
+
+        What a copy of many small objects reads. Here each is one :meth:`read_into_crc32c`,
+        all at once; a backend whose reads are blocking calls in a thread pool (local disk)
+        reads the small ones in one call, one after another, so the batch costs the event
+        loop one hand-over instead of two per object (the read, then the hash).
+
+        Raises what :meth:`read_into_crc32c` raises for the first request that fails.
+        """
+        return await gather_all(self.read_into_crc32c(key, 0, out) for key, out in requests)
+
     async def _read_parts(self, key: str, start: int, out: Buffer, *, checksum: bool) -> int:
         """Fill ``out`` in ``part_size`` ranges fetched in parallel; with ``checksum``, each
         through :meth:`_read_into_crc32c`, returning the combined crc32c (else 0)."""

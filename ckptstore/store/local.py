@@ -45,8 +45,8 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, ClassVar, TypeVar
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 from urllib.parse import unquote, urlsplit
 
 import numpy as np
@@ -67,11 +67,18 @@ from ckptstore.store.base import (
     ObjectMeta,
     PutMode,
     Store,
+    _writable_view,
+    validate_key,
     validate_prefix,
 )
 from ckptstore.store.buffers import host_buffers
+from ckptstore.store.checksum import crc32c
+from ckptstore.store.fanout import gather_all
 from ckptstore.store.options import split_settings
 from ckptstore.threads import Pool
+
+if TYPE_CHECKING:
+    from ckptstore.store.base import Buffer
 
 __all__ = ["LocalStore", "temp_files"]
 
@@ -295,8 +302,6 @@ class LocalStore(Store):
 
     def local_path(self, key: str) -> str:
         """The file that holds ``key`` (for mmap); the key is validated."""
-        from ckptstore.store.base import validate_key
-
         return self._path(validate_key(key))
 
     def _path(self, key: str) -> str:
@@ -531,6 +536,41 @@ class LocalStore(Store):
 
     async def _read_into(self, key: str, start: int, out: memoryview) -> None:
         await self._run(self._read_range, key, start, out)
+
+    async def read_objects_crc32c(self, requests: Sequence[tuple[str, Buffer]]) -> list[int]:
+        # docstring inherited
+        views = [(validate_key(key), _writable_view(out, key)) for key, out in requests]
+        part = self.settings.transport.part_size
+        # Under a part each, read and hashed in one call to the pool: copying 127 objects of
+        # 0.8-4 MiB from here to SeaweedFS took 10-18% less client CPU than with a read and a
+        # hash handed to threads for each (three runs of 10 alternating rounds). Larger
+        # objects are read in parallel ranges, as by read_into_crc32c.
+        batched = [i for i, (_, view) in enumerate(views) if len(view) < part]
+        crcs = [0] * len(views)
+
+        async def read_batch() -> None:
+            batch = [views[i] for i in batched]
+            async with self._transfer(sum(len(view) for _, view in batch)):
+                found = await self._run(self._read_objects_crc32c, batch)
+            for i, crc in zip(batched, found, strict=True):
+                crcs[i] = crc
+
+        async def read_alone(i: int) -> None:
+            key, view = views[i]
+            crcs[i] = await self.read_into_crc32c(key, 0, view)
+
+        work = [read_alone(i) for i, (_, view) in enumerate(views) if len(view) >= part]
+        if batched:
+            work.append(read_batch())
+        await gather_all(work)
+        return crcs
+
+    def _read_objects_crc32c(self, requests: list[tuple[str, memoryview]]) -> list[int]:
+        crcs = []
+        for key, view in requests:
+            self._read_range(key, 0, view)
+            crcs.append(crc32c(view))
+        return crcs
 
     def _stat(self, key: str) -> os.stat_result:
         with self._translate(key, "reading"):

@@ -284,6 +284,28 @@ class StoreTests:
         with pytest.raises(NotFoundError):
             await store.read_into_crc32c("missing/key", 0, bytearray(0))
 
+    async def test_read_objects_crc32c_fills_each_buffer_and_returns_its_checksum(
+        self, store: Store, small_parts: Store
+    ) -> None:
+        part = store.settings.transport.part_size
+        sizes = [1000, 0, part + 7, 3, part - 1, 2 * part]  # under a part, empty, over it
+        data = [_pattern(n, 20 + i) for i, n in enumerate(sizes)]
+        for i, body in enumerate(data):
+            await store.put(f"objs/{i}", body)
+        outs = [np.empty(n, dtype=np.uint8) for n in sizes]
+        outs[5] = np.empty(part, dtype=np.uint8)  # the first part of an object only
+        crcs = await store.read_objects_crc32c([(f"objs/{i}", o) for i, o in enumerate(outs)])
+        for body, out, crc in zip(data, outs, crcs, strict=True):
+            assert out.tobytes() == body[: out.size]
+            assert crc == crc32c(body[: out.size])
+        assert await store.read_objects_crc32c([]) == []
+        # what fails a copy: a source object shorter than its record, or gone
+        with pytest.raises(InvalidRangeError, match="objs/3"):
+            await store.read_objects_crc32c([("objs/0", bytearray(10)), ("objs/3", bytearray(4))])
+        for missing in (bytearray(4), bytearray(0)):
+            with pytest.raises(NotFoundError):
+                await store.read_objects_crc32c([("objs/0", bytearray(10)), ("gone", missing)])
+
     async def test_read_ranges_into_crc32c_checksums_merged_and_lone_ranges(
         self, store: Store, small_parts: Store
     ) -> None:
