@@ -658,6 +658,8 @@ async def _copy_small(
             await dst.put(copied.object_key(index), data, crc32c=crc)
         except BaseException:
             failed = True
+            if index in held:
+                held[index].discard()  # a cancelled local write's thread may still read it
             raise
         finally:
             give_back(held, index)  # the next batch may use its slot

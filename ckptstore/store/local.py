@@ -542,7 +542,7 @@ class LocalStore(Store):
         views = [(validate_key(key), _writable_view(out, key)) for key, out in requests]
         part = self.settings.transport.part_size
         # Under a part each, read and hashed in one call to the pool: copying 127 objects of
-        # 0.8-4 MiB from here to SeaweedFS took 10-18% less client CPU than with a read and a
+        # 0.8-4 MiB from here to SeaweedFS took 11-18% less client CPU than with a read and a
         # hash handed to threads for each (three runs of 10 alternating rounds). Larger
         # objects are read in parallel ranges, as by read_into_crc32c.
         batched = [i for i, (_, view) in enumerate(views) if len(view) < part]
