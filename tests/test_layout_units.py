@@ -349,6 +349,145 @@ def test_plan_fill_gathers_noncontiguous_and_zeroes_padding() -> None:
     assert not buf[20:64].any()  # the gap after the first leaf is zeroed
 
 
+def _region_plan(
+    lengths: list[int], offsets: list[int], groups: list[int] | None = None
+) -> PackPlan:
+    def rest(kept: list[int]) -> PackPlan:
+        return PackPlan.build(kept, pack_threshold=1 << 20, pack_size=8 << 20, alignment=64)
+
+    return PackPlan.in_region(
+        lengths, offsets, object_size=4 * PAGE, gap=PAGE, rest=rest, groups=groups
+    )
+
+
+def test_plan_in_region_cuts_runs_of_leaves_as_they_lie() -> None:
+    P = PAGE
+    lengths = [100, 200, P, 0, 5 * P, 64, P, 300, 50, 7]
+    offsets = [0, 128, P, 2 * P, 2 * P, 7 * P, 7 * P + 64, 20 * P, 22 * P, -1]
+    plan = _region_plan(lengths, offsets)
+    by_leaf = {i: plan.objects[plan.leaf_object[i]] for i in range(len(lengths)) if lengths[i]}
+    # 0, 1, 2 lie one after another: one object cut from the region at 0
+    assert by_leaf[0] is by_leaf[1] is by_leaf[2]
+    assert by_leaf[0].start == 0
+    assert by_leaf[0].size == 2 * P
+    assert [plan.leaf_offset[i] for i in (0, 1, 2)] == [0, 128, P]
+    assert plan.leaf_object[3] == -1  # empty: no object
+    # a leaf of object_size or more goes alone, as a leaf object
+    assert by_leaf[4].leaves == (4,)
+    assert not by_leaf[4].packed
+    # 5 and 6 follow it: a run of their own, offsets taken from the run's start
+    assert by_leaf[5] is by_leaf[6]
+    assert by_leaf[5].start == 7 * P
+    assert plan.leaf_offset[6] == 64
+    # more than a page of padding cuts a run
+    assert by_leaf[7] is not by_leaf[8]
+    # a leaf outside the region keeps the object the packed plan gives it
+    assert by_leaf[9].start is None
+    assert by_leaf[9].packed
+    assert plan.leaf_offset[9] == 0
+    assert [o.name for o in plan.objects] == [
+        f"{'pack' if o.packed else 'leaf'}-{n:06d}" for n, o in enumerate(plan.objects)
+    ]
+
+
+def test_plan_in_region_cuts_full_runs_before_a_leaf_on_a_page() -> None:
+    P = PAGE
+    lengths = [P, P, P, P, 64, 64, P, 3 * P, 64]
+    offsets = [0, P, 2 * P, 3 * P, 4 * P + 64, 4 * P + 192, 5 * P, 6 * P, 9 * P]
+    plan = _region_plan(lengths, offsets)
+    objects = [plan.objects[plan.leaf_object[leaf]] for leaf in range(len(lengths))]
+    # leaf 4 would take the run of 0-3 past 4 pages, and it does not start on a page: the
+    # run is cut before 3, the last of its leaves that does
+    assert objects[0].leaves == (0, 1, 2)
+    assert objects[3].leaves == (3, 4, 5, 6)
+    assert objects[3].start == 3 * P
+    # 7 starts on a page and would take that run past 4 pages: cut before it
+    assert objects[7].leaves == (7, 8)
+    assert all(o.size <= 4 * P for o in plan.objects)
+    assert all(o.start is not None and o.start % P == 0 for o in plan.objects)
+    # where no leaf starts on a page, the run is cut at twice object_size
+    small = [64] * 1000
+    plan = _region_plan(small, [32 + 64 * i for i in range(1000)])
+    assert [o.size for o in plan.objects] == [8 * P, 64_000 - 8 * P]
+    # groups (unchanged and changed leaves of an incremental save) never share a run
+    plan = _region_plan([100, 100, 100], [0, 128, 256], groups=[0, 1, 1])
+    assert plan.leaf_object[0] != plan.leaf_object[1] == plan.leaf_object[2]
+
+
+@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+def test_a_managers_local_save_writes_its_arena_in_place_with_zeroed_padding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: str
+) -> None:
+    """A staged save to a local directory cuts its objects from the staging arena: no pack is
+    built (no copy, no pooled pack buffer), a few objects hold leaves of every size, the
+    padding an earlier use of the arena left is zeroed, and the steps read back whole; the
+    second and third saves go through the incremental path (crc32c from the hashing pass)."""
+    rng = np.random.default_rng(7)
+    sizes = [10, 300_000, 17, 70_000, 5, 2_000_000, 33, 1, 600_000, 3]
+    state = {f"w{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
+    builds: list[int] = []
+    for name in ("fill", "fill_digests"):
+        original = getattr(PackPlan, name)
+        monkeypatch.setattr(
+            PackPlan, name, lambda *a, _f=original, **k: builds.append(1) or _f(*a, **k)
+        )
+    with ckptstore.CheckpointManager(tmp_path, snapshot=snapshot, max_to_keep=None) as mgr:
+        pool = mgr._stager.pool
+        acquire = pool.acquire
+
+        def dirty(nbytes: int, **kwargs: Any) -> Any:
+            buffer = acquire(nbytes, **kwargs)
+            buffer.data[:] = 0xFF  # what an earlier save of another layout left
+            return buffer
+
+        monkeypatch.setattr(pool, "acquire", dirty)
+        for step in range(3):
+            state["w1"][0] += 1  # changes one mid-size leaf; the rest are reused after step 0
+            state["w8"][:] = rng.standard_normal(600_000)
+            mgr.save(step, state)
+            mgr.fence()
+        mgr.wait_until_finished()
+    assert builds == []
+    for step in range(3):
+        manifest = ckptstore.read_manifest(tmp_path, step)
+        own = [i for i in range(len(manifest.object_keys)) if manifest.object_step(i) == step]
+        if step == 0:
+            assert len(own) == 1  # 12 MB of ten leaves, one run of the arena
+        for index in own:
+            body = (tmp_path / manifest.object_key(index)).read_bytes()
+            assert len(body) == manifest.object_lengths[index]
+            assert crc32c(body) == manifest.object_crcs[index]
+            padding = np.frombuffer(body, np.uint8).copy()
+            for leaf in range(len(manifest.paths)):
+                if manifest.leaf_object[leaf] == index:
+                    at = manifest.leaf_offset[leaf]
+                    padding[at : at + manifest.leaf_length[leaf]] = 0
+            assert not padding.any()
+    out = ckptstore.load(tmp_path, step=2)
+    for key, value in state.items():
+        np.testing.assert_array_equal(out[key], value)
+
+
+def test_a_staged_save_to_an_object_store_keeps_the_packed_plan(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An object store is not a store of files: its staged saves pack small leaves into pooled
+    buffers and give larger ones objects of their own, as before."""
+    fills: list[int] = []
+    for name in ("fill", "fill_digests"):
+        original = getattr(PackPlan, name)
+        monkeypatch.setattr(
+            PackPlan, name, lambda *a, _f=original, **k: fills.append(1) or _f(*a, **k)
+        )
+    state = {"a": np.arange(10, dtype=np.float32), "b": np.ones(300_000, np.float32)}
+    with ckptstore.CheckpointManager("memory://in-region-off") as mgr:
+        mgr.save(0, state)
+        mgr.wait_until_finished()
+        manifest = ckptstore.read_manifest("memory://in-region-off", 0)
+    assert fills == [1]
+    assert [key.rsplit("/", 1)[1] for key in manifest.object_keys] == ["leaf-000000", "pack-000001"]
+
+
 def test_buffer_pool_reuses_and_frees_the_oldest_idle_arena_over_its_cap() -> None:
     page = PAGE
     pool = BufferPool(max_idle_bytes=2 * page)

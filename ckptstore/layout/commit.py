@@ -67,8 +67,14 @@ from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.session import ManifestDraft
 from ckptstore.layout.tree import FlatState
 from ckptstore.store.base import Store
-from ckptstore.store.buffers import host_buffers
-from ckptstore.store.checksum import as_uint8, crc32c, in_hash_thread, native_hashes
+from ckptstore.store.buffers import PAGE, host_buffers
+from ckptstore.store.checksum import (
+    as_uint8,
+    crc32c,
+    crc32c_combine,
+    in_hash_thread,
+    native_hashes,
+)
 from ckptstore.store.fanout import gather_all
 from ckptstore.store.transport import store_logger
 from ckptstore.threads import collection_paused
@@ -460,7 +466,8 @@ async def write_checkpoint(
             raise
     try:
         with collection_paused():
-            plan = plan_changed(store, lengths, flat.paths, reuse)
+            offsets = flat.region_offsets()
+            plan = plan_changed(store, lengths, flat.paths, reuse, offsets=offsets)
     except BaseException:
         await _settled_digests(digests)
         raise
@@ -478,13 +485,14 @@ async def write_checkpoint(
                 except BrokenReferenceError:
                     # the base is being deleted meanwhile: write everything this time
                     reuse = None
-                    plan = plan_changed(store, lengths, flat.paths, None)
+                    plan = plan_changed(store, lengths, flat.paths, None, offsets=offsets)
             writer = ObjectWriter(
                 store,
                 plan,
                 session.prefix,
                 flat.arrays,
                 digests=digests,
+                region=flat.region,
                 # with no base, a packed leaf is hashed as its pack is built, still in cache
                 hash_packs=digests is not None and digests.deferred and native_hashes(),
             )
@@ -740,29 +748,47 @@ def plan_changed(
     *,
     pack_threshold: int | None = None,
     pack_size: int | None = None,
+    offsets: Sequence[int] | None = None,
 ) -> PackPlan:
     """The plan of the leaves of ``lengths`` to write: all, or those ``reuse`` does not take
     from the base, the unchanged ones and the changed ones kept apart (by group). Leaves
     past the end of ``reuse`` (a rank's chunks of sharded leaves) are written, as changed.
-    ``pack_threshold`` and ``pack_size`` override the store's settings (a face's own)."""
+    ``pack_threshold`` and ``pack_size`` override the store's settings (a face's own).
+
+    With ``offsets`` (:meth:`FlatState.region_offsets`), a store of files (local, NFS)
+    writes the leaves in the region as runs cut straight from it
+    (:meth:`PackPlan.in_region`, up to ``multipart_threshold`` bytes each: the largest
+    object it writes in one piece); an object store keeps the packed plan.
+    """
     settings, caps = store.settings, store.capabilities
-    if reuse is None:
+    groups: list[int] | None = None
+    if reuse is not None:
+        extra = len(lengths) - len(reuse.leaf_source)
+        if extra < 0:
+            raise ValueError("the reuse was decided for more leaves than are planned")
+        source = [*reuse.leaf_source, *([-1] * extra)]
+        groups = [*reuse.groups, *([CHANGED] * extra)]
+        lengths = [0 if j >= 0 else n for j, n in zip(source, lengths, strict=True)]
+
+    def packed(kept: Sequence[int]) -> PackPlan:
         return PackPlan.for_store(
-            lengths, settings, caps, paths, pack_threshold=pack_threshold, pack_size=pack_size
+            kept,
+            settings,
+            caps,
+            paths,
+            pack_threshold=pack_threshold,
+            pack_size=pack_size,
+            groups=groups,
         )
-    extra = len(lengths) - len(reuse.leaf_source)
-    if extra < 0:
-        raise ValueError("the reuse was decided for more leaves than are planned")
-    source = [*reuse.leaf_source, *([-1] * extra)]
-    groups = [*reuse.groups, *([CHANGED] * extra)]
-    kept = [0 if j >= 0 else n for j, n in zip(source, lengths, strict=True)]
-    return PackPlan.for_store(
-        kept,
-        settings,
-        caps,
-        paths,
-        pack_threshold=pack_threshold,
-        pack_size=pack_size,
+
+    if offsets is None or not caps.local_path or all(o < 0 for o in offsets):
+        return packed(lengths)
+    return PackPlan.in_region(
+        lengths,
+        offsets,
+        object_size=settings.transport.multipart_threshold,
+        gap=PAGE,
+        rest=packed,
         groups=groups,
     )
 
@@ -811,6 +837,8 @@ class ObjectWriter:
             alone waits for the crc32c it finds rather than reading its bytes again.
         hash_packs: find each packed leaf's xxh3-128 as its pack is built
             (:meth:`PackPlan.fill_digests`), into :attr:`leaf_hashes`.
+        region: the host buffer the plan's in-region packs (``PlannedObject.start``) are
+            cut from (:meth:`PackPlan.in_region`); the writer zeroes their padding.
     """
 
     def __init__(
@@ -822,8 +850,10 @@ class ObjectWriter:
         *,
         digests: LeafDigests | None = None,
         hash_packs: bool = False,
+        region: np.ndarray[Any, np.dtype[np.uint8]] | None = None,
     ) -> None:
         settings = store.settings
+        self.region = region
         self.store = store
         self.digests = digests
         self.plan = plan
@@ -928,6 +958,9 @@ class ObjectWriter:
     async def _write_pack(self, index: int, known: Callable[[Sequence[int], int], None]) -> None:
         plan, store = self.plan, self.store
         obj = plan.objects[index]
+        if obj.start is not None:
+            await self._write_in_region(index, known)
+            return
         async with self._pack_slots:
             pooled = host_buffers.acquire(max(obj.size, store.settings.layout.pack_size))
             try:
@@ -954,6 +987,59 @@ class ObjectWriter:
                 raise
             finally:
                 pooled.release()
+
+    async def _write_in_region(
+        self, index: int, known: Callable[[Sequence[int], int], None]
+    ) -> None:
+        """Write a pack that is a slice of the region as it lies there: no build, no copy.
+        Its padding is zeroed (the region is the writer's; its gaps held whatever an
+        earlier save left), and its checksums are found from its leaves': the crc32c the
+        hashing pass found for a leaf, else the leaf hashed here (with its xxh3-128 when
+        ``hash_packs``), combined with the padding's."""
+        plan, region = self.plan, self.region
+        obj = plan.objects[index]
+        if region is None or obj.start is None:
+            raise ValueError(f"object {obj.name} of the plan lies in a region the writer lacks")
+        body = region[obj.start : obj.start + obj.size]
+        found: dict[int, int | None] = {}
+        if self.digests is not None and not self.hash_packs:
+            for leaf in obj.leaves:
+                found[leaf] = await self.digests.crc(leaf)
+
+        def checksums() -> tuple[list[int], list[str] | None, int]:
+            views, gaps, at = [], [], 0
+            for leaf in obj.leaves:
+                offset, length = plan.leaf_offset[leaf], plan.leaf_length[leaf]
+                body[at:offset] = 0
+                gaps.append(offset - at)
+                views.append(body[offset : offset + length])
+                at = offset + length
+            hashes: list[str] | None = None
+            if self.hash_packs:
+                found_hashes, found_crcs = leaf_digests(views, [True] * len(views))
+                hashes = [h for h in found_hashes if h is not None]
+                crcs = [c for c in found_crcs if c is not None]
+            else:
+                crcs = []
+                for leaf, view in zip(obj.leaves, views, strict=True):
+                    known_crc = found.get(leaf)
+                    crcs.append(crc32c(view) if known_crc is None else known_crc)
+            zero = {gap: crc32c(bytes(gap)) for gap in set(gaps) if gap}
+            whole = 0
+            for gap, view, crc in zip(gaps, views, crcs, strict=True):
+                if gap:
+                    whole = crc32c_combine(whole, zero[gap], gap)
+                whole = crc32c_combine(whole, crc, len(view))
+            return crcs, hashes, whole
+
+        crcs, hashes, whole = await in_hash_thread(checksums)
+        # sent before the checksums are made known (see _write_pack)
+        put = asyncio.ensure_future(self.store.put(self.prefix + obj.name, body, crc32c=whole))
+        if hashes is not None:
+            for leaf, digest in zip(obj.leaves, hashes, strict=True):
+                self.leaf_hashes[leaf] = digest
+        known(crcs, whole)
+        await put
 
 
 async def remove_objects(store: Store, prefix: str) -> None:

@@ -25,7 +25,7 @@ writer (whose items are leaves of bytes) and the Lightning plug-in all plan with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +33,7 @@ import numpy as np
 
 from ckptstore.config import Settings
 from ckptstore.store.base import Capabilities
+from ckptstore.store.buffers import PAGE
 from ckptstore.store.checksum import gather_crc32c, gather_digests
 
 __all__ = ["PackPlan", "PlannedObject"]
@@ -46,14 +47,17 @@ class PlannedObject:
         name: its key relative to the attempt prefix (``pack-000003``, ``leaf-000004``).
         size: length in bytes.
         leaves: indices of the leaves it holds, in offset order.
-        packed: whether it is a pack of small leaves (else it holds exactly one leaf,
-            at offset 0, spanning the whole object).
+        packed: whether it is a pack of leaves (else it holds exactly one leaf, at offset
+            0, spanning the whole object).
+        start: for a pack cut straight from the save's region (:meth:`PackPlan.in_region`),
+            its byte offset there: the object is those bytes, built by no copy.
     """
 
     name: str
     size: int
     leaves: tuple[int, ...]
     packed: bool
+    start: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +182,102 @@ class PackPlan:
             paths=paths,
             groups=groups,
         )
+
+    @classmethod
+    def in_region(
+        cls,
+        lengths: Sequence[int],
+        offsets: Sequence[int],
+        *,
+        object_size: int,
+        gap: int,
+        rest: Callable[[list[int]], PackPlan],
+        groups: Sequence[int] | None = None,
+    ) -> PackPlan:
+        """Plan the leaves that lie in one host region (a staging arena) as slices of it.
+
+        A local store pays per object (a file, its fsyncs, the event loop's turns for each
+        write), and packing leaves into pooled buffers costs a copy and the buffers. Where
+        the leaves already lie one after another in a region the writer owns, a run of them
+        (in region order, at most ``gap`` bytes of padding between two) is one object,
+        written straight from the region: each leaf's offset in the object is its offset in
+        the region less the run's start. A run is cut where it would pass ``object_size``
+        bytes, before a leaf that starts on a page (so that each object's bytes start on
+        one, as a direct write wants them), or at twice ``object_size`` where it has no
+        such leaf. A leaf of ``object_size`` or more is an object of its own.
+
+        Args:
+            lengths: bytes per leaf (0: no bytes to write, as for a reused leaf).
+            offsets: per leaf, its offset in the region, or ``-1`` if it lies elsewhere.
+            object_size: the largest run object.
+            gap: the most padding between two leaves of one run.
+            rest: plans leaves of the lengths it is given (those in the region at 0) as
+                :meth:`build` does: the leaves outside the region keep their objects from it.
+            groups: per leaf, a group number (as in :meth:`build`); a run holds leaves of
+                one group.
+        """
+        objects: list[PlannedObject] = []
+        leaf_object = [-1] * len(lengths)
+        leaf_offset = [0] * len(lengths)
+        inside = sorted((offsets[i], i) for i, n in enumerate(lengths) if n and offsets[i] >= 0)
+
+        def close(run: list[int]) -> None:
+            start = offsets[run[0]]
+            size = offsets[run[-1]] + lengths[run[-1]] - start
+            number = len(objects)
+            for leaf in run:
+                leaf_object[leaf] = number
+                leaf_offset[leaf] = offsets[leaf] - start
+            if len(run) == 1 and size >= object_size:
+                objects.append(PlannedObject(f"leaf-{number:06d}", size, (run[0],), False))
+            else:
+                objects.append(PlannedObject(f"pack-{number:06d}", size, tuple(run), True, start))
+
+        run: list[int] = []
+        end = 0
+        for offset, leaf in inside:
+            if run and (
+                not 0 <= offset - end <= gap
+                or (groups is not None and groups[leaf] != groups[run[0]])
+                or lengths[run[0]] >= object_size  # a large leaf goes alone
+            ):
+                close(run)
+                run = []
+            if run and offset + lengths[leaf] - offsets[run[0]] > object_size:
+                # full: cut before the last leaf that starts on a page (the next object's
+                # bytes then start on one too, as a direct write from the region wants
+                # them), else at twice object_size
+                on_page = [k for k, member in enumerate(run) if k and offsets[member] % PAGE == 0]
+                if offset % PAGE == 0:
+                    close(run)
+                    run = []
+                elif on_page:
+                    close(run[: on_page[-1]])
+                    run = run[on_page[-1] :]
+                elif offset + lengths[leaf] - offsets[run[0]] > 2 * object_size:
+                    close(run)
+                    run = []
+            run.append(leaf)
+            end = offset + lengths[leaf]
+        if run:
+            close(run)
+        # the leaves outside the region, in the objects ``rest`` gives them
+        outside = rest([0 if offsets[i] >= 0 else n for i, n in enumerate(lengths)])
+        renumber: dict[int, int] = {}
+        for leaf, n in enumerate(lengths):
+            if not n or offsets[leaf] >= 0:
+                continue
+            old = outside.leaf_object[leaf]
+            if old not in renumber:
+                renumber[old] = len(objects)
+                obj = outside.objects[old]
+                kind = "pack" if obj.packed else "leaf"
+                objects.append(
+                    PlannedObject(f"{kind}-{len(objects):06d}", obj.size, obj.leaves, obj.packed)
+                )
+            leaf_object[leaf] = renumber[old]
+            leaf_offset[leaf] = outside.leaf_offset[leaf]
+        return cls(objects, leaf_object, leaf_offset, list(lengths))
 
     @property
     def total_bytes(self) -> int:

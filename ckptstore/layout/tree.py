@@ -310,12 +310,32 @@ class FlatState:
         paths: path of each array leaf, unique.
         arrays: host numpy arrays, one per path, of allowed dtypes (any strides).
         attrs: per array leaf, a JSON dict stored in the manifest (``None``: nothing).
+        region: a host buffer the writer owns that holds some of the arrays (a staging
+            arena), or ``None``. A local save writes runs of consecutive leaves in it as one
+            object each, straight from it (:meth:`~ckptstore.layout.plan.PackPlan.in_region`),
+            and zeroes the padding between them.
     """
 
     tree: Any
     paths: list[str] = field(default_factory=list)
     arrays: list[np.ndarray[Any, Any]] = field(default_factory=list)
     attrs: list[dict[str, Any] | None] = field(default_factory=list)
+    region: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+
+    def region_offsets(self) -> list[int] | None:
+        """Per array leaf, its byte offset in :attr:`region` (``-1`` for a leaf outside it,
+        or not C-contiguous), or ``None`` without a region."""
+        region = self.region
+        if region is None:
+            return None
+        start = region.__array_interface__["data"][0]
+        end = start + region.nbytes
+        offsets = []
+        for array in self.arrays:
+            at = array.__array_interface__["data"][0]
+            inside = start <= at and at + array.nbytes <= end and array.flags.c_contiguous
+            offsets.append(at - start if inside else -1)
+        return offsets
 
     @property
     def nbytes(self) -> list[int]:

@@ -420,6 +420,7 @@ class Stager:
         specs = [spec for _, _, spec in sources]
         buffer, offsets = self._layout(specs)
         staged.buffer = buffer
+        flat.region = buffer.data  # written in place by a local save
         staged.nbytes = sum(spec.nbytes for spec in specs)
         paths = [flat.paths[i] for i in to_copy]
         arrays = flat.arrays
@@ -542,6 +543,7 @@ class Stager:
         for i, path, dst in zip(to_copy, paths, slots, strict=True):
             flat.arrays[i] = views[path] = dst
         staged.buffer = buffer
+        flat.region = buffer.data  # written in place by a local save
         staged.nbytes = sum(flat.nbytes)
         return staged, paths, sources, slots
 
