@@ -414,24 +414,43 @@ def test_plan_in_region_cuts_full_runs_before_a_leaf_on_a_page() -> None:
     assert plan.leaf_object[0] != plan.leaf_object[1] == plan.leaf_object[2]
 
 
-@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
-def test_a_managers_local_save_writes_its_arena_in_place_with_zeroed_padding(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: str
-) -> None:
-    """A staged save to a local directory cuts its objects from the staging arena: no pack is
-    built (no copy, no pooled pack buffer), a few objects hold leaves of every size, the
-    padding an earlier use of the arena left is zeroed, and the steps read back whole; the
-    second and third saves go through the incremental path (crc32c from the hashing pass)."""
-    rng = np.random.default_rng(7)
-    sizes = [10, 300_000, 17, 70_000, 5, 2_000_000, 33, 1, 600_000, 3]
-    state = {f"w{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
+def _count_pack_builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     builds: list[int] = []
     for name in ("fill", "fill_digests"):
         original = getattr(PackPlan, name)
         monkeypatch.setattr(
             PackPlan, name, lambda *a, _f=original, **k: builds.append(1) or _f(*a, **k)
         )
-    with ckptstore.CheckpointManager(tmp_path, snapshot=snapshot, max_to_keep=None) as mgr:
+    return builds
+
+
+def _padding(root: Path, manifest: Manifest, index: int) -> np.ndarray:
+    """The bytes of object ``index`` that no leaf of ``manifest`` holds."""
+    body = (root / manifest.object_key(index)).read_bytes()
+    assert len(body) == manifest.object_lengths[index]
+    assert crc32c(body) == manifest.object_crcs[index]
+    padding = np.frombuffer(body, np.uint8).copy()
+    for leaf in range(len(manifest.paths)):
+        if manifest.leaf_object[leaf] == index:
+            at = manifest.leaf_offset[leaf]
+            padding[at : at + manifest.leaf_length[leaf]] = 0
+    return padding
+
+
+@pytest.mark.parametrize("snapshot", ["eager", "lazy"])
+def test_a_managers_local_save_writes_its_arena_in_place_with_zeroed_padding(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, snapshot: str
+) -> None:
+    """A staged save to a local directory cuts its objects from the staging arena: no pack is
+    built (no copy, no pooled pack buffer), leaves of every size share an object, the
+    padding an earlier use of the arena left is zeroed, and the steps read back whole."""
+    rng = np.random.default_rng(7)
+    sizes = [10, 300_000, 17, 70_000, 5, 2_000_000, 33, 1, 600_000, 3]
+    state = {f"w{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
+    builds = _count_pack_builds(monkeypatch)
+    with ckptstore.CheckpointManager(
+        tmp_path, snapshot=snapshot, max_to_keep=None, incremental=False
+    ) as mgr:
         pool = mgr._stager.pool
         acquire = pool.acquire
 
@@ -441,31 +460,69 @@ def test_a_managers_local_save_writes_its_arena_in_place_with_zeroed_padding(
             return buffer
 
         monkeypatch.setattr(pool, "acquire", dirty)
-        for step in range(3):
-            state["w1"][0] += 1  # changes one mid-size leaf; the rest are reused after step 0
+        for step in range(2):
             state["w8"][:] = rng.standard_normal(600_000)
             mgr.save(step, state)
             mgr.fence()
         mgr.wait_until_finished()
     assert builds == []
-    for step in range(3):
+    for step in range(2):
         manifest = ckptstore.read_manifest(tmp_path, step)
-        own = [i for i in range(len(manifest.object_keys)) if manifest.object_step(i) == step]
-        if step == 0:
-            assert len(own) == 1  # 12 MB of ten leaves, one run of the arena
-        for index in own:
-            body = (tmp_path / manifest.object_key(index)).read_bytes()
-            assert len(body) == manifest.object_lengths[index]
-            assert crc32c(body) == manifest.object_crcs[index]
-            padding = np.frombuffer(body, np.uint8).copy()
-            for leaf in range(len(manifest.paths)):
-                if manifest.leaf_object[leaf] == index:
-                    at = manifest.leaf_offset[leaf]
-                    padding[at : at + manifest.leaf_length[leaf]] = 0
-            assert not padding.any()
-    out = ckptstore.load(tmp_path, step=2)
+        assert len(manifest.object_keys) == 1  # 12 MB of ten leaves, one run of the arena
+        assert not _padding(tmp_path, manifest, 0).any()
+    out = ckptstore.load(tmp_path, step=1)
     for key, value in state.items():
         np.testing.assert_array_equal(out[key], value)
+
+
+def test_an_incremental_roots_full_saves_keep_large_leaves_apart_and_the_rest_go_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With incremental saves, the first save (and every full one) gives each large leaf an
+    object of its own, so that the next saves reuse the frozen ones object by object; a save
+    with a base writes what changed in place, optimizer state in objects of its own (a
+    streaming restore reads the rest first)."""
+    rng = np.random.default_rng(3)
+    state = {
+        "frozen": {f"f{i}": rng.standard_normal(400_000).astype(np.float32) for i in range(3)},
+        "bias": rng.standard_normal(100).astype(np.float32),  # small: packed at first
+        "adapter": {f"a{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(3)},
+        "optim": {f"m{i}": rng.standard_normal(300_000).astype(np.float32) for i in range(3)},
+    }
+    builds = _count_pack_builds(monkeypatch)
+    with ckptstore.CheckpointManager(tmp_path, max_to_keep=None, async_save=False) as mgr:
+        mgr.save(0, state)
+        first = len(builds)
+        for step in (1, 2):
+            for group in ("adapter", "optim"):
+                for value in state[group].values():
+                    value += 1
+            mgr.save(step, state)
+    assert first >= 1  # the first save packed its small leaves
+    assert len(builds) == first  # the later ones built nothing
+    zero = ckptstore.read_manifest(tmp_path, 0)
+    frozen = {
+        zero.object_key(zero.leaf_object[i]) for i, p in enumerate(zero.paths) if "frozen" in p
+    }
+    assert len(frozen) == 3
+    for step in (1, 2):
+        manifest = ckptstore.read_manifest(tmp_path, step)
+        by_path = dict(zip(manifest.paths, manifest.leaf_object, strict=True))
+        # the frozen leaves are step 0's objects, reused whole
+        assert {manifest.object_key(by_path[f"frozen/f{i}"]) for i in range(3)} == frozen
+        # what changed is two objects of this step: the adapter's run and the optimizer's
+        own = {by_path[p] for p in by_path if p.startswith(("adapter", "optim"))}
+        assert all(manifest.object_step(o) == step for o in own)
+        assert len(own) == 2
+        for index in own:
+            members = [p for p, o in by_path.items() if o == index]
+            assert len({p.startswith("optim") for p in members}) == 1
+            assert not _padding(tmp_path, manifest, index).any()
+    out = ckptstore.load(tmp_path, step=2)
+    for group in ("frozen", "adapter", "optim"):
+        for key, value in state[group].items():
+            np.testing.assert_array_equal(out[group][key], value)
+    np.testing.assert_array_equal(out["bias"], state["bias"])
 
 
 def test_a_staged_save_to_an_object_store_keeps_the_packed_plan(

@@ -65,7 +65,7 @@ from ckptstore.layout.lease import SaveLease
 from ckptstore.layout.manifest import Manifest
 from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.session import ManifestDraft
-from ckptstore.layout.tree import FlatState
+from ckptstore.layout.tree import FlatState, is_optimizer_path
 from ckptstore.store.base import Store
 from ckptstore.store.buffers import PAGE, host_buffers
 from ckptstore.store.checksum import (
@@ -466,7 +466,12 @@ async def write_checkpoint(
             raise
     try:
         with collection_paused():
-            offsets = flat.region_offsets()
+            # in place unless this is the full save (or the first) of an incremental root:
+            # that one gives each large leaf an object of its own, which the next saves
+            # reuse leaf by leaf; cut from the arena, a frozen leaf would share an object
+            # with leaves that change, and the next save would write it again
+            in_place = reuse is not None or not store.settings.layout.incremental
+            offsets = flat.region_offsets() if in_place else None
             plan = plan_changed(store, lengths, flat.paths, reuse, offsets=offsets)
     except BaseException:
         await _settled_digests(digests)
@@ -485,7 +490,7 @@ async def write_checkpoint(
                 except BrokenReferenceError:
                     # the base is being deleted meanwhile: write everything this time
                     reuse = None
-                    plan = plan_changed(store, lengths, flat.paths, None, offsets=offsets)
+                    plan = plan_changed(store, lengths, flat.paths, None)
             writer = ObjectWriter(
                 store,
                 plan,
@@ -758,7 +763,8 @@ def plan_changed(
     With ``offsets`` (:meth:`FlatState.region_offsets`), a store of files (local, NFS)
     writes the leaves in the region as runs cut straight from it
     (:meth:`PackPlan.in_region`, up to ``multipart_threshold`` bytes each: the largest
-    object it writes in one piece); an object store keeps the packed plan.
+    object it writes in one piece), optimizer state apart from the rest (a streaming
+    restore reads the rest first); an object store keeps the packed plan.
     """
     settings, caps = store.settings, store.capabilities
     groups: list[int] | None = None
@@ -783,13 +789,15 @@ def plan_changed(
 
     if offsets is None or not caps.local_path or all(o < 0 for o in offsets):
         return packed(lengths)
+    optimizer = [is_optimizer_path(path) for path in paths]
+    kinds = [2 * g + o for g, o in zip(groups, optimizer, strict=True)] if groups else optimizer
     return PackPlan.in_region(
         lengths,
         offsets,
         object_size=settings.transport.multipart_threshold,
         gap=PAGE,
         rest=packed,
-        groups=groups,
+        groups=kinds,
     )
 
 

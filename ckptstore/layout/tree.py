@@ -76,6 +76,7 @@ __all__ = [
     "branch",
     "escape_key",
     "flatten",
+    "is_optimizer_path",
     "iter_leaves",
     "join_path",
     "map_leaves",
@@ -362,6 +363,22 @@ class FlatState:
                 if known[dtype] is None:
                     raise UnsupportedLeafError(path, f"dtype {dtype} cannot be stored")
         return list(map(known.__getitem__, dtypes))  # type: ignore[arg-type]  # no None
+
+
+#: Path segments that mark a leaf as optimizer state (besides any starting with ``optim``).
+_OPTIMIZER_SEGMENTS = frozenset({"opt", "opt_state", "opt_states"})
+
+
+def is_optimizer_path(path: str) -> bool:
+    """Whether the leaf at ``path`` is optimizer state by the default rule of ``stream=True``:
+    a segment starting with ``optim`` or equal to ``opt``, ``opt_state`` or ``opt_states``
+    (case-insensitive). A streaming restore reads these after the rest, and a save keeps
+    them in objects apart from the rest (:meth:`~ckptstore.layout.plan.PackPlan.in_region`)."""
+    for segment in path.split("/"):
+        low = segment.lower()
+        if low.startswith("optim") or low in _OPTIMIZER_SEGMENTS:
+            return True
+    return False
 
 
 def escape_key(key: str | int) -> str:

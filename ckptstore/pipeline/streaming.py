@@ -68,6 +68,7 @@ import numpy as np
 
 from ckptstore import background
 from ckptstore.errors import CkptStoreError
+from ckptstore.layout.tree import is_optimizer_path
 from ckptstore.store.transport import store_logger
 
 __all__ = [
@@ -81,20 +82,6 @@ __all__ = [
 ]
 
 _log = store_logger("ckptstore.restore")
-
-#: Path segments that mark a leaf as optimizer state (besides any starting with ``optim``).
-_OPTIMIZER_SEGMENTS = frozenset({"opt", "opt_state", "opt_states"})
-
-
-def is_optimizer_path(path: str) -> bool:
-    """Whether the leaf at ``path`` is optimizer state by the default rule of ``stream=True``:
-    a segment starting with ``optim`` or equal to ``opt``, ``opt_state`` or ``opt_states``
-    (case-insensitive)."""
-    for segment in path.split("/"):
-        low = segment.lower()
-        if low.startswith("optim") or low in _OPTIMIZER_SEGMENTS:
-            return True
-    return False
 
 
 class Pending:
