@@ -234,6 +234,7 @@ class PackPlan:
                 objects.append(PlannedObject(f"pack-{number:06d}", size, tuple(run), True, start))
 
         run: list[int] = []
+        on_page = 0  # the last position in ``run`` after the first whose leaf starts on a page
         end = 0
         for offset, leaf in inside:
             if run and (
@@ -242,21 +243,23 @@ class PackPlan:
                 or lengths[run[0]] >= object_size  # a large leaf goes alone
             ):
                 close(run)
-                run = []
+                run, on_page = [], 0
             if run and offset + lengths[leaf] - offsets[run[0]] > object_size:
                 # full: cut before the last leaf that starts on a page (the next object's
                 # bytes then start on one too, as a direct write from the region wants
                 # them), else at twice object_size
-                on_page = [k for k, member in enumerate(run) if k and offsets[member] % PAGE == 0]
                 if offset % PAGE == 0:
                     close(run)
-                    run = []
+                    run, on_page = [], 0
                 elif on_page:
-                    close(run[: on_page[-1]])
-                    run = run[on_page[-1] :]
+                    close(run[:on_page])
+                    run = run[on_page:]
+                    on_page = 0  # the new run's first leaf is the one on a page
                 elif offset + lengths[leaf] - offsets[run[0]] > 2 * object_size:
                     close(run)
-                    run = []
+                    run, on_page = [], 0
+            if run and offset % PAGE == 0:
+                on_page = len(run)
             run.append(leaf)
             end = offset + lengths[leaf]
         if run:
