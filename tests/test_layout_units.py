@@ -530,12 +530,7 @@ def test_a_staged_save_to_an_object_store_keeps_the_packed_plan(
 ) -> None:
     """An object store is not a store of files: its staged saves pack small leaves into pooled
     buffers and give larger ones objects of their own, as before."""
-    fills: list[int] = []
-    for name in ("fill", "fill_digests"):
-        original = getattr(PackPlan, name)
-        monkeypatch.setattr(
-            PackPlan, name, lambda *a, _f=original, **k: fills.append(1) or _f(*a, **k)
-        )
+    fills = _count_pack_builds(monkeypatch)
     state = {"a": np.arange(10, dtype=np.float32), "b": np.ones(300_000, np.float32)}
     with ckptstore.CheckpointManager("memory://in-region-off") as mgr:
         mgr.save(0, state)
