@@ -127,3 +127,68 @@ def test_writes_run_on_the_background_loop() -> None:
 
     saver.submit(0, lambda: Stager().stage({}), write).result(10)
     assert seen == [background.loop()]
+
+
+def test_the_handle_reports_the_commit_and_the_work_after_it_is_still_waited_for() -> None:
+    saver = AsyncSaver()
+    stager = Stager()
+    release = threading.Event()
+    order: list[str] = []
+
+    async def write(staged: StagedState) -> str:
+        order.append("write")
+        return "committed"
+
+    async def after() -> None:
+        assert stager.pool.stats().lent_bytes == 0  # the staged buffers went back first
+        await asyncio.to_thread(release.wait)
+        order.append("after")
+
+    handle = saver.submit(1, lambda: stager.stage({"w": np.ones(1000)}), write, after)
+    assert handle.result(10) == "committed"  # while ``after`` is still held
+    assert handle.done()
+    assert handle.write_seconds is not None
+    assert saver.in_flight == 1  # the save's work is not over
+    second = threading.Thread(target=lambda: saver.submit(2, lambda: stager.stage({}), write))
+    second.start()
+    second.join(0.2)
+    assert second.is_alive()  # the next save waits for ``after`` too
+    release.set()
+    second.join(10)
+    saver.wait_until_finished()
+    assert order == ["write", "after", "write"]
+
+
+def test_an_error_after_the_commit_is_raised_once_by_the_next_save_not_by_the_handle() -> None:
+    saver = AsyncSaver()
+
+    async def write(staged: StagedState) -> int:
+        return 7
+
+    async def after() -> None:
+        raise OSError("retention failed")
+
+    handle = saver.submit(1, lambda: Stager().stage({}), write, after)
+    assert handle.result(10) == 7
+    with pytest.raises(OSError, match="retention failed") as info:
+        saver.submit(2, lambda: Stager().stage({}), write)
+    assert any("step 1" in note for note in info.value.__notes__)
+    saver.wait_until_finished()  # reported once
+
+
+def test_a_failed_write_fails_the_handle_and_skips_what_follows() -> None:
+    saver = AsyncSaver()
+    ran: list[str] = []
+
+    async def write(staged: StagedState) -> None:
+        raise ValueError("write failed")
+
+    async def after() -> None:
+        ran.append("after")
+
+    handle = saver.submit(1, lambda: Stager().stage({}), write, after)
+    with pytest.raises(ValueError, match="write failed"):
+        handle.result(10)
+    with pytest.raises(ValueError, match="write failed"):
+        saver.wait_until_finished()
+    assert ran == []

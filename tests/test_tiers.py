@@ -113,6 +113,20 @@ class GatedStore(StoreWrapper):
         await self.inner._put(key, data, mode)
 
 
+class DeleteGatedStore(StoreWrapper):
+    """Holds every delete of a committed step's manifest (retention's) until :attr:`gate`
+    is set."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.gate = threading.Event()
+
+    async def _delete(self, keys: list[str]) -> None:
+        if any(key.endswith(MANIFEST_NAME) for key in keys):
+            await asyncio.to_thread(self.gate.wait)
+        await self.inner._delete(keys)
+
+
 # ----------------------------------------------------------------- saving and replication
 
 
@@ -193,6 +207,34 @@ def test_retention_is_per_tier_and_never_drops_a_step_awaiting_its_copy(tmp_path
         assert mgr.tiers().pending == []
     finally:
         gated.gate.set()
+        mgr.close()
+
+
+@pytest.mark.parametrize("tiered", [False, True], ids=["one tier", "local tier"])
+def test_a_save_handle_reports_the_commit_not_the_retention_after_it(
+    tmp_path: Path, tiered: bool
+) -> None:
+    """Deleting an old step takes as long as the save itself on a local disk beside a
+    copy: the handle resolves at the commit; the next save and ``wait_until_finished``
+    wait for the retention."""
+    local = DeleteGatedStore(LocalStore(tmp_path / "local"))
+    if tiered:
+        mgr = CheckpointManager(tmp_path / "persistent", local=local, local_max_to_keep=1)
+    else:
+        mgr = CheckpointManager(local, max_to_keep=1)
+    try:
+        mgr.save(0, state(0))
+        mgr.wait_until_finished()
+        mgr.save(1, state(1))
+        assert mgr.last_handle is not None
+        mgr.last_handle.result(timeout=30)  # step 0's deletion is held at the gate
+        assert ckptstore.list_steps(local) == [0, 1]
+        assert mgr._saver.in_flight == 1
+        local.gate.set()
+        mgr.wait_until_finished()
+        assert ckptstore.list_steps(local) == [1]
+    finally:
+        local.gate.set()
         mgr.close()
 
 

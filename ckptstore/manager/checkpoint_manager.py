@@ -410,7 +410,6 @@ class CheckpointManager:
                 self._info[step] = (manager_meta["time"], metrics)
                 self._remember_uses(info)
                 self._committed(step)
-                await self._retain()
                 return
             await save_path.save_staged(
                 tiers.local, staged, step=step, metadata=document, full=full
@@ -419,10 +418,12 @@ class CheckpointManager:
             self._committed(step)
             if persist:  # pending from here: local retention keeps it
                 tiers.replicator.submit(step, forced=bool(manager_meta.get("persist_forced")))
-            await tiers.retain_local()
+
+        async def retain() -> None:  # once committed: the handle does not wait for it
+            await (self._retain() if tiers is None else tiers.retain_local())
 
         began = time.monotonic()
-        self.last_handle = handle = self._saver.submit(step, stage, write)
+        self.last_handle = handle = self._saver.submit(step, stage, write, retain)
         if self._watch is not None:  # how long a save takes, for save_before's margin
             handle._future.add_done_callback(
                 lambda _: self._save_seconds.append(time.monotonic() - began)
@@ -509,8 +510,9 @@ class CheckpointManager:
         return document
 
     def wait_until_finished(self) -> None:
-        """Block until every save has committed (with a local tier: on the local tier, and
-        every copy to the persistent tier has ended); raise the first background error."""
+        """Block until every save has committed and its retention has run (with a local
+        tier: on the local tier, and every copy to the persistent tier has ended); raise the
+        first background error."""
         self._saver.wait_until_finished()
         if self._tiers is not None:
             self._tiers.replicator.wait_until_finished()

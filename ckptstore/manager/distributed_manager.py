@@ -406,8 +406,11 @@ class CheckpointManager(_SingleProcessManager):
                 self._thread, self._commit_everywhere, staged, fences, step, document, meta, full
             )
 
+        async def retain() -> None:  # once committed: the handle does not wait for it
+            await asyncio.get_running_loop().run_in_executor(self._thread, self._retain_after, step)
+
         began = time.monotonic()
-        self.last_handle = handle = self._saver.submit(step, stage, write)
+        self.last_handle = handle = self._saver.submit(step, stage, write, retain)
         if self._watch is not None:  # how long a save takes, for save_before's margin
             handle._future.add_done_callback(
                 lambda _: self._save_seconds.append(time.monotonic() - began)
@@ -439,8 +442,9 @@ class CheckpointManager(_SingleProcessManager):
         meta: dict[str, Any],
         full: bool,
     ) -> CommitInfo:
-        """The background half of a save, in the manager's thread: the staged copies'
-        ``fences``, the multi-rank protocol, then retention on the coordinator."""
+        """The background half of a save up to its commit, in the manager's thread: the
+        staged copies' ``fences``, then the multi-rank protocol (:meth:`_retain_after`
+        follows it)."""
         if self._tiers is not None:
             return self._commit_locally(staged, fences, step, document, meta, full)
         flat: FlatState | None = None
@@ -458,8 +462,21 @@ class CheckpointManager(_SingleProcessManager):
         if self.rank == self.coordinator:  # what retention ranks it by, and marks with
             self._info[step] = (meta["time"], meta["metrics"])
             self._remember_uses(info)
-        self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
         return info
+
+    def _retain_after(self, step: int) -> None:
+        """What follows the commit of ``step``, in the manager's thread on every rank: the
+        retention of the coordinator, or with a local tier each rank's local retention."""
+        tiers = self._tiers
+        if tiers is None:
+            self._on_coordinator(self._retain, f"step {step} is committed; retention after it")
+            return
+        everywhere(
+            self._comm,
+            lambda: background.run(tiers.retain_local()),
+            f"step {step} is committed; the local tier's retention after it",
+            tiers.local.url,
+        )
 
     def _commit_locally(
         self,
@@ -473,7 +490,8 @@ class CheckpointManager(_SingleProcessManager):
         """The background half of a save with a local tier: this rank commits its part on
         its own local tier, every rank learns how every rank's went (a step is on the local
         tier only if it is on every rank's), then the copy to the persistent tier is queued
-        (the coordinator's ``persist`` decides) and each rank applies its local retention."""
+        (the coordinator's ``persist`` decides); each rank's local retention follows
+        (:meth:`_retain_after`)."""
         tiers = self._tiers
         assert tiers is not None
         info: CommitInfo | None = None
@@ -500,12 +518,6 @@ class CheckpointManager(_SingleProcessManager):
         persist, forced = said[self.coordinator]
         if persist:  # pending from here: local retention keeps it
             tiers.replicator.submit(step, forced=forced)
-        everywhere(
-            self._comm,
-            lambda: background.run(tiers.retain_local()),
-            f"step {step} is committed; the local tier's retention after it",
-            tiers.local.url,
-        )
         return info
 
     def _check_after_newest(self, step: int) -> None:
