@@ -617,6 +617,41 @@ def test_the_fence_copies_what_the_background_thread_has_not_started(
 
 
 @pytest.mark.torch
+def test_the_last_host_batches_are_one_piece_each_so_the_threads_finish_together() -> None:
+    """Large leaves are copied in pieces of a quarter of ``chunk_bytes``, batched
+    ``chunk_bytes`` at a time until two batches' bytes are left, then a piece at a time: a
+    fence that joins near the end never waits on a whole leaf the other thread copies."""
+    import torch
+
+    chunk = 1 << 20
+    # 6 leaves of 1 MiB and one of 32 KiB, copied smallest first
+    state = {f"w{i}": torch.full((1 << 18,), float(i)) for i in range(6)}
+    state["small"] = torch.arange(1 << 13, dtype=torch.float32)
+    expected = _clone(state)
+    stager = Stager(chunk_bytes=chunk)
+    staged = stager.stage(state, lazy=True, start=False)
+    copy = staged.snapshot
+    assert isinstance(copy, LazyCopy)
+    copy._ready()
+    batches = copy._host_batches
+    sizes = [batch.nbytes for batch in batches]
+    assert sum(sizes) == 6 * chunk + (1 << 15)
+    left = sum(sizes)
+    for size in sizes:  # a batch takes pieces until it has its bytes: less than a piece over
+        assert size < (chunk if left > 2 * chunk else chunk // 4) + chunk // 4, sizes
+        left -= size
+    assert sizes[-8:] == [chunk // 4] * 8  # the last 2 MiB: eight pieces of 256 KiB
+    assert batches[0].leaves[0].path == "small"
+    # a leaf's pieces may be in two batches: each batch names the leaves it copies
+    assert [leaf.path for leaf in batches[-1].leaves] == ["w5"]
+    staged.start()
+    copy.result()
+    for path, tensor in expected.items():
+        assert staged.tree[path].tobytes() == tensor.numpy().tobytes()
+    staged.release()
+
+
+@pytest.mark.torch
 def test_the_fence_is_a_no_op_once_the_copy_is_done(root: Path) -> None:
     model, opt = _torch_training()
     with CheckpointManager(root, snapshot="lazy") as mgr:
