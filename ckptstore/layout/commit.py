@@ -1021,7 +1021,8 @@ class ObjectWriter:
             views, at = [], 0
             for leaf in obj.leaves:
                 offset, length = plan.leaf_offset[leaf], plan.leaf_length[leaf]
-                body[at:offset] = 0
+                if offset > at:
+                    body[at:offset] = 0
                 views.append(body[offset : offset + length])
                 at = offset + length
             hashes: list[str] | None = None
@@ -1034,17 +1035,20 @@ class ObjectWriter:
                 for leaf, view in zip(obj.leaves, views, strict=True):
                     known_crc = found.get(leaf)
                     crcs.append(crc32c(view) if known_crc is None else known_crc)
-            whole, at = 0, 0
+            # The object's crc32c: each stretch of zeroed padding and small leaves is hashed
+            # in one call over the body; a large leaf's own crc32c is combined in. A combine
+            # is Python holding the GIL (10-30 us), so below COMBINE_MIN bytes hashing the
+            # leaf once more is cheaper; and two calls per small leaf cost 20,000 leaves of
+            # 4 KiB 0.15-0.39 s a save.
+            whole, hashed = 0, 0
             for leaf, view, crc in zip(obj.leaves, views, crcs, strict=True):
-                offset = plan.leaf_offset[leaf]
-                whole = crc32c(body[at:offset], whole)  # the zeroed padding
-                # a combine is Python holding the GIL (10-30 us): below COMBINE_MIN bytes,
-                # hashing the leaf once more is cheaper
                 if len(view) < COMBINE_MIN:
-                    whole = crc32c(view, whole)
-                else:
-                    whole = crc32c_combine(whole, crc, len(view))
-                at = offset + len(view)
+                    continue
+                offset = plan.leaf_offset[leaf]
+                whole = crc32c(body[hashed:offset], whole)
+                whole = crc32c_combine(whole, crc, len(view))
+                hashed = offset + len(view)
+            whole = crc32c(body[hashed:at], whole)
             return crcs, hashes, whole
 
         crcs, hashes, whole = await in_hash_thread(checksums)
