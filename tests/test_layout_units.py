@@ -1467,3 +1467,37 @@ async def test_held_turns_wait_for_resume_and_take_the_hashes_given(
 
 def checksum_of(array: np.ndarray) -> int:
     return crc32c(array.tobytes())
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_the_stager_records_each_leafs_offset_in_its_arena_as_the_addresses_give_it(
+    lazy: bool,
+) -> None:
+    """``FlatState.region_at`` (recorded at layout) is what reading every array's address
+    gives, leaves outside the arena ``-1``; a state with a plain value and sizes on both
+    sides of a page."""
+    import torch
+
+    from ckptstore.stage import Stager
+
+    state = {
+        "a": torch.arange(10, dtype=torch.float32),
+        "b": torch.zeros(3 * PAGE, dtype=torch.uint8),
+        "c": [torch.ones(5, dtype=torch.float64), 7],
+        "d": torch.arange(PAGE + 3, dtype=torch.int16),
+    }
+    stager = Stager()
+    staged = stager.stage(state, lazy=lazy)
+    try:
+        if staged.snapshot is not None:
+            staged.snapshot.result()
+        flat = staged.flat()
+        recorded = flat.region_offsets()
+        assert recorded is not None
+        assert flat.region_at is recorded
+        flat.region_at = None
+        assert flat.region_offsets() == recorded
+        assert sorted(recorded) == recorded  # laid out in leaf order
+        assert len(set(recorded)) == len(recorded) == len(flat.arrays)
+    finally:
+        staged.release()

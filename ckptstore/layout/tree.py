@@ -322,13 +322,22 @@ class FlatState:
     arrays: list[np.ndarray[Any, Any]] = field(default_factory=list)
     attrs: list[dict[str, Any] | None] = field(default_factory=list)
     region: np.ndarray[Any, np.dtype[np.uint8]] | None = None
+    #: Per array leaf, its offset in :attr:`region` (``-1``: outside it), as whoever laid
+    #: the leaves out there recorded it; ``None``: found from the arrays' addresses.
+    region_at: list[int] | None = None
 
     def region_offsets(self) -> list[int] | None:
         """Per array leaf, its byte offset in :attr:`region` (``-1`` for a leaf outside it,
-        or not C-contiguous), or ``None`` without a region."""
+        or not C-contiguous), or ``None`` without a region.
+
+        The stager records them as it lays the arena out (:attr:`region_at`): reading each
+        array's address (``__array_interface__``) costs about 4.7 us a leaf, 94 ms for
+        20,000 leaves."""
         region = self.region
         if region is None:
             return None
+        if self.region_at is not None:
+            return self.region_at
         start = region.__array_interface__["data"][0]
         end = start + region.nbytes
         offsets = []

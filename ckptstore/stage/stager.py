@@ -421,6 +421,7 @@ class Stager:
         buffer, offsets = self._layout(specs)
         staged.buffer = buffer
         flat.region = buffer.data  # written in place by a local save
+        flat.region_at = _region_at(len(flat.arrays), to_copy, offsets)
         staged.nbytes = sum(spec.nbytes for spec in specs)
         paths = [flat.paths[i] for i in to_copy]
         arrays = flat.arrays
@@ -480,13 +481,6 @@ class Stager:
             self._lazy_executor = Pool(1, "ckpt-lazy")
         return self._lazy_executor
 
-    def _arena(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[NDArray[Any]]]:
-        """A pooled arena for leaves of these specs, and each leaf's slot in it (an array of
-        its dtype and shape): see :meth:`_layout`."""
-        buffer, offsets = self._layout(specs)
-        slots = [_slot(buffer, spec, offset) for spec, offset in zip(specs, offsets, strict=True)]
-        return buffer, slots
-
     def _layout(self, specs: list[LeafSpec]) -> tuple[HostBuffer, list[int]]:
         """A pooled arena for leaves of these specs, and each leaf's offset in it: small
         leaves at ``leaf_alignment``, large ones on a page."""
@@ -538,12 +532,15 @@ class Stager:
             return staged, [], [], []
         for kind, mine in _kinds_of(sources):
             kind.start(mine)
-        buffer, slots = self._arena([spec for _, _, spec in sources])
+        specs = [spec for _, _, spec in sources]
+        buffer, offsets = self._layout(specs)
+        slots = [_slot(buffer, spec, offset) for spec, offset in zip(specs, offsets, strict=True)]
         paths = [flat.paths[i] for i in to_copy]
         for i, path, dst in zip(to_copy, paths, slots, strict=True):
             flat.arrays[i] = views[path] = dst
         staged.buffer = buffer
         flat.region = buffer.data  # written in place by a local save
+        flat.region_at = _region_at(len(flat.arrays), to_copy, offsets)
         staged.nbytes = sum(flat.nbytes)
         return staged, paths, sources, slots
 
@@ -714,6 +711,15 @@ class _Copying:
             future.result()
         if self._error is not None:
             raise self._error
+
+
+def _region_at(count: int, placed: list[int], offsets: list[int]) -> list[int]:
+    """Per flat leaf of ``count``, its offset in the arena: ``offsets[j]`` for leaf
+    ``placed[j]``, ``-1`` for the others."""
+    at = [-1] * count
+    for i, offset in zip(placed, offsets, strict=True):
+        at[i] = offset
+    return at
 
 
 def _run_batch(copies: list[Callable[[], None]]) -> None:
