@@ -82,6 +82,42 @@ def test_numpy_leaves_have_no_counter_so_a_lazy_save_copies_them_in_the_call(
 
 
 @pytest.mark.torch
+def test_a_lazy_stage_copies_its_numpy_leaves_in_bulk_runs_cut_at_the_lazy_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The numpy leaves are copied in the call, many to a bulk call; a bulk call zeroes the
+    gaps between its arrays, so a run stops at a tensor's slot, which the lazy copy fills."""
+    import torch
+
+    from ckptstore.stage import stager as stager_module
+
+    runs: list[int] = []
+    real = stager_module._bulk_copy
+
+    def bulk_copy(arena: Any, run: Any) -> None:
+        runs.append(len(run.arrays) + len(run.addresses))
+        real(arena, run)
+
+    monkeypatch.setattr(stager_module, "_bulk_copy", bulk_copy)
+    state: dict[str, Any] = {}
+    for i in range(3):
+        for j in range(4):
+            state[f"n{i}{j}"] = np.full(100 + j, i * 10 + j, np.int32)
+        state[f"t{i}"] = torch.arange(300, dtype=torch.float32) + i
+    stager = Stager()
+    staged = stager.stage(state, lazy=True, start=False)
+    assert runs == [4, 4, 4]  # in the call: three stretches of numpy leaves, cut at each tensor
+    staged.start()
+    staged.wait_ready()
+    flat = staged.flat()
+    for path, array in zip(flat.paths, flat.arrays, strict=True):
+        expected = state[path]
+        np.testing.assert_array_equal(array, expected if path[0] == "n" else expected.numpy())
+    staged.release()
+    stager.close()
+
+
+@pytest.mark.torch
 def test_the_arena_goes_back_to_the_pool_only_after_the_copy(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

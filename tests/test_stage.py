@@ -567,17 +567,40 @@ def test_large_leaves_start_on_a_page_so_local_stores_write_them_direct() -> Non
 # -- how the copies run ---------------------------------------------------------------------
 
 
-def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any) -> None:
+def _patch_copies(monkeypatch: Any, bulk: bool, wrap: Any) -> None:
+    """Have ``wrap(real, dst_nbytes, sources, run)`` run each host copy: the bulk copy of
+    small arrays (``bulk``) or a numpy kind's copy of one piece."""
+    from ckptstore.stage import numpy as numpy_kind
+    from ckptstore.stage import stager as stager_module
+
+    if bulk:
+        real_bulk = stager_module._bulk_copy
+
+        def bulk_copy(arena: Any, run: Any) -> None:
+            sources = [s for s, _ in run.arrays] + [leaf for leaf, *_ in run.addresses]
+            wrap(lambda: real_bulk(arena, run), run.nbytes, sources)
+
+        monkeypatch.setattr(stager_module, "_bulk_copy", bulk_copy)
+    else:
+        real_copy = numpy_kind._copy
+
+        def copy(dst: Any, src: Any) -> None:
+            wrap(lambda: real_copy(dst, src), dst.nbytes, [src])
+
+        monkeypatch.setattr(numpy_kind, "_copy", copy)
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["small-in-bulk", "large-in-pieces"])
+def test_copies_are_shared_by_the_helper_and_the_calling_thread(
+    monkeypatch: Any, bulk: bool
+) -> None:
     import threading
 
-    from ckptstore.stage import numpy as numpy_kind
-
     copied_by: dict[int, int] = {}
-    real = numpy_kind._copy
     caller = threading.get_ident()
     caller_copied = threading.Event()
 
-    def counting(dst: Any, src: Any) -> None:
+    def counting(run: Any, nbytes: int, sources: Any) -> None:
         ident = threading.get_ident()
         if ident == caller:
             caller_copied.set()
@@ -586,12 +609,13 @@ def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any
             # not depend on how fast the helper is; if the caller never does, the wait times
             # out and the assertions below fail.
             caller_copied.wait(timeout=10)
-        copied_by[ident] = copied_by.get(ident, 0) + dst.nbytes
-        real(dst, src)
+        copied_by[ident] = copied_by.get(ident, 0) + nbytes
+        run()
 
-    monkeypatch.setattr(numpy_kind, "_copy", counting)
+    _patch_copies(monkeypatch, bulk, counting)
     rng = np.random.default_rng(2)
-    state = {f"t{i}": rng.standard_normal(1 << 16).astype(np.float32) for i in range(32)}
+    size = 1 << 14 if bulk else 1 << 18  # 64 KiB, bulk; 1 MiB (BULK_MAX), in pieces
+    state = {f"t{i}": rng.standard_normal(size).astype(np.float32) for i in range(32)}
     stager = Stager(threads=2, chunk_bytes=64 << 10)
     staged = stager.stage(state)
     for key, value in state.items():
@@ -602,8 +626,52 @@ def test_copies_are_shared_by_the_helper_and_the_calling_thread(monkeypatch: Any
     stager.close()
 
 
-def test_torch_host_copies_go_in_batches_not_one_call_per_tensor(monkeypatch: Any) -> None:
+def test_small_host_arrays_are_copied_in_bulk_around_the_other_leaves(monkeypatch: Any) -> None:
+    """Small contiguous arrays go in a few bulk calls, not one copy each; a bulk call zeroes
+    the gaps between its arrays, so a leaf copied otherwise (strided here, and copied first:
+    the largest copies go first) that lies between two of them must cut the run, or its
+    copy would be zeroed."""
+    calls: list[int] = []
+
+    def counting(run: Any, nbytes: int, sources: Any) -> None:
+        calls.append(len(sources))
+        run()
+
+    _patch_copies(monkeypatch, True, counting)
+    rng = np.random.default_rng(5)
+    state: dict[str, Any] = {}
+    for i in range(300):
+        state[f"a{i:03}"] = rng.integers(0, 255, size=rng.integers(1, 300), dtype=np.uint8)
+        if i % 100 == 50:  # larger than all the runs together, so copied before them
+            state[f"a{i:03}s"] = rng.standard_normal((1024, 64)).astype(np.float32)[:, ::2]
+    state["bf16"] = np.arange(7, dtype=ml_dtypes.bfloat16)
+    state["zero-d"] = np.array(3.5)
+    state["empty"] = np.zeros((0, 3), np.int16)
+    state["big"] = rng.standard_normal(1 << 18).astype(np.float32)  # BULK_MAX: in pieces
+    stager = Stager(threads=1, chunk_bytes=1 << 20)
+    staged = stager.stage(state)
+    for key, value in state.items():
+        assert bits(staged.tree[key]) == bits(value), key
+        assert staged.tree[key].dtype == value.dtype
+        assert staged.tree[key].shape == value.shape
+    assert sum(calls) == len(state) - 4  # all but the three strided and the large one
+    assert len(calls) == 4, calls  # one run per stretch between the strided leaves
+    staged.release()
+    stager.close()
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native", "no-native-module"])
+def test_torch_host_copies_go_in_batches_not_one_call_per_tensor(
+    monkeypatch: Any, native: bool
+) -> None:
+    """Large tensors' pieces, and small tensors where the compiled bulk copy is missing, are
+    copied by torch a batch to a call; small ones otherwise in a few bulk calls, by address."""
     torch = pytest.importorskip("torch")
+    from ckptstore.stage import stager as stager_module
+
+    if not stager_module.NATIVE_COPY and native:
+        pytest.skip("the compiled module (ckptstore.store._gather) is not built here")
+    monkeypatch.setattr(stager_module, "NATIVE_COPY", native)
     calls: list[int] = []
     real = torch._foreach_copy_
 
@@ -612,35 +680,83 @@ def test_torch_host_copies_go_in_batches_not_one_call_per_tensor(monkeypatch: An
         real(dsts, srcs)
 
     monkeypatch.setattr(torch, "_foreach_copy_", counting)
-    state = {f"w{i}": torch.full((64, 65), float(i)) for i in range(100)}
+    bulk: list[int] = []
+
+    def in_bulk(run: Any, nbytes: int, sources: Any) -> None:
+        bulk.append(len(sources))
+        run()
+
+    _patch_copies(monkeypatch, True, in_bulk)
+    state = {f"w{i}": torch.full((64, 65), float(i)) for i in range(100)}  # 16,640 B
+    state.update({f"big{i}": torch.full((512, 513), float(i)) for i in range(4)})  # > 1 MiB
     state["strided"] = torch.arange(60.0).reshape(6, 10).t()
-    staged = Stager(threads=2, chunk_bytes=4096).stage(state)
+    staged = Stager(threads=2, chunk_bytes=64 << 10).stage(state)
     for key, value in state.items():
         assert bits(staged.tree[key]) == bits(value)
-    chunks = 100 * 5 + 1  # 16,640 B a tensor in 4 KiB chunks, and the strided one whole
+    chunks = 4 * 17 + 1  # 1,050,624 B a large tensor in 64 KiB chunks, and the strided one
+    if native:
+        assert sum(bulk) == 100  # the small tensors, ...
+        assert len(bulk) == 25, bulk  # ... four to a call (64 KiB)
+    else:
+        assert not bulk
+        chunks += 100  # the small ones too, one chunk each
     assert sum(calls) == chunks  # every chunk copied once...
-    assert len(calls) <= chunks // 10, calls  # ...in a few calls, not one per copy
+    assert len(calls) <= chunks // 3, calls  # ...in a few calls, not one per copy
 
 
-def test_a_failing_copy_fails_the_stage_and_returns_the_arena(monkeypatch: Any) -> None:
-    from ckptstore.stage import numpy as numpy_kind
+@pytest.mark.torch
+def test_small_torch_tensors_copied_by_address_bit_exact() -> None:
+    """A bulk copy by address takes only tensors whose bytes are their values, C-contiguous
+    in host memory: a conjugate or negative view, a strided or expanded tensor is copied by
+    torch, which resolves it; a contiguous slice is read from its storage offset."""
+    import torch
 
-    real = numpy_kind._copy
+    from ckptstore.stage import stager as stager_module
 
-    def failing(dst: Any, src: Any) -> None:
-        if src.size and src.reshape(-1)[0] == 7:
+    if not stager_module.NATIVE_COPY:
+        pytest.skip("the compiled module (ckptstore.store._gather) is not built here")
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4096, generator=g)
+    state = {
+        "slice": base[1000:1999],
+        "bf16": torch.randn(333, generator=g).to(torch.bfloat16),
+        "bool": torch.rand(77, generator=g) > 0.5,
+        "conj": torch.randn(9, dtype=torch.complex64, generator=g).conj(),
+        "neg": torch._neg_view(torch.randn(11, generator=g)),
+        "strided": base[::7],
+        "expanded": torch.randn(1, 6, generator=g).expand(3, 6),
+        "scalar": torch.tensor(-2.5, dtype=torch.float64),
+        "empty": torch.zeros(0, 4),
+        "param": torch.nn.Parameter(torch.randn(5, 5, generator=g)),
+    }
+    kind = next(k for k in stager_module.array_kinds() if k.name == "torch")
+    by_address = {key for key, value in state.items() if kind.host_address(value) is not None}
+    assert by_address == {"slice", "bf16", "bool", "scalar", "empty", "param"}
+    staged = Stager(chunk_bytes=1 << 20).stage(state)
+    for key, value in state.items():
+        expected = value.detach().resolve_conj().resolve_neg()
+        assert bits(staged.tree[key]) == bits(expected), key
+        assert staged.tree[key].shape == tuple(value.shape), key
+    staged.release()
+
+
+@pytest.mark.parametrize("bulk", [True, False], ids=["small-in-bulk", "large-in-pieces"])
+def test_a_failing_copy_fails_the_stage_and_returns_the_arena(monkeypatch: Any, bulk: bool) -> None:
+    def failing(run: Any, nbytes: int, sources: Any) -> None:
+        if any(src.size and src.reshape(-1)[0] == 7 for src in sources):
             raise MemoryError("copy failed")
-        real(dst, src)
+        run()
 
-    monkeypatch.setattr(numpy_kind, "_copy", failing)
-    state = {f"t{i}": np.full(1 << 15, float(i), np.float32) for i in range(16)}
+    _patch_copies(monkeypatch, bulk, failing)
+    size = 1 << 15 if bulk else 1 << 18
+    state = {f"t{i}": np.full(size, float(i), np.float32) for i in range(16)}
     stager = Stager(threads=2, chunk_bytes=16 << 10)
     with pytest.raises(MemoryError, match="copy failed"):
         stager.stage(state)
     stats = stager.pool.stats()
     assert stats.idle_bytes > 0
     assert stats.lent_bytes == 0
-    monkeypatch.setattr(numpy_kind, "_copy", real)
+    monkeypatch.undo()
     staged = stager.stage(state)  # the arena comes back and is reused
     assert bits(staged.tree["t7"]) == bits(state["t7"])
     assert stager.pool.stats().reuses == 1

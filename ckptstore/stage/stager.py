@@ -3,7 +3,8 @@
 This is the only part of an async save that blocks the training loop, so it is built to run at
 memcpy speed: every array leaf gets a slot in one pooled arena (:mod:`ckptstore.store.buffers`), so
 steady-state saves take no page faults; large leaves are split into chunks and copied by a few
-threads (the copies release the GIL); leaves on an accelerator start their device-to-host
+threads (the copies release the GIL); small host arrays are copied many to a call
+(:func:`_copy_tasks`), not one copy each; leaves on an accelerator start their device-to-host
 transfers before any is waited for. When :meth:`Stager.stage` returns, mutating or freeing the
 source arrays can no longer change what is written (for CUDA sources: once
 :meth:`StagedState.wait_ready` returns, which the writer calls before it reads a byte; the copies
@@ -23,11 +24,12 @@ never imports torch or JAX.
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -40,6 +42,7 @@ from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
 from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
+from ckptstore.store.checksum import NATIVE_COPY, copy_from_addresses, gather_crc32c
 from ckptstore.threads import Pool, collection_paused
 
 if TYPE_CHECKING:
@@ -160,6 +163,14 @@ class ArrayKind(ABC):
 
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
         """``leaf`` itself as a host array, without a copy, if it lives in host memory."""
+        return None
+
+    def host_address(self, leaf: Any) -> int | None:
+        """The address of ``leaf``'s bytes if they lie in host memory, C-contiguous, as the
+        arena holds them (no conjugate or negative view): a small such leaf is copied with
+        others in one call (:func:`_copy_tasks`) instead of by :meth:`copies`. ``None``
+        (the default) for any other leaf, and for a kind whose arrays export a buffer
+        (numpy's, which are copied in bulk through it)."""
         return None
 
     def version(self, leaf: Any) -> int | None:
@@ -427,12 +438,19 @@ class Stager:
         arrays = flat.arrays
         try:
             versions = [kind.version(leaf) for leaf, kind, _ in sources]
-            now: list[CopyTask] = []
+            now_slots: list[NDArray[Any] | None] = []  # None: copied later
             for j, version in enumerate(versions):
                 if version is None:  # no counter to check a later copy by: copied now
-                    leaf, kind, spec = sources[j]
+                    spec = sources[j][2]
                     dst = arrays[to_copy[j]] = views[paths[j]] = _slot(buffer, spec, offsets[j])
-                    now += kind.copies(leaf, dst, self.chunk_bytes)
+                    now_slots.append(dst)
+                else:
+                    now_slots.append(None)
+            now = (
+                _copy_tasks(buffer, sources, now_slots, offsets, self.chunk_bytes)
+                if None in versions
+                else []
+            )
             if now:
                 copying = _Copying(now, self.threads, self.chunk_bytes)
                 copying.start(self._helpers)
@@ -500,13 +518,11 @@ class Stager:
         """``stage(state)`` (not lazy): the state walked once (:meth:`_walked`), the arena
         laid out, each stand-in replaced by its slot, and the copies run. With nothing to
         copy there is no arena at all."""
-        staged, _, sources, slots = self._laid_out(state, copy=copy)
+        staged, offsets, sources, slots = self._laid_out(state, copy=copy)
         if staged.buffer is None:
             return staged
         try:
-            tasks: list[CopyTask] = []
-            for (leaf, kind, _), dst in zip(sources, slots, strict=True):
-                tasks += kind.copies(leaf, dst, self.chunk_bytes)
+            tasks = _copy_tasks(staged.buffer, sources, slots, offsets, self.chunk_bytes)
             copying = _Copying(tasks, self.threads, self.chunk_bytes)
             copying.start(self._helpers)
             copying.finish()
@@ -521,10 +537,10 @@ class Stager:
 
     def _laid_out(
         self, state: Any, *, copy: bool
-    ) -> tuple[StagedState, list[Path], list[tuple[Any, ArrayKind, LeafSpec]], list[NDArray[Any]]]:
+    ) -> tuple[StagedState, list[int], list[tuple[Any, ArrayKind, LeafSpec]], list[NDArray[Any]]]:
         """A stage's state walked once (:meth:`_walked`) and its arena laid out:
-        ``(staged state, the path of each leaf to copy, its (leaf, kind, spec), its slot in
-        the arena)``. Each leaf's framework has been told of the copies to come
+        ``(staged state, the offset in the arena of each leaf to copy, its (leaf, kind,
+        spec), its slot there)``. Each leaf's framework has been told of the copies to come
         (``ArrayKind.start``) and the flat view shows the slots. With nothing to copy the
         staged state has no buffer."""
         flat, to_copy, sources, staged, views = self._walked(state, copy=copy)
@@ -542,7 +558,7 @@ class Stager:
         flat.region = buffer.data  # written in place by a local save
         flat.region_at = _region_at(len(flat.arrays), to_copy, offsets)
         staged.nbytes = sum(flat.nbytes)
-        return staged, paths, sources, slots
+        return staged, offsets, sources, slots
 
     @staticmethod
     def _walked(
@@ -747,8 +763,105 @@ _UNSEEN: Any = object()
 
 
 def _slot(buffer: HostBuffer, spec: LeafSpec, offset: int) -> NDArray[Any]:
-    """A leaf's slot in an arena: an array of its dtype and shape at ``offset``."""
-    return buffer.view(offset, spec.nbytes).view(spec.dtype).reshape(spec.shape)
+    """A leaf's slot in an arena: an array of its dtype and shape at ``offset``.
+
+    One constructor call (which refuses a slot past the arena's end), not a slice, a dtype
+    view and a reshape: 0.7 us against 1.2 us a leaf, on every leaf of every save."""
+    return np.ndarray(spec.shape, spec.dtype, buffer.data, offset)
+
+
+#: Host arrays under this many bytes are copied into the arena by :func:`_copy_tasks` in bulk
+#: (one call for many), larger ones by their kind's copies, in pieces the threads share.
+BULK_MAX = 1 << 20
+
+
+def _copy_tasks(
+    buffer: HostBuffer,
+    sources: list[tuple[Any, ArrayKind, LeafSpec]],
+    slots: Sequence[NDArray[Any] | None],
+    offsets: list[int],
+    chunk_bytes: int,
+) -> list[CopyTask]:
+    """The copies of ``sources`` into their ``slots`` of ``buffer`` (at ``offsets``); a
+    leaf whose slot is ``None`` is copied by someone else (a lazy snapshot's thread).
+
+    A small host array (under :data:`BULK_MAX`) is not given copies of its own: consecutive
+    ones go in one task of about ``chunk_bytes``, which copies them all with one compiled
+    call without the GIL (:func:`_bulk_copy`): numpy arrays through their buffers, torch
+    tensors by their addresses (:meth:`ArrayKind.host_address`, where the compiled module
+    is built). Given copies of its own by its kind, such a leaf cost about 9 us of Python
+    (numpy; 4.6 us for a torch tensor, copied in batches by torch); in bulk, about 1 us
+    (20,000 leaves of 4 KiB: 270 ms of staging before, 72 ms after, of which 24 ms copies).
+    A run is cut where another leaf lies between two of its members (one copied otherwise,
+    or later), since the call zeroes the gaps between its numpy members.
+    """
+    tasks: list[CopyTask] = []
+    run = _Run()
+    by_address = NATIVE_COPY
+
+    def flush() -> None:
+        nonlocal run
+        if run.arrays or run.addresses:
+            tasks.append((run.nbytes, functools.partial(_bulk_copy, buffer.data, run)))
+            run = _Run()
+
+    for (leaf, kind, spec), dst, offset in zip(sources, slots, offsets, strict=True):
+        if dst is None:
+            flush()
+            continue
+        nbytes = spec.nbytes
+        if nbytes < BULK_MAX:
+            if type(leaf) is np.ndarray and leaf.flags.c_contiguous:
+                if run.nbytes >= chunk_bytes:
+                    flush()
+                run.arrays.append((leaf, offset))
+                run.nbytes += nbytes
+                continue
+            address = kind.host_address(leaf) if by_address else None
+            if address is not None:
+                if run.nbytes >= chunk_bytes:
+                    flush()
+                run.addresses.append((leaf, address, offset, nbytes))
+                run.nbytes += nbytes
+                continue
+        flush()
+        tasks += kind.copies(leaf, dst, chunk_bytes)
+    flush()
+    return tasks
+
+
+@dataclass(slots=True)
+class _Run:
+    """Small host leaves one bulk copy moves: numpy arrays as ``(array, offset)``, and
+    leaves known by address as ``(leaf, address, offset, nbytes)`` (the leaf held so its
+    memory lives until the copy ran)."""
+
+    arrays: list[tuple[NDArray[Any], int]] = field(default_factory=list)
+    addresses: list[tuple[Any, int, int, int]] = field(default_factory=list)
+    nbytes: int = 0
+
+
+def _bulk_copy(arena: NDArray[np.uint8], run: _Run) -> None:
+    """Copy a run's leaves into ``arena`` at their offsets. The numpy arrays go first, in one
+    call that zeroes the gaps between them (some of which the leaves known by address fill
+    next)."""
+    if run.arrays:
+        start = run.arrays[0][1]
+        last, end_at = run.arrays[-1]
+        gather_crc32c(
+            arena[start : end_at + last.nbytes],
+            [source for source, _ in run.arrays],
+            range(len(run.arrays)),
+            [offset - start for _, offset in run.arrays],
+            [source.nbytes for source, _ in run.arrays],
+        )
+    if run.addresses:
+        copy_from_addresses(
+            arena,
+            [address for _, address, _, _ in run.addresses],
+            [offset for _, _, offset, _ in run.addresses],
+            [nbytes for _, _, _, nbytes in run.addresses],
+        )
 
 
 def _stand_in(dtype: np.dtype[Any]) -> NDArray[Any]:

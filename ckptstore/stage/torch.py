@@ -290,6 +290,13 @@ class TorchKind(ArrayKind):
         devices = {t.device for t in leaves if t.is_cuda}
         return _CudaCopies(devices) if devices else None
 
+    def host_address(self, leaf: Any) -> int | None:
+        tensor: torch.Tensor = leaf
+        # a conjugate or negative view's bytes are not its values: torch's copy resolves it
+        if tensor.is_cpu and tensor.is_contiguous() and not (tensor.is_conj() or tensor.is_neg()):
+            return int(tensor.data_ptr())
+        return None
+
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
         tensor: torch.Tensor = leaf.detach()
         if tensor.device.type != "cpu":

@@ -17,8 +17,13 @@
  * whose address ckptstore.store.checksum finds in that package's module and hands to
  * ``bind_xxh3``; this module hashes nothing itself.
  *
- * Used through ckptstore.store.checksum (gather_crc32c, gather_digests, first_mismatch), which
- * also holds the Python loop that gives the same results where this module is missing.
+ * ``copy_from`` copies many small host arrays that export no buffer (torch tensors, by their data
+ * pointers) into a staging arena in one call, without the GIL: ckptstore.stage.stager's bulk
+ * copy, which where this module is missing copies them through torch.
+ *
+ * Used through ckptstore.store.checksum (gather_crc32c, gather_digests, first_mismatch,
+ * copy_from_addresses), which also holds the Python loop that gives the same results where this
+ * module is missing.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -473,10 +478,82 @@ done:
     return result;
 }
 
+/* copy_from(out, addresses, offsets, lengths) -> None
+ *
+ * Copy lengths[k] bytes from the host address addresses[k] into out at offsets[k], for each k,
+ * without the GIL. For arrays that export no buffer (torch tensors): the caller passes the data
+ * pointers of C-contiguous host arrays it holds, which stay alive and unchanged for the call.
+ * Every destination range is checked to lie in ``out`` before anything is copied.
+ */
+static PyObject *
+copy_from(PyObject *self, PyObject *args)
+{
+    Py_buffer out;
+    PyObject *addresses_seq, *offsets_seq, *lengths_seq;
+    if (!PyArg_ParseTuple(args, "w*OOO:copy_from", &out, &addresses_seq, &offsets_seq,
+                          &lengths_seq))
+        return NULL;
+    PyObject *result = NULL, *fast = NULL;
+    Py_ssize_t n = 0, n_offsets = 0, n_lengths = 0;
+    void **addresses = NULL;
+    Py_ssize_t *offsets = ssize_array(offsets_seq, "offsets must be a sequence", &n_offsets);
+    Py_ssize_t *lengths = offsets == NULL ? NULL
+                        : ssize_array(lengths_seq, "lengths must be a sequence", &n_lengths);
+    if (lengths == NULL)
+        goto done;
+    fast = PySequence_Fast(addresses_seq, "addresses must be a sequence");
+    if (fast == NULL)
+        goto done;
+    n = PySequence_Fast_GET_SIZE(fast);
+    if (n != n_offsets || n != n_lengths) {
+        PyErr_Format(PyExc_ValueError,
+                     "copy_from: %zd addresses, %zd offsets and %zd lengths (one each per copy)",
+                     n, n_offsets, n_lengths);
+        goto done;
+    }
+    addresses = PyMem_Calloc(n ? n : 1, sizeof(void *));
+    if (addresses == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (offsets[k] < 0 || lengths[k] < 0 || offsets[k] > out.len - lengths[k]) {
+            PyErr_Format(PyExc_ValueError,
+                         "copy %zd ([%zd, +%zd)) lies outside the %zd-byte buffer", k,
+                         offsets[k], lengths[k], out.len);
+            goto done;
+        }
+        addresses[k] = PyLong_AsVoidPtr(items[k]);
+        if (addresses[k] == NULL && PyErr_Occurred())
+            goto done;
+        if (addresses[k] == NULL && lengths[k] > 0) {
+            PyErr_Format(PyExc_ValueError, "copy %zd: a null address", k);
+            goto done;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    unsigned char *base = out.buf;
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (lengths[k] > 0)
+            memcpy(base + offsets[k], addresses[k], (size_t)lengths[k]);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(addresses);
+    PyMem_Free(offsets);
+    PyMem_Free(lengths);
+    Py_XDECREF(fast);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"gather", gather, METH_VARARGS,
      "gather(out, arrays, leaves, offsets, lengths, hashed=False) -> (crcs, skipped[, hashes])"},
     {"bind_xxh3", bind_xxh3, METH_O, "bind_xxh3(address) -> None"},
+    {"copy_from", copy_from, METH_VARARGS,
+     "copy_from(out, addresses, offsets, lengths) -> None"},
     {"first_mismatch", first_mismatch, METH_VARARGS,
      "first_mismatch(buf, leaves, offsets, lengths, recorded) -> None | (leaf, crc)"},
     {NULL, NULL, 0, NULL},

@@ -26,6 +26,13 @@ def gather(
     /,
 ) -> tuple[list[int | None], list[int], list[str | None]]: ...
 def bind_xxh3(address: int, /) -> None: ...
+def copy_from(
+    out: Any,
+    addresses: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+    /,
+) -> None: ...
 def first_mismatch(
     buf: Any,
     leaves: Sequence[int],

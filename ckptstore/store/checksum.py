@@ -69,6 +69,7 @@ __all__ = [
     "crc32c_combine",
     "digests",
     "first_mismatch",
+    "copy_from_addresses",
     "gather_crc32c",
     "gather_digests",
     "native_hashes",
@@ -149,7 +150,28 @@ def _native_wanted() -> bool:
 #: and checksums.
 NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c) and _native_wanted()
 
+#: Whether :func:`copy_from_addresses` is compiled (the module built, with ``copy_from``, and
+#: not turned off by ``CKPTSTORE_NATIVE=0``); where it is not, nothing calls it.
+NATIVE_COPY: bool = _gather is not None and hasattr(_gather, "copy_from") and _native_wanted()
+
 _UINT8 = np.dtype(np.uint8)
+
+
+def copy_from_addresses(
+    out: np.ndarray[Any, np.dtype[np.uint8]],
+    addresses: Sequence[int],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+) -> None:
+    """Copy ``lengths[k]`` bytes from host address ``addresses[k]`` into ``out`` at
+    ``offsets[k]``, for each ``k``, in one compiled call without the GIL (only where
+    :data:`NATIVE_COPY`). For host arrays that export no buffer (torch tensors): the caller
+    holds each array, C-contiguous, for the call.
+
+    Raises:
+        ValueError: a destination range reaching outside ``out``.
+    """
+    _gather.copy_from(out, addresses, offsets, lengths)
 
 
 def gather_crc32c(
