@@ -2,8 +2,10 @@
 rest of the project's metadata).
 
 ``ckptstore.store._gather`` packs small leaves and checks them out of a pack with their
-crc32c in one call per pack (see its source). It is optional: where it cannot be built, the
-install goes on and ckptstore uses its Python loop, which gives the same bytes and checksums.
+crc32c in one call per pack, and copies a state's small tensors into the staging arena many to
+a call (see its source). It is optional: where it cannot be built, the install goes on and
+ckptstore uses its Python loops and torch's own copies, which give the same bytes and
+checksums.
 """
 
 from setuptools import Extension, setup
