@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import ckptstore
-from ckptstore.store import checksum
+from ckptstore.store import buffers, checksum
 
 X86_LINUX = sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")
 needs_native = pytest.mark.skipif(
@@ -135,31 +135,7 @@ def test_the_kernel_is_built_and_used_on_x86_64_linux() -> None:
 
     assert _gather.hardware_crc32c == 1
     assert checksum.NATIVE
-    assert checksum.NATIVE_COPY
-
-
-@pytest.mark.skipif(not checksum.NATIVE_COPY, reason="the compiled module is not built here")
-def test_copy_from_addresses_copies_each_range_and_refuses_one_outside_the_buffer() -> None:
-    rng = np.random.default_rng(11)
-    sources = [rng.integers(0, 255, size=n, dtype=np.uint8) for n in (1, 0, 4096, 333)]
-    offsets = [0, 1, 64, 4160]
-    out = np.full(4493, 7, np.uint8)
-    addresses = [a.ctypes.data for a in sources]
-    checksum.copy_from_addresses(out, addresses, offsets, [a.nbytes for a in sources])
-    for array, offset in zip(sources, offsets, strict=True):
-        assert out[offset : offset + array.nbytes].tobytes() == array.tobytes()
-    assert out[1:64].tobytes() == b"\x07" * 63  # nothing but the ranges is written
-
-    before = out.copy()
-    with pytest.raises(ValueError, match="outside the 4493-byte buffer"):
-        checksum.copy_from_addresses(out, addresses, [0, 1, 64, 4161], [1, 0, 4096, 333])
-    with pytest.raises(ValueError, match="outside"):
-        checksum.copy_from_addresses(out, addresses[:1], [-1], [1])
-    with pytest.raises(ValueError, match="4 addresses, 3 offsets and 4 lengths"):
-        checksum.copy_from_addresses(out, addresses, offsets[:3], [1, 0, 4096, 333])
-    with pytest.raises(ValueError, match="a null address"):
-        checksum.copy_from_addresses(out, [0], [0], [1])
-    assert out.tobytes() == before.tobytes()  # a refused call copies nothing
+    assert buffers.NATIVE_COPY
 
 
 def test_the_native_switch_refuses_a_value_it_does_not_know() -> None:

@@ -82,11 +82,11 @@ def test_numpy_leaves_have_no_counter_so_a_lazy_save_copies_them_in_the_call(
 
 
 @pytest.mark.torch
-def test_a_lazy_stage_copies_its_numpy_leaves_in_bulk_runs_cut_at_the_lazy_ones(
+def test_a_lazy_stage_copies_its_numpy_leaves_in_one_bulk_run_around_the_lazy_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The numpy leaves are copied in the call, many to a bulk call; a bulk call zeroes the
-    gaps between its arrays, so a run stops at a tensor's slot, which the lazy copy fills."""
+    """The numpy leaves are copied in the call, all in one bulk call whose run spans the
+    tensors' slots; the lazy copy fills those later."""
     import torch
 
     from ckptstore.stage import stager as stager_module
@@ -95,7 +95,7 @@ def test_a_lazy_stage_copies_its_numpy_leaves_in_bulk_runs_cut_at_the_lazy_ones(
     real = stager_module._bulk_copy
 
     def bulk_copy(arena: Any, run: Any) -> None:
-        runs.append(len(run.arrays) + len(run.addresses))
+        runs.append(len(run.leaves))
         real(arena, run)
 
     monkeypatch.setattr(stager_module, "_bulk_copy", bulk_copy)
@@ -106,7 +106,7 @@ def test_a_lazy_stage_copies_its_numpy_leaves_in_bulk_runs_cut_at_the_lazy_ones(
         state[f"t{i}"] = torch.arange(300, dtype=torch.float32) + i
     stager = Stager()
     staged = stager.stage(state, lazy=True, start=False)
-    assert runs == [4, 4, 4]  # in the call: three stretches of numpy leaves, cut at each tensor
+    assert runs == [12]  # in the call: every numpy leaf, in one run
     staged.start()
     staged.wait_ready()
     flat = staged.flat()

@@ -66,6 +66,13 @@ class NumpyKind(ArrayKind):
             tasks.append((a.nbytes, functools.partial(_copy, b, a)))
         return tasks
 
+    def host_address(self, leaf: Any) -> int | None:
+        # docstring inherited; asked about arrays of extension dtypes (bfloat16, which export no
+        # buffer) and of ndarray's subclasses
+        if isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous:
+            return int(leaf.ctypes.data)
+        return None
+
     def host_view(self, leaf: Any) -> NDArray[Any] | None:
         # Not np.ascontiguousarray: it turns a 0-d array into shape (1,).
         return np.asarray(leaf, order="C")

@@ -41,8 +41,14 @@ from ckptstore.config import default_settings
 from ckptstore.errors import CorruptCheckpointError
 from ckptstore.layout.tree import FlatState, flatten
 from ckptstore.stage.tree import Path, expand, iter_leaves, map_leaves
-from ckptstore.store.buffers import PAGE, BufferPool, HostBuffer, align_up
-from ckptstore.store.checksum import NATIVE_COPY, copy_from_addresses, gather_crc32c
+from ckptstore.store.buffers import (
+    NATIVE_COPY,
+    PAGE,
+    BufferPool,
+    HostBuffer,
+    align_up,
+    copy_into,
+)
 from ckptstore.threads import Pool, collection_paused
 
 if TYPE_CHECKING:
@@ -169,8 +175,8 @@ class ArrayKind(ABC):
         """The address of ``leaf``'s bytes if they lie in host memory, C-contiguous, as the
         arena holds them (no conjugate or negative view): a small such leaf is copied with
         others in one call (:func:`_copy_tasks`) instead of by :meth:`copies`. ``None``
-        (the default) for any other leaf, and for a kind whose arrays export a buffer
-        (numpy's, which are copied in bulk through it)."""
+        (the default) for any other leaf. (A numpy array of one of numpy's own dtypes goes
+        into that call through its buffer, without being asked.)"""
         return None
 
     def version(self, leaf: Any) -> int | None:
@@ -787,13 +793,13 @@ def _copy_tasks(
 
     A small host array (under :data:`BULK_MAX`) is not given copies of its own: consecutive
     ones go in one task of about ``chunk_bytes``, which copies them all with one compiled
-    call without the GIL (:func:`_bulk_copy`): numpy arrays through their buffers, torch
-    tensors by their addresses (:meth:`ArrayKind.host_address`, where the compiled module
-    is built). Given copies of its own by its kind, such a leaf cost about 9 us of Python
-    (numpy; 4.6 us for a torch tensor, copied in batches by torch); in bulk, about 1 us
-    (20,000 leaves of 4 KiB: 270 ms of staging before, 72 ms after, of which 24 ms copies).
-    A run is cut where another leaf lies between two of its members (one copied otherwise,
-    or later), since the call zeroes the gaps between its numpy members.
+    call without the GIL (:func:`~ckptstore.store.buffers.copy_into`): numpy arrays through
+    their buffers, torch tensors and numpy arrays of extension dtypes (bfloat16) by their
+    addresses (:meth:`ArrayKind.host_address`), where the compiled module is built. Given
+    copies of its own by its kind, such a leaf cost about 9 us of Python (numpy; 4.6 us for
+    a torch tensor, copied in batches by torch); in bulk, about 1 us (20,000 leaves of
+    4 KiB: 270 ms of staging before, 72 ms after, of which 24 ms copies). The call writes
+    only its leaves' bytes, so leaves copied otherwise, or later, may lie between them.
     """
     tasks: list[CopyTask] = []
     run = _Run()
@@ -801,30 +807,28 @@ def _copy_tasks(
 
     def flush() -> None:
         nonlocal run
-        if run.arrays or run.addresses:
+        if run.leaves:
             tasks.append((run.nbytes, functools.partial(_bulk_copy, buffer.data, run)))
             run = _Run()
 
     for (leaf, kind, spec), dst, offset in zip(sources, slots, offsets, strict=True):
         if dst is None:
-            flush()
             continue
         nbytes = spec.nbytes
         if nbytes < BULK_MAX:
-            if type(leaf) is np.ndarray and leaf.flags.c_contiguous:
+            if type(leaf) is np.ndarray and leaf.flags.c_contiguous and leaf.dtype.isbuiltin == 1:
+                source: Any = leaf  # exports its buffer
+            else:
+                source = kind.host_address(leaf) if by_address else None
+            if source is not None:
                 if run.nbytes >= chunk_bytes:
                     flush()
-                run.arrays.append((leaf, offset))
+                run.leaves.append(leaf)
+                run.sources.append(source)
+                run.offsets.append(offset)
+                run.lengths.append(nbytes)
                 run.nbytes += nbytes
                 continue
-            address = kind.host_address(leaf) if by_address else None
-            if address is not None:
-                if run.nbytes >= chunk_bytes:
-                    flush()
-                run.addresses.append((leaf, address, offset, nbytes))
-                run.nbytes += nbytes
-                continue
-        flush()
         tasks += kind.copies(leaf, dst, chunk_bytes)
     flush()
     return tasks
@@ -832,36 +836,20 @@ def _copy_tasks(
 
 @dataclass(slots=True)
 class _Run:
-    """Small host leaves one bulk copy moves: numpy arrays as ``(array, offset)``, and
-    leaves known by address as ``(leaf, address, offset, nbytes)`` (the leaf held so its
-    memory lives until the copy ran)."""
+    """Small host leaves one bulk copy moves: each leaf (held so its memory lives until the
+    copy ran), what :func:`~ckptstore.store.buffers.copy_into` copies it from (the array, or
+    its address), and where in the arena it goes."""
 
-    arrays: list[tuple[NDArray[Any], int]] = field(default_factory=list)
-    addresses: list[tuple[Any, int, int, int]] = field(default_factory=list)
+    leaves: list[Any] = field(default_factory=list)
+    sources: list[Any] = field(default_factory=list)
+    offsets: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
     nbytes: int = 0
 
 
 def _bulk_copy(arena: NDArray[np.uint8], run: _Run) -> None:
-    """Copy a run's leaves into ``arena`` at their offsets. The numpy arrays go first, in one
-    call that zeroes the gaps between them (some of which the leaves known by address fill
-    next)."""
-    if run.arrays:
-        start = run.arrays[0][1]
-        last, end_at = run.arrays[-1]
-        gather_crc32c(
-            arena[start : end_at + last.nbytes],
-            [source for source, _ in run.arrays],
-            range(len(run.arrays)),
-            [offset - start for _, offset in run.arrays],
-            [source.nbytes for source, _ in run.arrays],
-        )
-    if run.addresses:
-        copy_from_addresses(
-            arena,
-            [address for _, address, _, _ in run.addresses],
-            [offset for _, _, offset, _ in run.addresses],
-            [nbytes for _, _, _, nbytes in run.addresses],
-        )
+    """Copy a run's leaves into ``arena`` at their offsets, in one call."""
+    copy_into(arena, run.sources, run.offsets, run.lengths)
 
 
 def _stand_in(dtype: np.dtype[Any]) -> NDArray[Any]:

@@ -17,12 +17,14 @@
  * whose address ckptstore.store.checksum finds in that package's module and hands to
  * ``bind_xxh3``; this module hashes nothing itself.
  *
- * ``copy_from`` copies many small host arrays that export no buffer (torch tensors, by their data
- * pointers) into a staging arena in one call, without the GIL: ckptstore.stage.stager's bulk
- * copy, which where this module is missing copies them through torch.
+ * ``copy_from`` copies many small host arrays into a staging arena in one call, without the GIL
+ * and without hashing: numpy arrays through their buffers, torch tensors (which export none) by
+ * their data pointers. It is ckptstore.stage.stager's bulk copy, used through
+ * ckptstore.store.buffers.copy_into, which copies buffers in a Python loop where this module is
+ * missing (and the stager then leaves torch tensors to torch's own copies).
  *
- * Used through ckptstore.store.checksum (gather_crc32c, gather_digests, first_mismatch,
- * copy_from_addresses), which also holds the Python loop that gives the same results where this
+ * The pack kernels are used through ckptstore.store.checksum (gather_crc32c, gather_digests,
+ * first_mismatch), which also holds the Python loop that gives the same results where this
  * module is missing.
  */
 #define PY_SSIZE_T_CLEAN
@@ -478,41 +480,45 @@ done:
     return result;
 }
 
-/* copy_from(out, addresses, offsets, lengths) -> None
+/* copy_from(out, sources, offsets, lengths) -> None
  *
- * Copy lengths[k] bytes from the host address addresses[k] into out at offsets[k], for each k,
- * without the GIL. For arrays that export no buffer (torch tensors): the caller passes the data
- * pointers of C-contiguous host arrays it holds, which stay alive and unchanged for the call.
- * Every destination range is checked to lie in ``out`` before anything is copied.
+ * Copy lengths[k] bytes of sources[k] into out at offsets[k], for each k, without the GIL, and
+ * write nothing else. A source is either an object that exports a C-contiguous buffer of
+ * exactly lengths[k] bytes (a numpy array), or an int: the host address of an array that
+ * exports none (a torch tensor's data pointer), which the caller holds, C-contiguous and
+ * unchanged, for the call. Every source and destination range is checked before anything
+ * is copied.
  */
 static PyObject *
 copy_from(PyObject *self, PyObject *args)
 {
     Py_buffer out;
-    PyObject *addresses_seq, *offsets_seq, *lengths_seq;
-    if (!PyArg_ParseTuple(args, "w*OOO:copy_from", &out, &addresses_seq, &offsets_seq,
+    PyObject *sources_seq, *offsets_seq, *lengths_seq;
+    if (!PyArg_ParseTuple(args, "w*OOO:copy_from", &out, &sources_seq, &offsets_seq,
                           &lengths_seq))
         return NULL;
     PyObject *result = NULL, *fast = NULL;
-    Py_ssize_t n = 0, n_offsets = 0, n_lengths = 0;
-    void **addresses = NULL;
+    Py_ssize_t n = 0, n_offsets = 0, n_lengths = 0, viewed = 0;
+    const void **from = NULL;
+    Py_buffer *views = NULL;
     Py_ssize_t *offsets = ssize_array(offsets_seq, "offsets must be a sequence", &n_offsets);
     Py_ssize_t *lengths = offsets == NULL ? NULL
                         : ssize_array(lengths_seq, "lengths must be a sequence", &n_lengths);
     if (lengths == NULL)
         goto done;
-    fast = PySequence_Fast(addresses_seq, "addresses must be a sequence");
+    fast = PySequence_Fast(sources_seq, "sources must be a sequence");
     if (fast == NULL)
         goto done;
     n = PySequence_Fast_GET_SIZE(fast);
     if (n != n_offsets || n != n_lengths) {
         PyErr_Format(PyExc_ValueError,
-                     "copy_from: %zd addresses, %zd offsets and %zd lengths (one each per copy)",
+                     "copy_from: %zd sources, %zd offsets and %zd lengths (one each per copy)",
                      n, n_offsets, n_lengths);
         goto done;
     }
-    addresses = PyMem_Calloc(n ? n : 1, sizeof(void *));
-    if (addresses == NULL) {
+    from = PyMem_Calloc(n ? n : 1, sizeof(void *));
+    views = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    if (from == NULL || views == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -524,23 +530,47 @@ copy_from(PyObject *self, PyObject *args)
                          offsets[k], lengths[k], out.len);
             goto done;
         }
-        addresses[k] = PyLong_AsVoidPtr(items[k]);
-        if (addresses[k] == NULL && PyErr_Occurred())
-            goto done;
-        if (addresses[k] == NULL && lengths[k] > 0) {
-            PyErr_Format(PyExc_ValueError, "copy %zd: a null address", k);
+        if (PyLong_Check(items[k])) {
+            from[k] = PyLong_AsVoidPtr(items[k]);
+            if (from[k] == NULL && PyErr_Occurred())
+                goto done;
+            if (from[k] == NULL && lengths[k] > 0) {
+                PyErr_Format(PyExc_ValueError, "copy %zd: a null address", k);
+                goto done;
+            }
+            continue;
+        }
+        if (PyObject_GetBuffer(items[k], &views[viewed], PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear();
+            PyObject *name = PyType_GetName(Py_TYPE(items[k]));
+            if (name != NULL) {
+                PyErr_Format(PyExc_TypeError,
+                             "copy %zd: a %U is neither an address nor a C-contiguous buffer",
+                             k, name);
+                Py_DECREF(name);
+            }
             goto done;
         }
+        Py_buffer *view = &views[viewed++];
+        if (view->len != lengths[k]) {
+            PyErr_Format(PyExc_ValueError, "copy %zd: the source is %zd bytes, not %zd", k,
+                         view->len, lengths[k]);
+            goto done;
+        }
+        from[k] = view->buf;
     }
     Py_BEGIN_ALLOW_THREADS
     unsigned char *base = out.buf;
     for (Py_ssize_t k = 0; k < n; k++)
         if (lengths[k] > 0)
-            memcpy(base + offsets[k], addresses[k], (size_t)lengths[k]);
+            memcpy(base + offsets[k], from[k], (size_t)lengths[k]);
     Py_END_ALLOW_THREADS
     result = Py_NewRef(Py_None);
 done:
-    PyMem_Free(addresses);
+    for (Py_ssize_t k = 0; k < viewed; k++)
+        PyBuffer_Release(&views[k]);
+    PyMem_Free(views);
+    PyMem_Free(from);
     PyMem_Free(offsets);
     PyMem_Free(lengths);
     Py_XDECREF(fast);
@@ -553,7 +583,7 @@ static PyMethodDef methods[] = {
      "gather(out, arrays, leaves, offsets, lengths, hashed=False) -> (crcs, skipped[, hashes])"},
     {"bind_xxh3", bind_xxh3, METH_O, "bind_xxh3(address) -> None"},
     {"copy_from", copy_from, METH_VARARGS,
-     "copy_from(out, addresses, offsets, lengths) -> None"},
+     "copy_from(out, sources, offsets, lengths) -> None"},
     {"first_mismatch", first_mismatch, METH_VARARGS,
      "first_mismatch(buf, leaves, offsets, lengths, recorded) -> None | (leaf, crc)"},
     {NULL, NULL, 0, NULL},

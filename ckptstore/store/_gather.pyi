@@ -1,5 +1,6 @@
 # The compiled module's interface (ckptstore/store/_gather.c); used through
-# ckptstore.store.checksum.gather_crc32c and first_mismatch.
+# ckptstore.store.checksum.gather_crc32c and first_mismatch, and
+# ckptstore.store.buffers.copy_into.
 from collections.abc import Sequence
 from typing import Any, Literal, overload
 
@@ -28,7 +29,7 @@ def gather(
 def bind_xxh3(address: int, /) -> None: ...
 def copy_from(
     out: Any,
-    addresses: Sequence[int],
+    sources: Sequence[Any],
     offsets: Sequence[int],
     lengths: Sequence[int],
     /,

@@ -36,20 +36,29 @@ from __future__ import annotations
 
 import mmap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
 
+from ckptstore.store.checksum import native_wanted
+
+try:
+    from ckptstore.store import _gather
+except ImportError:  # not built (no compiler at install time)
+    _gather = None  # type: ignore[assignment]
+
 __all__ = [
+    "NATIVE_COPY",
     "PAGE",
     "BufferPool",
     "HostBuffer",
     "PinnedAllocator",
     "PoolStats",
     "align_up",
+    "copy_into",
     "host_buffers",
 ]
 
@@ -64,6 +73,66 @@ PinnedAllocator = Callable[[int], tuple[NDArray[np.uint8], Any]]
 def align_up(n: int, alignment: int = PAGE) -> int:
     """``n`` rounded up to a multiple of ``alignment`` (a power of two)."""
     return (n + alignment - 1) & ~(alignment - 1)
+
+
+#: Whether :func:`copy_into` runs compiled (``ckptstore.store._gather`` built, and not turned
+#: off by ``CKPTSTORE_NATIVE=0``): one call for all its copies, without the GIL, and sources
+#: given by address accepted.
+NATIVE_COPY: bool = _gather is not None and hasattr(_gather, "copy_from") and native_wanted()
+
+
+def copy_into(
+    out: NDArray[np.uint8],
+    sources: Sequence[Any],
+    offsets: Sequence[int],
+    lengths: Sequence[int],
+) -> None:
+    """Copy each ``sources[k]`` into ``out`` at ``offsets[k]`` (``lengths[k]`` bytes), and
+    write nothing else in ``out``: many small host arrays into a staging arena in one call.
+
+    A source is an object exporting a C-contiguous buffer of exactly ``lengths[k]`` bytes (a
+    numpy array of one of numpy's own dtypes; one of an extension dtype, such as ml_dtypes'
+    bfloat16, exports none), or, only where :data:`NATIVE_COPY`, an ``int``: the host address
+    of an array that exports no buffer (a torch tensor's data pointer), which the caller
+    holds, C-contiguous and unchanged, until the call returns. Compiled, the copies run in
+    one call without the GIL; elsewhere in a Python loop. Every range and source is checked
+    before anything is copied.
+
+    Raises:
+        ValueError: a range reaching outside ``out``, a source of another length, or lists of
+            different lengths.
+        TypeError: a source that is neither (an address where the module is missing).
+    """
+    if NATIVE_COPY:
+        _gather.copy_from(out, sources, offsets, lengths)
+        return
+    if not len(sources) == len(offsets) == len(lengths):
+        raise ValueError(
+            f"copy_into: {len(sources)} sources, {len(offsets)} offsets and {len(lengths)} "
+            "lengths (one each per copy)"
+        )
+    views: list[memoryview] = []
+    for k, (source, offset, length) in enumerate(zip(sources, offsets, lengths, strict=True)):
+        if offset < 0 or length < 0 or offset + length > out.nbytes:
+            raise ValueError(
+                f"copy {k} ([{offset}, +{length})) lies outside the {out.nbytes}-byte buffer"
+            )
+        try:
+            view = memoryview(source)
+        except (TypeError, ValueError):
+            view = None
+        if view is None or not view.c_contiguous:
+            raise TypeError(
+                f"copy {k}: a {type(source).__name__} is neither an address (which needs the "
+                "compiled module) nor a C-contiguous buffer"
+            )
+        if view.nbytes != length:
+            raise ValueError(f"copy {k}: the source is {view.nbytes} bytes, not {length}")
+        views.append(view)
+    whole = memoryview(out)  # type: ignore[arg-type]  # ndarray exports the buffer protocol
+    for view, offset in zip(views, offsets, strict=True):
+        if view.nbytes:
+            whole[offset : offset + view.nbytes] = view.cast("B")
 
 
 class HostBuffer:

@@ -69,13 +69,13 @@ __all__ = [
     "crc32c_combine",
     "digests",
     "first_mismatch",
-    "copy_from_addresses",
     "gather_crc32c",
     "gather_digests",
-    "native_hashes",
     "hash_threads",
     "in_hash_thread",
     "ledger",
+    "native_hashes",
+    "native_wanted",
     "request_crc32c",
 ]
 
@@ -137,7 +137,9 @@ except ImportError:  # not built (no compiler at install time): the Python loops
     _gather = None  # type: ignore[assignment]
 
 
-def _native_wanted() -> bool:
+def native_wanted() -> bool:
+    """Whether ``CKPTSTORE_NATIVE`` (``1``, the default, or ``0``) lets ckptstore use its
+    compiled module (``ckptstore.store._gather``) where it is built."""
     value = os.environ.get("CKPTSTORE_NATIVE", "1").strip()
     if value not in ("0", "1"):
         raise ValueError(f"environment variable CKPTSTORE_NATIVE: expected 0 or 1, got {value!r}")
@@ -148,30 +150,9 @@ def _native_wanted() -> bool:
 #: instruction, and not turned off by ``CKPTSTORE_NATIVE=0``). A save of 20,000 leaves of 4 KiB
 #: built its 10 packs in 1.5-3 ms each instead of 4-5 ms, with the GIL released for the copies
 #: and checksums.
-NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c) and _native_wanted()
-
-#: Whether :func:`copy_from_addresses` is compiled (the module built, with ``copy_from``, and
-#: not turned off by ``CKPTSTORE_NATIVE=0``); where it is not, nothing calls it.
-NATIVE_COPY: bool = _gather is not None and hasattr(_gather, "copy_from") and _native_wanted()
+NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c) and native_wanted()
 
 _UINT8 = np.dtype(np.uint8)
-
-
-def copy_from_addresses(
-    out: np.ndarray[Any, np.dtype[np.uint8]],
-    addresses: Sequence[int],
-    offsets: Sequence[int],
-    lengths: Sequence[int],
-) -> None:
-    """Copy ``lengths[k]`` bytes from host address ``addresses[k]`` into ``out`` at
-    ``offsets[k]``, for each ``k``, in one compiled call without the GIL (only where
-    :data:`NATIVE_COPY`). For host arrays that export no buffer (torch tensors): the caller
-    holds each array, C-contiguous, for the call.
-
-    Raises:
-        ValueError: a destination range reaching outside ``out``.
-    """
-    _gather.copy_from(out, addresses, offsets, lengths)
 
 
 def gather_crc32c(
