@@ -148,7 +148,8 @@ _resume = False  # whether the last of them turns it back on
 
 @contextlib.contextmanager
 def collection_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector for a block of per-leaf work of a save.
+    """Pause Python's cyclic garbage collector for a block of per-leaf work of a save (or of
+    a manifest's parse, :meth:`ckptstore.layout.manifest.Manifest.parse`).
 
     A save makes a few objects per leaf while it stages (specs, slots, copy tasks), plans and
     builds its manifest (plan entries, the manifest's columns and their encoding), and every

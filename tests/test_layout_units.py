@@ -258,6 +258,41 @@ def test_a_manifest_is_version_4_only_when_its_tree_needs_it() -> None:
     assert version({"a": [torch.int8]}) == 4
 
 
+def test_a_manifest_is_parsed_and_validated_with_the_cyclic_collector_paused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parse makes objects by the leaf; in a training process's large heap, the full
+    collections they set off doubled some parses. The collector is back on after a parse,
+    and after a refused one."""
+    import gc
+
+    from ckptstore.layout import manifest as manifest_module
+
+    if not gc.isenabled():
+        pytest.skip("the cyclic collector is off in this process")
+    during: list[bool] = []
+    loads, validate = manifest_module._loads, Manifest._validate.__func__  # type: ignore[attr-defined]
+
+    def watched_loads(body: bytes) -> Any:
+        during.append(gc.isenabled())
+        return loads(body)
+
+    def watched_validate(cls: type[Manifest], doc: Any, step: Any, version: int) -> Manifest:
+        during.append(gc.isenabled())
+        return validate(cls, doc, step, version)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(manifest_module, "_loads", watched_loads)
+    monkeypatch.setattr(Manifest, "_validate", classmethod(watched_validate))
+    data = _empty_manifest(3, {"n": 1}).encode()
+    assert Manifest.parse(data, step=3).metadata == {"n": 1}
+    assert during == [False, False]
+    assert gc.isenabled()
+    with pytest.raises(CorruptCheckpointError, match="read as step 4"):
+        Manifest.parse(data, step=4)
+    assert during == [False, False, False, False]
+    assert gc.isenabled()
+
+
 def test_shared_manifests_spare_the_parse_of_the_same_bytes_only() -> None:
     held = SharedManifests(entries=2, max_bytes=1 << 20)
     data = _empty_manifest(3, {"n": 1}).encode()

@@ -282,10 +282,15 @@ def test_max_to_keep_keeps_the_newest() -> None:
             mgr.restore(3)
 
 
-def test_retention_parses_each_manifest_once(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("manifest_bytes", [0, 3_500_000], ids=["small", "3.5-MB"])
+def test_retention_parses_each_manifest_once(
+    monkeypatch: pytest.MonkeyPatch, manifest_bytes: int
+) -> None:
     """Retention reads the kept steps' manifests every save (to decide, and again after
     marking), and each save reads its base's: each manifest's bytes are parsed and
-    validated once (Manifest.parse_shared), not at every read."""
+    validated once (Manifest.parse_shared), not at every read; with manifests as large as
+    a 20,000-tensor torch state's too (3.5 MB, here made of metadata), three of which the
+    process's cache once could not hold."""
     parsed: list[int | None] = []
     parse = Manifest.parse.__func__  # type: ignore[attr-defined]
 
@@ -296,7 +301,7 @@ def test_retention_parses_each_manifest_once(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(Manifest, "parse", classmethod(counted))
     with CheckpointManager(memory_store("parse-once"), max_to_keep=2) as mgr:
         for step in range(8):
-            mgr.save(step, {"x": np.full(4, step)})
+            mgr.save(step, {"x": np.full(4, step)}, metadata="m" * manifest_bytes)
             mgr.wait_until_finished()
         assert mgr.all_steps() == [6, 7]
         assert int(mgr.restore(6)["x"][0]) == 6
