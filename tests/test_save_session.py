@@ -314,3 +314,49 @@ async def test_a_save_cancelled_while_its_lease_is_put_leaves_nothing() -> None:
         await task
     assert not store.timed_out
     assert await _keys(inner) == []
+
+
+class _Together(StoreWrapper):
+    """Holds each request of ``held`` (an op and a key fragment) until one of ``awaited``
+    has started, or 10 s pass (recorded in :attr:`timed_out`): a request that can only
+    end once another began shows the two in flight together."""
+
+    def __init__(self, inner: Store, held: tuple[str, str], awaited: tuple[str, str]) -> None:
+        super().__init__(inner)
+        self.held, self.awaited = held, awaited
+        self.started = asyncio.Event()
+        self.timed_out: list[str] = []
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        if op == self.awaited[0] and self.awaited[1] in key:
+            self.started.set()
+        if op == self.held[0] and self.held[1] in key:
+            try:
+                await asyncio.wait_for(self.started.wait(), 10)
+            except TimeoutError:
+                self.timed_out.append(f"{op} {key}")
+
+
+async def test_a_session_looks_for_its_step_while_it_puts_its_lease() -> None:
+    """Before its first write a save looks for its step and takes its lease: on an object
+    store each is a round trip, and one after the other they were two (a 20 ms round trip:
+    146 ms for a small save, 126 ms with the two together). The look-up must be in flight
+    while the lease is put."""
+    inner = _store()
+    store = _Together(inner, ("head", "manifest.json"), ("put", LEASE_NAME))
+    await write_checkpoint(store, flatten(_small_leaves()), step=2)
+    assert not store.timed_out, f"{store.timed_out} waited for the lease's put to start"
+    assert not [k for k in await _keys(inner) if k.endswith(LEASE_NAME)]
+    assert (await read_manifest(inner, 2)).step == 2
+
+
+async def test_a_failed_look_up_of_the_step_removes_the_lease_put_meanwhile() -> None:
+    inner = _store()
+    counted = CountingStore(inner)
+    # slow, so the lease is surely put before the look-up fails
+    fault = Fault(frozenset({"head"}), StoreError("head refused"), latency=0.2)
+    store = FaultStore(counted, [fault])
+    with pytest.raises(StoreError, match="head refused"):
+        await asyncio.wait_for(SaveSession.begin(store, 2), 10)
+    assert counted.requests["put"] == 1  # the lease
+    assert await _keys(inner) == []  # and it is gone

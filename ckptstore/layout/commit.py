@@ -195,7 +195,8 @@ class Written:
 
 
 async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attempt:
-    """The first step of the protocol: refuse a committed step, then draw a fresh attempt.
+    """The first step of the protocol: draw a fresh attempt and take its lease, unless the
+    step is committed (looked for at the same time; the lease is then removed).
 
     Raises:
         CommitConflictError: ``step`` already has a manifest.
@@ -204,17 +205,40 @@ async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attemp
     check_step(step)
     check_metadata(metadata)
     mkey = manifest_key(step)
-    if await store.exists(mkey):
-        raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
     started = time.time()
     attempt_id = new_attempt_id(started)
     # Taken before any data is written: gc in another process leaves the attempt alone,
     # whatever its grace period, until commit_attempt releases the lease. An attempt that
     # never gets there stops renewing once it is dropped, and its lease then expires.
-    lease = await SaveLease.take(store, step, attempt_id)
+    # The lease is written while the step is looked for, not after: one round trip, not
+    # two, before a save's first write; a committed step's lease is then removed at once.
+    taking = asyncio.ensure_future(SaveLease.take(store, step, attempt_id))
+    try:
+        committed = await store.exists(mkey)
+    except BaseException:
+        await _dropped(taking)
+        raise
+    if committed:
+        await _dropped(taking)
+        raise CommitConflictError(f"{store.url}/{mkey}: step {step} is already committed")
+    try:
+        # shielded: a cancelled begin waits for the taking (_dropped), which on a failure
+        # removes what it wrote; cancelled, that removal would go on unwatched
+        lease = await asyncio.shield(taking)
+    except BaseException:
+        await _dropped(taking)
+        raise
     attempt = Attempt(step, attempt_id, started, lease)
     weakref.finalize(attempt, lease.stop)
     return attempt
+
+
+async def _dropped(taking: asyncio.Future[SaveLease]) -> None:
+    """Wait for a lease's taking to end, not cancelling it (a failed taking removes what it
+    wrote), and release the lease it took; never raises."""
+    await asyncio.shield(_settled(taking))
+    if not taking.cancelled() and taking.exception() is None:
+        await asyncio.shield(taking.result().release())
 
 
 class SaveSession:
