@@ -360,3 +360,28 @@ async def test_a_failed_look_up_of_the_step_removes_the_lease_put_meanwhile() ->
         await asyncio.wait_for(SaveSession.begin(store, 2), 10)
     assert counted.requests["put"] == 1  # the lease
     assert await _keys(inner) == []  # and it is gone
+
+
+async def test_a_begin_cancelled_twice_while_its_lease_is_put_still_releases_the_lease() -> None:
+    """A cancelled begin waits for its lease's put to end, then releases the lease; cancelled
+    again while it waits, it stops waiting, but the lease the put lands is still released,
+    not left renewing for the life of the process."""
+    inner = _store()
+    counted = CountingStore(inner)
+    store = _GatedStore(counted, LEASE_NAME)
+    task = asyncio.ensure_future(SaveSession.begin(store, 5))
+    await asyncio.wait_for(store.holding.wait(), 10)
+    task.cancel()
+    await asyncio.sleep(0.05)  # the first cancellation reaches the begin, which now waits
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    store.gate.set()  # the lease's put lands after both cancellations
+    for _ in range(500):  # poll, for 10 s at most: the put lands, then the release ends
+        if counted.requests["delete"] and not await _keys(inner):
+            break
+        await asyncio.sleep(0.02)
+    assert not store.timed_out
+    assert counted.requests["put"] == 1  # the lease landed...
+    assert counted.requests["delete"] == 1  # ...and was released
+    assert await _keys(inner) == []

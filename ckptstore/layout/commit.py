@@ -235,10 +235,16 @@ async def begin_attempt(store: Store, step: int, metadata: Any = None) -> Attemp
 
 async def _dropped(taking: asyncio.Future[SaveLease]) -> None:
     """Wait for a lease's taking to end, not cancelling it (a failed taking removes what it
-    wrote), and release the lease it took; never raises."""
-    await asyncio.shield(_settled(taking))
-    if not taking.cancelled() and taking.exception() is None:
-        await asyncio.shield(taking.result().release())
+    wrote), and release the lease it took. Shielded as a whole: cancelled meanwhile, the
+    caller stops waiting, but a lease the taking still puts is released, not left renewing
+    for the life of the process. Never raises but for that cancellation."""
+
+    async def drop() -> None:
+        await _settled(taking)
+        if not taking.cancelled() and taking.exception() is None:
+            await taking.result().release()  # never raises
+
+    await asyncio.shield(drop())
 
 
 class SaveSession:
