@@ -10,6 +10,7 @@ commits names deleted objects.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import subprocess
@@ -341,3 +342,54 @@ def test_an_attempt_a_failed_save_already_emptied_is_not_reported(
     assert report["stale_writes"] == 1  # the dead writer's temp file, counted as what it is
     assert cli.main(["gc", str(root), "--grace", "0"]) == 0
     assert "removed 0 abandoned attempts (0 objects)" in capsys.readouterr().out
+
+
+class _StalledLeaseStore(StoreWrapper):
+    """Holds the lease's put until cancelled, then its removal (a delete) until :attr:`gate`
+    opens, and fails that delete."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.putting = asyncio.Event()
+        self.deleting = asyncio.Event()
+        self.gate = asyncio.Event()
+        self.deletes = 0
+
+    async def _put(self, key: str, data: memoryview, mode: Any) -> None:
+        self.putting.set()
+        await asyncio.Event().wait()  # until cancelled
+
+    async def _delete(self, keys: list[str]) -> None:
+        self.deletes += 1
+        self.deleting.set()
+        await asyncio.wait_for(self.gate.wait(), 10)
+        raise OSError("the store went away")
+
+
+async def test_a_take_cancelled_twice_removes_its_lease_alone_and_logs_nothing() -> None:
+    """A take interrupted while it puts the lease removes it; cancelled again meanwhile, it
+    stops waiting, the removal goes on, and its failure is no error left for no one to
+    retrieve (asyncio logs those as "Task exception was never retrieved")."""
+    loop = asyncio.get_running_loop()
+    reported: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: reported.append(context))
+    try:
+        store = _StalledLeaseStore(_store())
+        task = asyncio.ensure_future(SaveLease.take(store, 1, new_attempt_id()))
+        await asyncio.wait_for(store.putting.wait(), 10)
+        task.cancel()
+        await asyncio.wait_for(store.deleting.wait(), 10)  # the removal has begun
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        store.gate.set()  # the removal fails after the take has gone
+        del task
+        for _ in range(50):  # 0.5 s for the failed removal to end and be collected
+            await asyncio.sleep(0.01)
+            gc.collect()
+            if reported:
+                break
+        assert store.deletes >= 1
+        assert [c.get("message") for c in reported] == []
+    finally:
+        loop.set_exception_handler(None)

@@ -94,15 +94,19 @@ class SaveLease:
         except BaseException:
             # Interrupted: a local write may still land the lease after this; remove it
             # once the write has ended, so an interrupted save or copy leaves nothing.
-            with contextlib.suppress(Exception):
-                await asyncio.shield(lease._remove())
+            # Cancelled again meanwhile, this stops waiting and the removal goes on alone,
+            # so it must not raise: no one would retrieve its error.
+            await asyncio.shield(lease._remove())
             raise
         lease._task = asyncio.create_task(lease._keep(), name=f"ckptstore lease {lease.key}")
         return lease
 
     async def _remove(self) -> None:
-        await self.store.settle()
-        await self.store.delete([self.key])
+        """Delete the lease once the writes in flight have ended. Never raises: a lease that
+        stays behind expires, and garbage collection then treats its attempt as any other."""
+        with contextlib.suppress(Exception):
+            await self.store.settle()
+            await self.store.delete([self.key])
 
     async def _renew(self) -> None:
         issued = time.monotonic()
