@@ -43,12 +43,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from ckptstore.store.checksum import native_wanted
-
-try:
-    from ckptstore.store import _gather
-except ImportError:  # not built (no compiler at install time)
-    _gather = None  # type: ignore[assignment]
+from ckptstore.store.native import compiled as _gather
 
 __all__ = [
     "NATIVE_COPY",
@@ -78,7 +73,7 @@ def align_up(n: int, alignment: int = PAGE) -> int:
 #: Whether :func:`copy_into` runs compiled (``ckptstore.store._gather`` built, and not turned
 #: off by ``CKPTSTORE_NATIVE=0``): one call for all its copies, without the GIL, and sources
 #: given by address accepted.
-NATIVE_COPY: bool = _gather is not None and hasattr(_gather, "copy_from") and native_wanted()
+NATIVE_COPY: bool = _gather is not None and hasattr(_gather, "copy_from")
 
 
 def copy_into(

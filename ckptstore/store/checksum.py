@@ -54,6 +54,7 @@ from typing import Any, TypeVar
 import crc32c as _crc32c
 import numpy as np
 
+from ckptstore.store.native import compiled as _gather
 from ckptstore.threads import Pool
 
 __all__ = [
@@ -75,7 +76,6 @@ __all__ = [
     "in_hash_thread",
     "ledger",
     "native_hashes",
-    "native_wanted",
     "request_crc32c",
 ]
 
@@ -131,26 +131,11 @@ def digests(data: Any) -> tuple[str, int]:
     return state.hexdigest(), int(crc)
 
 
-try:
-    from ckptstore.store import _gather
-except ImportError:  # not built (no compiler at install time): the Python loops below
-    _gather = None  # type: ignore[assignment]
-
-
-def native_wanted() -> bool:
-    """Whether ``CKPTSTORE_NATIVE`` (``1``, the default, or ``0``) lets ckptstore use its
-    compiled module (``ckptstore.store._gather``) where it is built."""
-    value = os.environ.get("CKPTSTORE_NATIVE", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"environment variable CKPTSTORE_NATIVE: expected 0 or 1, got {value!r}")
-    return value == "1"
-
-
 #: Whether packs are built and checked by the compiled module (built, on a CPU with the crc32
 #: instruction, and not turned off by ``CKPTSTORE_NATIVE=0``). A save of 20,000 leaves of 4 KiB
 #: built its 10 packs in 1.5-3 ms each instead of 4-5 ms, with the GIL released for the copies
 #: and checksums.
-NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c) and native_wanted()
+NATIVE: bool = _gather is not None and bool(_gather.hardware_crc32c)
 
 _UINT8 = np.dtype(np.uint8)
 
