@@ -370,6 +370,92 @@ def test_plan_never_exceeds_pack_size_or_store_limits() -> None:
         PackPlan.for_store([10_001], settings, caps, paths=["too-big"])
 
 
+def _walked_plan(
+    lengths: list[int],
+    *,
+    pack_threshold: int,
+    pack_size: int,
+    alignment: int,
+    max_object_size: int,
+    groups: list[int] | None,
+) -> tuple[list[tuple[str, int, tuple[int, ...]]], list[int], list[int]] | str:
+    """The plan as the module describes it, leaf by leaf: in state order (by group, stable),
+    a large leaf is an object of its own when met; a small one goes into the open pack at the
+    next aligned offset, unless it would pass ``pack_size`` (or its group differs), which
+    closes the pack first. Objects are numbered as they are made."""
+    objects: list[tuple[str, int, tuple[int, ...]]] = []
+    where = [-1] * len(lengths)
+    offset_of = [0] * len(lengths)
+    members: list[int] = []
+    fill = 0
+    group: int | None = None
+
+    def close() -> None:
+        nonlocal members, fill
+        if members:
+            for leaf in members:
+                where[leaf] = len(objects)
+            objects.append((f"pack-{len(objects):06d}", fill, tuple(members)))
+            members, fill = [], 0
+
+    order = (
+        range(len(lengths))
+        if groups is None
+        else sorted(range(len(lengths)), key=groups.__getitem__)
+    )
+    for leaf in order:
+        length = lengths[leaf]
+        if not length:
+            continue
+        if groups is not None and groups[leaf] != group:
+            close()
+            group = groups[leaf]
+        if length >= min(pack_threshold, pack_size):
+            if length > max_object_size:
+                return f"#{leaf} "
+            where[leaf] = len(objects)
+            objects.append((f"leaf-{len(objects):06d}", length, (leaf,)))
+            continue
+        offset = -(-fill // alignment) * alignment
+        if members and offset + length > pack_size:
+            close()
+            offset = 0
+        offset_of[leaf] = offset
+        members.append(leaf)
+        fill = offset + length
+    close()
+    return objects, where, offset_of
+
+
+def test_plan_is_the_walk_of_the_leaves_the_module_describes() -> None:
+    """``PackPlan.build`` finds its packs by search rather than leaf by leaf; on random
+    states of every kind of leaf, with and without groups, its plan is the walk's."""
+    rng = np.random.default_rng(31)
+    sizes = [0, 1, 3, 64, 100, 500, 1000, 4096, 5000, 9000, 20_000]
+    for _ in range(3000):
+        count = int(rng.integers(0, 40))
+        lengths = [int(n) for n in rng.choice(sizes, count)]
+        groups = [int(g) for g in rng.integers(0, 4, count)] if rng.random() < 0.5 else None
+        options: dict[str, Any] = {
+            "pack_threshold": int(rng.choice([1000, 5000, 10_000, 50_000])),
+            "pack_size": int(rng.choice([100, 4096, 10_000, 30_000])),
+            "alignment": int(rng.choice([1, 8, 64])),
+            "max_object_size": int(rng.choice([5000, 20_000, 1 << 62])),
+        }
+        expected = _walked_plan(lengths, groups=groups, **options)
+        if isinstance(expected, str):
+            with pytest.raises(ValueError, match=f"leaf {expected}"):
+                PackPlan.build(lengths, groups=groups, **options)
+            continue
+        plan = PackPlan.build(lengths, groups=groups, **options)
+        objects, where, offsets = expected
+        assert [(o.name, o.size, o.leaves) for o in plan.objects] == objects
+        assert [o.packed for o in plan.objects] == [n.startswith("pack") for n, _, _ in objects]
+        assert plan.leaf_object == where
+        assert plan.leaf_offset == offsets
+        assert plan.leaf_length == lengths
+
+
 def test_plan_fill_gathers_noncontiguous_and_zeroes_padding() -> None:
     arrays = [np.arange(10, dtype=np.int32)[::2], np.array(7, dtype=">i8"), np.ones((2, 3))]
     plan = PackPlan.build(

@@ -103,55 +103,74 @@ class PackPlan:
         Raises:
             ValueError: a leaf larger than ``max_object_size``.
         """
+        # With numpy, one search per pack rather than a step per leaf: the loop per leaf
+        # took 3-4 ms of a 20,000-leaf save's path to its first write.
+        count = len(lengths)
         threshold = min(pack_threshold, pack_size)
         mask = alignment - 1
-        objects: list[PlannedObject] = []
-        leaf_object = [-1] * len(lengths)
-        leaf_offset = [0] * len(lengths)
-        members: list[int] = []
-        fill = 0
-
-        def close_pack() -> None:
-            nonlocal members, fill
-            if members:
-                name = f"pack-{len(objects):06d}"
-                objects.append(PlannedObject(name, fill, tuple(members), True))
-                members, fill = [], 0
-
-        order: Sequence[int] = range(len(lengths))
+        sizes = np.fromiter(lengths, dtype=np.int64, count=count)
+        order = (
+            np.arange(count)
+            if groups is None  # stable: state order in a group
+            else np.argsort(np.asarray(groups, dtype=np.int64).reshape(count), kind="stable")
+        )
+        ordered = sizes[order]
+        alone = np.flatnonzero(ordered >= threshold)  # positions in ``order``
+        too_large = np.flatnonzero(ordered[alone] > max_object_size)
+        if too_large.size:
+            index = int(order[alone[too_large[0]]])
+            where = f"{paths[index]!r}" if paths is not None else f"#{index}"
+            raise ValueError(
+                f"leaf {where} is {lengths[index]} bytes, more than this store's largest "
+                f"object ({max_object_size} bytes)"
+            )
+        small = np.flatnonzero((ordered > 0) & (ordered < threshold))
+        small_sizes = ordered[small]
+        # a member's offset in its pack is the aligned sizes of the members before it, so
+        # a pack starting at small leaf ``s`` ends before the first leaf whose end passes
+        # ``begins[s] + pack_size`` (``ends`` never decreases)
+        begins = np.zeros(small.size, dtype=np.int64)
+        np.cumsum((small_sizes[:-1] + mask) & ~mask, out=begins[1:])
+        ends = begins + small_sizes
+        # where a group's first leaf with bytes lies: a pack never spans one
+        cuts = np.empty(0, dtype=np.int64)
         if groups is not None:
-            order = sorted(order, key=groups.__getitem__)  # stable: state order in a group
-        group = None
-        for index in order:
-            length = lengths[index]
-            if length == 0:
+            filled = np.flatnonzero(ordered > 0)
+            kinds = np.asarray(groups, dtype=np.int64)[order[filled]]
+            cuts = filled[1:][kinds[1:] != kinds[:-1]]
+        # the events that number the objects, in the order a walk of the leaves meets them:
+        # (position, 0) a pack closed there, before the leaf at it; (position, 1) a leaf alone
+        events: list[tuple[int, int, int, int]] = [(int(p), 1, 0, 0) for p in alone]
+        first = 0
+        while first < small.size:
+            last = int(np.searchsorted(ends, begins[first] + pack_size, side="right"))
+            last = max(last, first + 1)
+            closed = int(small[last]) if last < small.size else count
+            cut = int(np.searchsorted(cuts, small[first], side="right"))
+            if cut < cuts.size and cuts[cut] < closed:  # the next group begins first
+                closed = int(cuts[cut])
+                last = int(np.searchsorted(small, closed, side="left"))
+            events.append((closed, 0, first, last))
+            first = last
+        events.sort()
+        objects: list[PlannedObject] = []
+        leaf_object = np.full(count, -1, dtype=np.int64)
+        leaf_offset = np.zeros(count, dtype=np.int64)
+        for position, kind, first, last in events:
+            number = len(objects)
+            if kind:
+                index = int(order[position])
+                leaf_object[index] = number
+                objects.append(
+                    PlannedObject(f"leaf-{number:06d}", int(sizes[index]), (index,), False)
+                )
                 continue
-            if groups is not None and groups[index] != group:
-                close_pack()
-                group = groups[index]
-            if length >= threshold:
-                if length > max_object_size:
-                    where = f"{paths[index]!r}" if paths is not None else f"#{index}"
-                    raise ValueError(
-                        f"leaf {where} is {length} bytes, more than this store's largest "
-                        f"object ({max_object_size} bytes)"
-                    )
-                leaf_object[index] = len(objects)
-                objects.append(PlannedObject(f"leaf-{len(objects):06d}", length, (index,), False))
-                continue
-            offset = (fill + mask) & ~mask
-            if members and offset + length > pack_size:
-                close_pack()
-                offset = 0
-            leaf_offset[index] = offset
-            members.append(index)
-            fill = offset + length
-        close_pack()
-        for number, obj in enumerate(objects):
-            if obj.packed:
-                for leaf in obj.leaves:
-                    leaf_object[leaf] = number
-        return cls(objects, leaf_object, leaf_offset, list(lengths))
+            members = order[small[first:last]]
+            leaf_object[members] = number
+            leaf_offset[members] = begins[first:last] - begins[first]
+            size = int(ends[last - 1] - begins[first])
+            objects.append(PlannedObject(f"pack-{number:06d}", size, tuple(members.tolist()), True))
+        return cls(objects, leaf_object.tolist(), leaf_offset.tolist(), list(lengths))
 
     @classmethod
     def for_store(
