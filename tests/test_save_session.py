@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import threading
 from typing import Any
 
 import numpy as np
@@ -21,11 +22,13 @@ from ckptstore.layout.commit import Attempt, SaveSession, read_manifest, write_c
 from ckptstore.layout.keys import manifest_key
 from ckptstore.layout.lease import LEASE_NAME
 from ckptstore.layout.maintenance import copy_step
+from ckptstore.layout.plan import PackPlan
 from ckptstore.layout.tree import flatten
 from ckptstore.manager.functions import aload
 from ckptstore.store.base import Store
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.wrappers import CountingStore, Fault, FaultStore, StoreWrapper
+from ckptstore.testing import assert_same_state
 
 
 def _store() -> MemoryStore:
@@ -314,6 +317,39 @@ async def test_a_save_cancelled_while_its_lease_is_put_leaves_nothing() -> None:
         await task
     assert not store.timed_out
     assert await _keys(inner) == []
+
+
+async def test_the_packs_are_built_while_the_lease_is_put_and_written_once_it_landed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A save's session begins (the lease put, the step looked for) while its first packs
+    are built, not before: on local disk the lease's fsynced write took 3-4 ms of the path
+    to the first write. No data object is put before the lease has landed."""
+    built = threading.Event()  # set on the hashing thread that builds the packs
+    for name in ("fill", "fill_digests"):
+        original = getattr(PackPlan, name)
+
+        def recording(self: PackPlan, *args: Any, _original: Any = original) -> Any:
+            built.set()
+            return _original(self, *args)
+
+        monkeypatch.setattr(PackPlan, name, recording)
+    inner = _store()
+    store = _GatedStore(inner, LEASE_NAME)
+    task = asyncio.ensure_future(write_checkpoint(store, flatten(_small_leaves()), step=3))
+    await asyncio.wait_for(store.holding.wait(), 10)
+    for _ in range(500):  # poll, for 10 s at most
+        if built.is_set():
+            break
+        await asyncio.sleep(0.02)
+    assert built.is_set(), "no pack was built while the lease was being put"
+    assert store.events == []  # nothing put yet: the data waits for the lease
+    store.gate.set()
+    await task
+    assert not store.timed_out
+    assert store.events[0] == f"put {LEASE_NAME}"
+    assert "put pack-000000" in store.events
+    assert_same_state(await aload(inner), _small_leaves())
 
 
 class _Together(StoreWrapper):

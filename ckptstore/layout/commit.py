@@ -494,6 +494,13 @@ async def write_checkpoint(
         except BaseException:
             await _settled_digests(digests)
             raise
+    # The session begins (its lease is put while the step is looked for) while the plan is
+    # made and the first packs are built: they write nothing, and the writes wait for it
+    # (ObjectWriter.start). Begun after the base was looked for, as before: a store that
+    # fails every request fails that look-up first.
+    beginning = asyncio.ensure_future(SaveSession.begin(store, step))
+    writer: ObjectWriter | None = None
+    writes: asyncio.Future[None] | None = None
     try:
         with collection_paused():
             # in place unless this is the full save (or the first) of an incremental root:
@@ -503,39 +510,42 @@ async def write_checkpoint(
             in_place = reuse is not None or not store.settings.layout.incremental
             offsets = flat.region_offsets() if in_place else None
             plan = plan_changed(store, lengths, flat.paths, reuse, offsets=offsets)
+        if reuse is None or not reuse.objects:
+            # nothing to hold before the writes (SaveSession.hold)
+            writer = _object_writer(store, plan, None, flat, digests)
+            writes = asyncio.ensure_future(writer.write_all())
+        session = await beginning
     except BaseException:
-        await _settled_digests(digests)
-        raise
-
-    try:
-        session = await SaveSession.begin(store, step)
-    except BaseException:
+        # nothing was written: the writes wait for the session
+        if writes is not None:
+            writes.cancel()
+            await _settled(writes)
+        beginning.cancel()  # a begin cancelled releases what it took (begin_attempt)
+        await _settled(beginning)
+        if beginning.done() and not beginning.cancelled() and beginning.exception() is None:
+            # begun as the save was cancelled: give the session up, its lease with it
+            await asyncio.shield(beginning.result().abandon())
         await _settled_digests(digests)
         raise
     async with session:
         try:
-            if reuse is not None and reuse.objects:
-                try:
-                    await session.hold(_references_of(session.attempt, reuse))
-                except BrokenReferenceError:
-                    # the base is being deleted meanwhile: write everything this time
-                    reuse = None
-                    plan = plan_changed(store, lengths, flat.paths, None)
-            writer = ObjectWriter(
-                store,
-                plan,
-                session.prefix,
-                flat.arrays,
-                digests=digests,
-                region=flat.region,
-                # with no base, a packed leaf is hashed as its pack is built, still in cache
-                hash_packs=digests is not None and digests.deferred and native_hashes(),
-            )
-            writes = asyncio.ensure_future(writer.write_all())
+            if writer is not None:
+                writer.start(session.prefix)
+            else:
+                if reuse is not None and reuse.objects:
+                    try:
+                        await session.hold(_references_of(session.attempt, reuse))
+                    except BrokenReferenceError:
+                        # the base is being deleted meanwhile: write everything this time
+                        reuse = None
+                        plan = plan_changed(store, lengths, flat.paths, None)
+                writer = _object_writer(store, plan, session.prefix, flat, digests)
+                writes = asyncio.ensure_future(writer.write_all())
         except BaseException:
             # the session is abandoned once the hashing thread, which reads the arrays, ended
             await _settled_digests(digests)
             raise
+        assert writes is not None  # made with the writer
         try:
             # The manifest is built and encoded while the last objects are still being made
             # durable: it needs only their checksums, known once they are built. After the
@@ -565,6 +575,26 @@ async def write_checkpoint(
             await _settled_digests(digests)
             raise
         return await session.commit(manifest, encoded=encoded)
+
+
+def _object_writer(
+    store: Store,
+    plan: PackPlan,
+    prefix: str | None,
+    flat: FlatState,
+    digests: LeafDigests | None,
+) -> ObjectWriter:
+    """``write_checkpoint``'s writer of ``plan``."""
+    return ObjectWriter(
+        store,
+        plan,
+        prefix,
+        flat.arrays,
+        digests=digests,
+        region=flat.region,
+        # with no base, a packed leaf is hashed as its pack is built, still in cache
+        hash_packs=digests is not None and digests.deferred and native_hashes(),
+    )
 
 
 #: Leaves of an in-region pack smaller than this extend the pack's crc32c by hashing them
@@ -872,7 +902,9 @@ class ObjectWriter:
     Args:
         store: where to write.
         plan: which object and offset each leaf gets.
-        prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write.
+        prefix: the attempt's prefix, plus a writer's own part (``r3-``) when several write;
+            ``None`` while the session is still beginning: the packs are built meanwhile, and
+            the writes wait for :meth:`start`.
         arrays: one host array per leaf; read when an object holding the leaf is written.
         digests: the leaves' hashing pass (:class:`LeafDigests`) if one runs: a leaf written
             alone waits for the crc32c it finds rather than reading its bytes again.
@@ -886,7 +918,7 @@ class ObjectWriter:
         self,
         store: Store,
         plan: PackPlan,
-        prefix: str,
+        prefix: str | None,
         arrays: Sequence[np.ndarray[Any, Any]],
         *,
         digests: LeafDigests | None = None,
@@ -899,6 +931,9 @@ class ObjectWriter:
         self.digests = digests
         self.plan = plan
         self.prefix = prefix
+        self._placed = asyncio.Event()
+        if prefix is not None:
+            self._placed.set()
         self.arrays = arrays
         self.written = Written([0] * len(plan.leaf_length), [0] * len(plan.objects))
         # Packs are built in pooled buffers; bound how many exist at once.
@@ -934,6 +969,19 @@ class ObjectWriter:
             self.checksummed.set()
         if not self._unbuilt:
             self._packs_built()
+
+    def start(self, prefix: str) -> None:
+        """Let the writes of a writer made without a prefix go to ``prefix``: the session
+        has begun (its lease landed), and data may be written under it."""
+        if self.prefix is not None:
+            raise RuntimeError(f"the writer already writes under {self.prefix!r}")
+        self.prefix = prefix
+        self._placed.set()
+
+    async def _key(self, name: str) -> str:
+        await self._placed.wait()
+        assert self.prefix is not None  # set with _placed
+        return self.prefix + name
 
     async def write_all(self) -> None:
         """Write every object of the plan; returns once all are durable, and on a failure
@@ -985,8 +1033,8 @@ class ObjectWriter:
         if not array.flags.c_contiguous:
             array = np.ascontiguousarray(array)
         view = as_uint8(array)
-        key = self.prefix + obj.name
         crc = None if self.digests is None else await self.digests.crc(leaf)
+        key = await self._key(obj.name)
         if crc is not None:
             put = asyncio.ensure_future(self.store.put(key, view, crc32c=crc))
             known((crc,), crc)  # after the put started (see _write_pack)
@@ -1015,9 +1063,10 @@ class ObjectWriter:
 
                 async with self._build_lane:
                     crcs, hashes, whole = await in_hash_thread(build)
+                key = await self._key(obj.name)
                 # sent before the checksums are made known: the manifest that may be built
                 # once they are would otherwise hold the GIL before this put reached its thread
-                put = asyncio.ensure_future(store.put(self.prefix + obj.name, buf, crc32c=whole))
+                put = asyncio.ensure_future(store.put(key, buf, crc32c=whole))
                 if hashes is not None:
                     for leaf, digest in zip(obj.leaves, hashes, strict=True):
                         self.leaf_hashes[leaf] = digest
@@ -1082,8 +1131,9 @@ class ObjectWriter:
             return crcs, hashes, whole
 
         crcs, hashes, whole = await in_hash_thread(checksums)
+        key = await self._key(obj.name)
         # sent before the checksums are made known (see _write_pack)
-        put = asyncio.ensure_future(self.store.put(self.prefix + obj.name, body, crc32c=whole))
+        put = asyncio.ensure_future(self.store.put(key, body, crc32c=whole))
         if hashes is not None:
             for leaf, digest in zip(obj.leaves, hashes, strict=True):
                 self.leaf_hashes[leaf] = digest
