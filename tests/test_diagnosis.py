@@ -9,6 +9,7 @@ bare 404 (reported as a missing bucket that exists), its gRPC port with HTTP/2 f
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -19,6 +20,7 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import EXIT_ERROR
 from ckptstore.errors import NotFoundError, StoreError
+from ckptstore.store.registry import open_store
 from tests.test_cli import assert_one_line_error, run
 
 pytestmark = pytest.mark.s3
@@ -62,6 +64,31 @@ def test_a_port_that_is_not_s3_is_named_within_2_s_by_the_api_and_the_cli(
         assert status == EXIT_ERROR
         assert out == ""
         assert_one_line_error(err, WRONG_PORTS[port], "check endpoint_url")
+
+
+def test_a_put_answered_with_a_body_that_is_not_s3s_names_the_endpoint(
+    seaweedfs: Any, bucket: str
+) -> None:
+    """SeaweedFS's filer port answers a PutObject with its own JSON: botocore's parse error
+    is no botocore error, and it reached the caller raw. It is now a StoreError that names
+    the endpoint and the likely mistake, at once."""
+    endpoint = f"http://127.0.0.1:{seaweedfs.ports['filer']}"
+
+    async def put() -> None:
+        store = open_store(f"s3://{bucket}/run", endpoint_url=endpoint, anonymous=True)
+        try:
+            await store.put("probe/object", b"{}")
+        finally:
+            await store.close()
+
+    began = time.monotonic()
+    with pytest.raises(StoreError) as raised:
+        asyncio.run(put())
+    assert time.monotonic() - began <= 2.0
+    message = str(raised.value)
+    assert "is not an S3 response" in message
+    assert endpoint in message
+    assert "check endpoint_url" in message
 
 
 def test_a_missing_bucket_does_not_exist_on_every_command_and_in_the_api(

@@ -496,8 +496,10 @@ async def write_checkpoint(
             raise
     # The session begins (its lease is put while the step is looked for) while the plan is
     # made and the first packs are built: they write nothing, and the writes wait for it
-    # (ObjectWriter.start). Begun after the base was looked for, as before: a store that
-    # fails every request fails that look-up first.
+    # (ObjectWriter.start). Begun after the base was looked for, as before: the first
+    # request to a store is a read, so an endpoint that is not the store's API is named by
+    # it before anything is written there (a SeaweedFS filer port stores a PutObject's body
+    # as a file of its own, and its listings then fail with 500s, retried for 18 s).
     beginning = asyncio.ensure_future(SaveSession.begin(store, step))
     writer: ObjectWriter | None = None
     writes: asyncio.Future[None] | None = None

@@ -65,6 +65,7 @@ import botocore.exceptions as bx
 import crc32c as _crc32c
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
+from botocore.parsers import ResponseParserError
 
 from ckptstore import errors
 from ckptstore.config import Settings
@@ -657,12 +658,22 @@ class S3Store(base.Store):
         exception propagates (callers translate it, some inspect it first). ``body_bytes``:
         the size of a body sent in one request, which scales its deadline
         (:meth:`~ckptstore.store.transport.Transport.run`)."""
-        return await self._transport.run(
-            lambda: fn(**params),
-            transient=_transient,
-            what=f"{op} {self._where(key)}",
-            body_bytes=body_bytes,
-        )
+        try:
+            return await self._transport.run(
+                lambda: fn(**params),
+                transient=_transient,
+                what=f"{op} {self._where(key)}",
+                body_bytes=body_bytes,
+            )
+        except ResponseParserError as exc:
+            # botocore raises this outside its own error tree, so it passed every caller's
+            # except clause raw: a SeaweedFS filer port answers a PutObject with JSON
+            raise transport.NotAnEndpoint(
+                f"{op} {self._where(key)}: {self._transport.endpoint} answered with a body "
+                "that is not an S3 response, so it does not look like an S3 API endpoint (a "
+                "filer or web port?) or something between altered the answer; check "
+                f"endpoint_url ({transport.redact(str(exc).splitlines()[0])})"
+            ) from None
 
     async def _request(
         self, op: str, key: str, fn: Callable[..., Awaitable[_T]], /, **params: Any
