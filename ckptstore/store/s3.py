@@ -655,7 +655,9 @@ class S3Store(base.Store):
         **params: Any,
     ) -> _T:
         """One API call under the transport policy's retries; the last raw botocore
-        exception propagates (callers translate it, some inspect it first). ``body_bytes``:
+        exception propagates (callers translate it, some inspect it first), but for a body
+        botocore cannot parse as S3's, raised as :class:`~ckptstore.store.transport.NotAnEndpoint`
+        (botocore's parse error lies outside its error tree). ``body_bytes``:
         the size of a body sent in one request, which scales its deadline
         (:meth:`~ckptstore.store.transport.Transport.run`)."""
         try:
