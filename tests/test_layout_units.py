@@ -1006,6 +1006,39 @@ async def test_leaves_the_base_reused_are_hashed_without_their_checksum(
     )
 
 
+async def test_a_save_with_nothing_to_compare_with_builds_its_packs_before_any_hashing_turn(
+    monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None, tmp_path: Path
+) -> None:
+    """On a root with nothing committed the hashes are for the manifest alone: the hashing
+    pass holds all its turns from the start, so the first job of the hashing thread is a
+    pack's build, not a turn hashing leaves no write waits for. With a base, the pass runs
+    first, beside the base's read (the plan compares with its hashes)."""
+    from ckptstore.layout import commit
+    from ckptstore.layout.commit import write_checkpoint
+    from ckptstore.store.local import LocalStore
+
+    jobs: list[str] = []
+    real = commit.in_hash_thread
+
+    async def recorded(fn: Any, *args: Any) -> Any:
+        jobs.append(getattr(fn, "__name__", repr(fn)))
+        return await real(fn, *args)
+
+    monkeypatch.setattr(commit, "in_hash_thread", recorded)
+    # a local root: its listing runs on a thread, so a pass already started would run
+    # meanwhile (a memory store's listing never lets it)
+    state = {f"w{i:04d}": np.full(1024, i, np.float32) for i in range(3000)}  # 4 KiB each
+    async with LocalStore(tmp_path) as store:
+        await write_checkpoint(store, flatten(state), step=0)
+        assert jobs, "nothing ran on the hashing thread"
+        assert jobs[0] == "build", jobs[:3]
+        jobs.clear()
+        state["w0000"] += 1
+        await write_checkpoint(store, flatten(state), step=1)
+        assert jobs[0] == "leaf_digests", jobs[:3]
+        assert_same_state(await ckptstore.aload(store, 1, target="numpy"), state)
+
+
 async def test_a_cancelled_save_waits_for_its_hashing_thread(
     monkeypatch: pytest.MonkeyPatch, fresh_hash_pool: None
 ) -> None:

@@ -472,15 +472,22 @@ async def write_checkpoint(
         # a body sent in parts carries each part's crc32c, hashed as it is sent: for such a
         # leaf the pass's would be one more read of it
         parts = store.sends_checksums and store.capabilities.multipart
+        # Listed before the pass starts: with nothing to compare with (the first save), its
+        # first turn would hash for the manifest alone, and took the GIL from the listing
+        # (0.2 ms alone, 2.2 ms beside it on 20,000 leaves) and the hashing thread from the
+        # first pack's build.
+        candidates = [] if full else await base_candidates(store, step)
         digests = LeafDigests(
             flat.arrays,
             crc_from=store.settings.layout.pack_threshold,
             crc_below=store.settings.transport.multipart_threshold if parts else None,
             lengths=lengths,
         )
+        if not candidates:
+            digests.defer()  # before its first turn: the hashes are for the manifest alone
         hashing = digests.hashes
         try:
-            base = None if full else await base_manifest(store, step)
+            base = await read_base_of(store, candidates) if candidates else None
             if base is None:
                 # the hashes are for the manifest alone: the pack builds go first
                 digests.defer()
@@ -785,15 +792,25 @@ async def _settled(work: asyncio.Future[Any] | None) -> None:
 async def base_manifest(store: Store, step: int) -> Manifest | None:
     """The newest committed step other than ``step``, the base of an incremental save, or
     ``None`` (nothing committed, or its manifest fails validation: then save in full)."""
-    for candidate in reversed(await committed_steps(store)):
-        if candidate == step:
-            continue
-        try:
-            # only read: the plan copies what it takes (the base's own object entries)
-            return await read_manifest(store, candidate, shared=True)
-        except (NotFoundError, CorruptCheckpointError):
-            return None
-    return None
+    return await read_base_of(store, await base_candidates(store, step))
+
+
+async def base_candidates(store: Store, step: int) -> list[int]:
+    """The committed steps other than ``step``, newest first: the bases an incremental save
+    of ``step`` may have (:func:`base_manifest` reads the first)."""
+    return [candidate for candidate in reversed(await committed_steps(store)) if candidate != step]
+
+
+async def read_base_of(store: Store, candidates: Sequence[int]) -> Manifest | None:
+    """The manifest of the first of ``candidates`` (:func:`base_candidates`), or ``None``
+    (none, or its manifest fails validation: then save in full)."""
+    if not candidates:
+        return None
+    try:
+        # only read: the plan copies what it takes (the base's own object entries)
+        return await read_manifest(store, candidates[0], shared=True)
+    except (NotFoundError, CorruptCheckpointError):
+        return None
 
 
 def _references_of(attempt: Attempt, reuse: Reuse) -> Manifest:
