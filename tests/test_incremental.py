@@ -314,3 +314,60 @@ def test_torch_fine_tuning_writes_only_changed_bytes(target: Target) -> None:
 def test_torch_fine_tuning_200_mib_base(target: Target) -> None:
     """The acceptance's fine-tuning loop, on every store it names."""
     _torch_fine_tuning(target, base_mib=200)
+
+
+def test_each_save_parses_one_manifest_however_many_attempts_it_references(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root whose saves each change another leaf references one more attempt with every
+    step, and each save checks every referenced attempt's record before it writes. A record
+    whose bytes were parsed before is not parsed again: a save parses its base's manifest
+    alone, after ten steps as after two."""
+    from ckptstore.layout.manifest import Manifest
+
+    real = Manifest.parse.__func__  # type: ignore[attr-defined]
+    parses: list[int] = []
+
+    def counted(cls: type[Manifest], data: bytes, **kwargs: Any) -> Manifest:
+        parses.append(kwargs.get("step", -1))
+        return real(cls, data, **kwargs)
+
+    state = {f"w{i}": np.full(256, i, np.float32) for i in range(12)}
+    per_save: list[list[int]] = []
+    monkeypatch.setattr(Manifest, "parse", classmethod(counted))
+    for step in range(11):
+        state[f"w{step}"] += 1  # one more leaf changed: its newest copy is this step's
+        parses.clear()
+        ckptstore.save(tmp_path, state, step=step)
+        per_save.append(list(parses))
+    monkeypatch.undo()
+    assert len(ckptstore.read_manifest(tmp_path, 10).referenced_attempts()) >= 9
+    assert per_save[0] == []  # nothing to compare with
+    for step in range(1, 11):
+        assert per_save[step] == [step - 1], (step, per_save[step])  # the base, once
+    assert _flat_bytes(ckptstore.load(tmp_path, 10, target="numpy")) == _flat_bytes(state)
+
+
+async def test_a_record_whose_bytes_change_after_a_check_is_checked_again(tmp_path: Path) -> None:
+    """The object tables of records already checked are found by the digest of the bytes
+    read, which are read every time: a record damaged after a save checked it refuses the
+    next reference to it."""
+    from ckptstore.errors import BrokenReferenceError
+    from ckptstore.layout.references import check_references
+
+    # 2 MiB each: objects of their own, above the pack threshold
+    state = {"frozen": np.ones(1 << 19, np.float32), "trained": np.zeros(1 << 19, np.float32)}
+    async with LocalStore(tmp_path) as store:
+        await ckptstore.asave(store, state, step=0)
+        state["trained"] += 1
+        await ckptstore.asave(store, state, step=1)
+        manifest = await ckptstore.aread_manifest(store, 1)
+        assert manifest.referenced_attempts()  # "frozen" is step 0's object
+        await check_references(store, manifest)  # the record is valid: its table is held
+        record = tmp_path / "0" / "manifest.json"
+        body = record.read_bytes()
+        record.write_bytes(body[:-16])  # truncated
+        with pytest.raises(BrokenReferenceError, match=r"record of 0/.* is invalid"):
+            await check_references(store, manifest)
+        record.write_bytes(body)  # the bytes held before: accepted again
+        await check_references(store, manifest)
