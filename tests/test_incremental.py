@@ -371,3 +371,54 @@ async def test_a_record_whose_bytes_change_after_a_check_is_checked_again(tmp_pa
             await check_references(store, manifest)
         record.write_bytes(body)  # the bytes held before: accepted again
         await check_references(store, manifest)
+
+
+async def test_record_tables_hold_at_most_their_tables_and_objects(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckptstore.errors import CorruptCheckpointError
+    from ckptstore.layout.keys import manifest_key
+    from ckptstore.layout.manifest import Manifest
+    from ckptstore.layout.references import RecordTables
+
+    parsed: list[int] = []
+    real = Manifest.parse_shared.__func__  # type: ignore[attr-defined]
+
+    def counted(cls: type[Manifest], data: bytes, **kwargs: Any) -> Manifest:
+        parsed.append(kwargs["step"])
+        return real(cls, data, **kwargs)
+
+    records: dict[int, bytes] = {}
+    async with MemoryStore() as store:
+        for step in range(3):  # 1, 2 and 3 objects of their own (above the pack threshold)
+            state = {f"w{i}": np.full(1 << 19, step, np.float32) for i in range(step + 1)}
+            await ckptstore.asave(store, state, step=step, full=True)
+            records[step] = await store.get(manifest_key(step))
+    monkeypatch.setattr(Manifest, "parse_shared", classmethod(counted))
+
+    def table(tables: RecordTables, step: int) -> dict[str, tuple[int, int]]:
+        attempt, own = tables.table(records[step], step, 1 << 20, "test")
+        assert attempt == Manifest.parse(records[step], step=step).attempt
+        return own
+
+    by_entries = RecordTables(entries=2)
+    assert [len(table(by_entries, s)) for s in (0, 1, 0, 2)] == [1, 2, 1, 3]
+    assert parsed == [0, 1, 2]  # the second look at step 0 was held
+    assert len(by_entries) == 2
+    table(by_entries, 1)  # the least recently used went: parsed again
+    assert parsed == [0, 1, 2, 1]
+    parsed.clear()
+    by_objects = RecordTables(objects=4)
+    for step in (0, 1, 2, 0, 2):
+        table(by_objects, step)
+    # 1 + 2 + 3 > 4: step 2's table dropped the two before it; 3 + 1 then fit
+    assert parsed == [0, 1, 2, 0]
+    assert len(by_objects) == 2
+    # 1 + 3 + 2 > 4: step 0's went, the least recently used, and then step 2's too
+    table(by_objects, 1)
+    table(by_objects, 0)
+    assert parsed == [0, 1, 2, 0, 1, 0]
+    assert len(by_objects) == 2
+    with pytest.raises(CorruptCheckpointError):
+        by_objects.table(records[0][:-8], 0, 1 << 20, "test")
+    assert len(by_objects) == 2  # a failed parse is never held

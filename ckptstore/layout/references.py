@@ -146,9 +146,9 @@ async def _find_record(
 
 class RecordTables:
     """The object tables of the committed records :func:`attempt_objects` parsed lately, by
-    step and the SHA-256 of the record's exact bytes: at most ``entries``, the least
-    recently used dropped first. Thread-safe: the event loops of several managers may share
-    it.
+    step and the SHA-256 of the record's exact bytes: at most ``entries`` tables and
+    ``objects`` objects in all, the least recently used dropped first. Thread-safe: the
+    event loops of several managers may share it.
 
     Every incremental save checks the record of each attempt it references before it writes
     (:func:`hold_references`), as every restore of such a step does. Parsed each time, a
@@ -156,13 +156,14 @@ class RecordTables:
     whose saves change a few leaves each references more attempts with every step (ten
     parses a save after ten steps). :data:`~ckptstore.layout.manifest.SHARED_MANIFESTS`
     holds whole manifests (about five times their bytes): four of that size. A table holds
-    only the record's own objects, a few dozen entries; the digest costs ~0.7 ms a MB.
-    The bytes are always read: only the parse and validation of bytes seen before are
-    spared."""
+    only the record's own objects (a few dozen where leaves are packed; one per large
+    leaf); the digest costs ~0.7 ms a MB. The bytes are always read: only the parse and
+    validation of bytes seen before are spared."""
 
-    def __init__(self, entries: int = 1024) -> None:
-        self.entries = entries
+    def __init__(self, entries: int = 1024, objects: int = 1 << 16) -> None:
+        self.entries, self.objects = entries, objects
         self._held: OrderedDict[tuple[int, bytes], tuple[str, ObjectTable]] = OrderedDict()
+        self._count = 0  # objects in the tables held
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -189,9 +190,12 @@ class RecordTables:
         }
         found = (record.attempt, own)
         with self._lock:
-            self._held[key] = found
-            while len(self._held) > self.entries:
-                self._held.popitem(last=False)
+            if key not in self._held:
+                self._held[key] = found
+                self._count += len(own)
+            while len(self._held) > self.entries or self._count > self.objects:
+                _, (_, dropped) = self._held.popitem(last=False)
+                self._count -= len(dropped)
         return found
 
 
