@@ -233,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             "names a commit that reproduces it (or pass --no-doc)"
         )
     all_rows: list[dict[str, object]] = []
+    if args.workdir is not None:
+        args.workdir.mkdir(parents=True, exist_ok=True)  # as --out is
     with tempfile.TemporaryDirectory(dir=args.workdir, prefix="ckptstore-bench-") as scratch:
         for name in chosen:
             suite = suites[name]

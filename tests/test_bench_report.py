@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench  # noqa: E402
-from benchlib import Result, Suite, report  # noqa: E402
+from benchlib import Context, Result, Suite, report  # noqa: E402
 
 
 def rows() -> list[dict[str, object]]:
@@ -226,3 +226,36 @@ def test_workloads_choose_a_suites_workloads_in_its_order_and_refuse_unknown_one
     assert both.chosen(names) == ["1GiB", "transformer"]
     with pytest.raises(SystemExit, match=r"--workloads \['small'\]: this suite runs"):
         Context(1, tmp_path, workloads=("small", "transformer")).chosen(names)
+
+
+def test_a_workdir_that_does_not_exist_yet_is_made(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--workdir`` is made as ``--out`` is: a run once died at its start, after the
+    checks, on a scratch directory not created beforehand."""
+    seen: list[Path] = []
+
+    def run(ctx: Context) -> list[Result]:
+        seen.append(ctx.workdir)
+        return []
+
+    monkeypatch.setattr(bench, "discover", lambda: {"probe": Suite("probe", "a probe", run)})
+    monkeypatch.setenv("CKPTSTORE_INCREMENTAL", "0")  # bench.main sets it (see above)
+    try:
+        assert (
+            bench.main(
+                [
+                    "probe",
+                    "--no-doc",
+                    "--out",
+                    str(tmp_path / "out"),
+                    "--workdir",
+                    str(tmp_path / "not" / "yet"),
+                ]
+            )
+            == 0
+        )
+    finally:
+        default_settings.cache_clear()
+    assert len(seen) == 1
+    assert seen[0].parent.parent == tmp_path / "not" / "yet"
