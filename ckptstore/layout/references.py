@@ -102,7 +102,7 @@ async def attempt_objects(store: Store, step: int, attempt: str) -> ObjectTable 
     """The objects of ``<step>/<attempt>/`` as the record that commits it lists them
     (:func:`attempt_record`), by key: ``(length, crc32c)``; ``None`` when no record exists.
     The record is read each time; its parse is spared when :data:`RECORD_TABLES` saw the
-    same bytes.
+    same bytes. The table is shared with later callers: nothing may change it.
 
     Raises:
         CorruptCheckpointError: the record found fails validation.
