@@ -16,9 +16,11 @@ import pytest
 import ckptstore
 from ckptstore.cli.main import format_bytes, main
 from ckptstore.pipeline.root import opened
+from ckptstore.store.base import Store
 from ckptstore.store.local import LocalStore
 from ckptstore.store.memory import MemoryStore
 from ckptstore.store.s3 import S3Store
+from ckptstore.store.wrappers import CountingStore
 from ckptstore.testing.incremental_tests import FineTuning, IncrementalTests, KeyCountingStore
 from ckptstore.testing.servers import SeaweedFS
 from tests.multirank import EVERY_TARGET, Target
@@ -346,6 +348,61 @@ def test_each_save_parses_one_manifest_however_many_attempts_it_references(
     for step in range(1, 11):
         assert per_save[step] == [step - 1], (step, per_save[step])  # the base, once
     assert _flat_bytes(ckptstore.load(tmp_path, 10, target="numpy")) == _flat_bytes(state)
+
+
+class _HeadKeys(CountingStore):
+    """Counts requests, and keeps the keys of its ``head`` requests."""
+
+    def __init__(self, inner: Store) -> None:
+        super().__init__(inner)
+        self.heads: list[str] = []
+
+    async def _hook(self, op: str, key: str, nbytes: int) -> None:
+        await super()._hook(op, key, nbytes)
+        if op == "head":
+            self.heads.append(key)
+
+
+async def test_a_save_finds_its_base_without_a_head_per_step_the_root_keeps(
+    tmp_path: Path,
+) -> None:
+    """An incremental save looks for its base among the root's steps: the newest committed
+    one is asked for first, so a root that keeps 40 steps costs a save a manifest ``head``
+    for it, not 40 (a thousand steps kept on an object store were a thousand requests a
+    save). Step directories without a manifest above it (attempts left by a crash) are
+    skipped in a few batches of requests, and the base found is still the newest committed
+    step."""
+    from ckptstore.layout.commit import base_step, latest_step
+    from ckptstore.layout.keys import MANIFEST_NAME, new_attempt_id
+
+    state = {"frozen": np.ones(1024, np.float32), "trained": np.zeros(1024, np.float32)}
+    async with LocalStore(tmp_path) as store:
+        for step in range(40):
+            state["trained"] += 1
+            await ckptstore.asave(store, state, step=step)
+        counting = _HeadKeys(store)
+        state["trained"] += 1
+        await ckptstore.asave(counting, state, step=40)
+        asked = {int(key.split("/")[0]) for key in counting.heads if key.endswith(MANIFEST_NAME)}
+        referenced = (await ckptstore.aread_manifest(store, 40)).referenced_attempts()
+        assert referenced
+        # the new step's own (committed already?), its base's, and those of the steps whose
+        # objects it references (their records are checked): no other step's
+        assert asked == {40, 39} | {int(prefix.split("/")[0]) for prefix in referenced}, asked
+        assert len(asked) <= 4
+
+        # seven steps begun and never committed, above the newest committed one
+        for step in range(41, 48):
+            await store.put(f"{step}/{new_attempt_id()}/objects/0", b"x")
+        counting = _HeadKeys(store)
+        assert await base_step(counting, 48) == 40
+        assert await latest_step(counting) == 40
+        # windows of 1, 2, 4 and then 8 directories: four round trips each, not eight
+        assert len(counting.heads) == 2 * (1 + 2 + 4 + 8), counting.heads
+        assert await base_step(counting, 40) == 39  # a step is not its own base
+        state["trained"] += 1
+        await ckptstore.asave(store, state, step=48)
+        assert _flat_bytes(await ckptstore.aload(store, 48, target="numpy")) == _flat_bytes(state)
 
 
 async def test_a_record_whose_bytes_change_after_a_check_is_checked_again(tmp_path: Path) -> None:

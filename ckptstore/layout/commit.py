@@ -476,18 +476,18 @@ async def write_checkpoint(
         # first turn would hash for the manifest alone, and took the GIL from the listing
         # (0.2 ms alone, 2.2 ms beside it on 20,000 leaves) and the hashing thread from the
         # first pack's build.
-        candidates = [] if full else await base_candidates(store, step)
+        base_at = None if full else await base_step(store, step)
         digests = LeafDigests(
             flat.arrays,
             crc_from=store.settings.layout.pack_threshold,
             crc_below=store.settings.transport.multipart_threshold if parts else None,
             lengths=lengths,
         )
-        if not candidates:
+        if base_at is None:
             digests.defer()  # before its first turn: the hashes are for the manifest alone
         hashing = digests.hashes
         try:
-            base = await read_base_of(store, candidates) if candidates else None
+            base = await read_base_of(store, base_at)
             if base is None:
                 # the hashes are for the manifest alone: the pack builds go first
                 digests.defer()
@@ -792,23 +792,29 @@ async def _settled(work: asyncio.Future[Any] | None) -> None:
 async def base_manifest(store: Store, step: int) -> Manifest | None:
     """The newest committed step other than ``step``, the base of an incremental save, or
     ``None`` (nothing committed, or its manifest fails validation: then save in full)."""
-    return await read_base_of(store, await base_candidates(store, step))
+    return await read_base_of(store, await base_step(store, step))
 
 
-async def base_candidates(store: Store, step: int) -> list[int]:
-    """The committed steps other than ``step``, newest first: the bases an incremental save
-    of ``step`` may have (:func:`base_manifest` reads the first)."""
-    return [candidate for candidate in reversed(await committed_steps(store)) if candidate != step]
+async def base_step(store: Store, step: int) -> int | None:
+    """The step an incremental save of ``step`` takes as its base: the newest committed step
+    other than ``step``, or ``None``.
+
+    One listing and, on a root whose newest step is committed, one ``head``, however many
+    steps the root keeps (:func:`_newest_committed`). It took one ``head`` per step
+    directory (:func:`committed_steps`) on every save: a thousand requests a save on an
+    object store, for a run that keeps a thousand steps.
+    """
+    return await _newest_committed(store, [s for s in await _step_candidates(store) if s != step])
 
 
-async def read_base_of(store: Store, candidates: Sequence[int]) -> Manifest | None:
-    """The manifest of the first of ``candidates`` (:func:`base_candidates`), or ``None``
-    (none, or its manifest fails validation: then save in full)."""
-    if not candidates:
+async def read_base_of(store: Store, step: int | None) -> Manifest | None:
+    """The manifest of ``step`` (:func:`base_step`), or ``None`` (no step, or its manifest
+    fails validation: then save in full)."""
+    if step is None:
         return None
     try:
         # only read: the plan copies what it takes (the base's own object entries)
-        return await read_manifest(store, candidates[0], shared=True)
+        return await read_manifest(store, step, shared=True)
     except (NotFoundError, CorruptCheckpointError):
         return None
 
@@ -1443,9 +1449,30 @@ async def committed_steps(store: Store) -> list[int]:
 
 async def latest_step(store: Store) -> int | None:
     """The highest step with a manifest, or ``None`` if nothing is committed."""
-    for step in await _step_candidates(store):
-        if await store.exists(manifest_key(step)):
-            return step
+    return await _newest_committed(store, await _step_candidates(store))
+
+
+#: The most ``head`` requests :func:`_newest_committed` has in flight at once.
+NEWEST_WINDOW = 32
+
+
+async def _newest_committed(store: Store, steps: Sequence[int]) -> int | None:
+    """The first of ``steps`` (newest first) that has a manifest, or ``None``.
+
+    Asked in windows of 1, 2, 4, ... up to :data:`NEWEST_WINDOW` steps, the windows' heads
+    at once: the newest step, committed on a root in use, costs one request, and a run of
+    step directories with none (attempts in flight, or left by a crash) a few round trips,
+    not one each.
+    """
+    start, window = 0, 1
+    while start < len(steps):
+        chunk = steps[start : start + window]
+        present = await gather_all(store.exists(manifest_key(s)) for s in chunk)
+        for s, ok in zip(chunk, present, strict=True):
+            if ok:
+                return s
+        start += window
+        window = min(2 * window, NEWEST_WINDOW)
     return None
 
 
