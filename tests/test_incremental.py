@@ -350,6 +350,71 @@ def test_each_save_parses_one_manifest_however_many_attempts_it_references(
     assert _flat_bytes(ckptstore.load(tmp_path, 10, target="numpy")) == _flat_bytes(state)
 
 
+def test_plan_reuse_follows_its_rule_whatever_the_order_of_the_paths(tmp_path: Path) -> None:
+    """Which leaves reuse the base's bytes: a leaf whose path, hash, dtype and shape equal a
+    base leaf's; a base pack is referenced only when every leaf in it is reused (its other
+    unchanged leaves are STABLE, written apart from the changed ones). The same answer for
+    the base's own order of paths (found by position) as for any other (found by path)."""
+    from ckptstore.layout.incremental import CHANGED, STABLE, plan_reuse, unchanged_before
+
+    small = {f"s{i}": np.full(1024, i, np.float32) for i in range(6)}  # one pack
+    large = {f"l{i}": np.full(1 << 19, i, np.float32) for i in range(2)}  # an object each
+    ckptstore.save(tmp_path, {**small, **large}, step=0)
+    base = ckptstore.read_manifest(tmp_path, 0)
+    assert base.leaf_hash is not None
+    n = len(base.paths)
+    pack = base.leaf_object[base.paths.index("s0")]
+    packed = [j for j in range(n) if base.leaf_object[j] == pack]
+    assert len(packed) == 6
+    assert len(base.object_keys) == 3
+
+    def reuse(order: list[int], hashes: dict[int, str | None], shapes: dict[int, Any]) -> Any:
+        paths = [base.paths[j] for j in order]
+        got = plan_reuse(
+            base,
+            paths,
+            [base.dtypes[j] for j in order],
+            [shapes.get(j, base.shapes[j]) for j in order],
+            [hashes.get(j, base.leaf_hash[j]) for j in order],  # type: ignore[index]
+        )
+        # back in the base's order, to compare the orders' answers
+        source = {order[i]: got.leaf_source[i] for i in range(n)}
+        groups = {order[i]: got.groups[i] for i in range(n)}
+        return source, groups, got.objects
+
+    for order in (list(range(n)), list(reversed(range(n)))):
+        source, groups, objects = reuse(order, {}, {})
+        assert source == {j: j for j in range(n)}
+        assert objects == [0, 1, 2]
+        # a shape given as a tuple is the same shape
+        assert reuse(order, {}, {j: tuple(base.shapes[j]) for j in range(n)})[0] == source
+
+        changed = packed[2]
+        for hashes, shapes in (
+            ({changed: "0" * 32}, {}),
+            ({changed: None}, {}),
+            ({}, {changed: [512, 2]}),
+        ):
+            source, groups, objects = reuse(order, hashes, shapes)
+            assert objects == sorted(set(range(3)) - {pack})
+            for j in range(n):
+                if j == changed:
+                    assert (source[j], groups[j]) == (-1, CHANGED)
+                elif j in packed:  # unchanged, in a pack that is written again
+                    assert (source[j], groups[j]) == (-1, STABLE)
+                else:
+                    assert source[j] == j
+    # a path the base lacks reuses nothing; so does a base leaf of another dtype
+    got = plan_reuse(base, ["new", *base.paths[1:]], base.dtypes, base.shapes, base.leaf_hash)
+    assert got.leaf_source[0] == -1
+    assert got.groups[0] == CHANGED
+    got = plan_reuse(base, base.paths, ["float64", *base.dtypes[1:]], base.shapes, base.leaf_hash)
+    assert got.leaf_source[0] == -1
+    # nothing of a first save was reused from an earlier step
+    assert unchanged_before(base, base.paths) == [False] * n
+    assert unchanged_before(base, ["new", *reversed(base.paths)]) == [False] * (n + 1)
+
+
 class _HeadKeys(CountingStore):
     """Counts requests, and keeps the keys of its ``head`` requests."""
 

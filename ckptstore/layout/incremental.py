@@ -20,7 +20,6 @@ from the base manifest's own entry, so a restore never follows a chain.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -92,13 +91,24 @@ def unchanged_before(base: Manifest, paths: Sequence[str]) -> list[bool]:
     another attempt than the base's own): a leaf frozen then is likely frozen still, and an
     incremental save will not write it."""
     own = base.attempt + "/"
-    keys, objects = base.object_keys, base.leaf_object
+    # per object, not per leaf: a pack holds thousands of leaves
+    foreign = [not key.startswith(own) for key in base.object_keys]
+    objects = base.leaf_object
+    return [
+        j >= 0 and (obj := objects[j]) >= 0 and foreign[obj] for j in base_positions(base, paths)
+    ]
+
+
+def base_positions(base: Manifest, paths: Sequence[str]) -> list[int]:
+    """Per path, the index of the same path among ``base``'s leaves, or ``-1``.
+
+    A save of the same state as its base has the same paths in the same order: then the
+    positions are found by one comparison of the two lists, not by a dict of the base's
+    paths (20,000 leaves: 0.6 ms against 2.8 ms here)."""
+    if len(paths) == len(base.paths) and list(paths) == base.paths:
+        return list(range(len(paths)))
     index = {path: j for j, path in enumerate(base.paths)}
-    out = []
-    for path in paths:
-        j = index.get(path, -1)
-        out.append(j >= 0 and objects[j] >= 0 and not keys[objects[j]].startswith(own))
-    return out
+    return [index.get(path, -1) for path in paths]
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,26 +144,39 @@ def plan_reuse(
 ) -> Reuse:
     """Decide which leaves reuse ``base``'s bytes (see the module docstring for the rule)."""
     base_hash = base.leaf_hash or [None] * len(base.paths)
-    index = {path: j for j, path in enumerate(base.paths)}
-    match = [-1] * len(paths)
-    for i, path in enumerate(paths):
-        j = index.get(path, -1)
-        if (
-            j >= 0
-            and hashes[i] is not None
-            and base_hash[j] == hashes[i]
-            and base.dtypes[j] == dtypes[i]
-            and list(base.shapes[j]) == list(shapes[i])
-            and base.leaf_object[j] >= 0
-            and base.leaf_length[j] > 0
-        ):
-            match[i] = j
-    matched = {j for j in match if j >= 0}
-    members: dict[int, list[int]] = defaultdict(list)
-    for j, obj in enumerate(base.leaf_object):
-        if obj >= 0 and base.leaf_length[j] > 0:
-            members[obj].append(j)
-    whole = {obj for obj, leaves in members.items() if all(j in matched for j in leaves)}
-    source = [j if j >= 0 and base.leaf_object[j] in whole else -1 for j in match]
+    b_dtypes, b_shapes, b_object, b_length = (
+        base.dtypes,
+        base.shapes,
+        base.leaf_object,
+        base.leaf_length,
+    )
+    # one comprehension over the leaves, cheapest tests first (a list per shape only where
+    # the shapes differ in type): on 20,000 leaves, with the counts per object below, 8 ms
+    # against 18-20 ms as a loop of indexed tests and a set of members per object
+    match = [
+        j
+        if j >= 0
+        and (digest := hashes[i]) is not None
+        and base_hash[j] == digest
+        and b_object[j] >= 0
+        and b_length[j] > 0
+        and b_dtypes[j] == dtypes[i]
+        and ((known := b_shapes[j]) == (shape := shapes[i]) or list(known) == list(shape))
+        else -1
+        for i, j in enumerate(base_positions(base, paths))
+    ]
+    # a base object is reused whole when every leaf it holds is matched: counted per object
+    n_objects = len(base.object_keys)
+    held = np.array(b_object, np.int64)
+    held[np.array(b_length, np.int64) <= 0] = -1
+    matched = np.zeros(len(held), bool)
+    at = np.array(match, np.int64)
+    matched[at[at >= 0]] = True
+    members = np.bincount(held[held >= 0], minlength=n_objects)
+    hits = np.bincount(held[(held >= 0) & matched], minlength=n_objects)
+    whole_of = (members > 0) & (members == hits)
+    whole = np.flatnonzero(whole_of).tolist()
+    is_whole = whole_of.tolist()
+    source = [j if j >= 0 and is_whole[b_object[j]] else -1 for j in match]
     groups = [STABLE if j >= 0 and s < 0 else CHANGED for j, s in zip(match, source, strict=True)]
-    return Reuse(base, source, sorted(whole), groups)
+    return Reuse(base, source, whole, groups)

@@ -200,8 +200,13 @@ class ManifestDraft:
                 [base.object_crcs[obj]],
                 step=base.object_step(obj),
             )
+        # what place() does, inline: 4.4 against 5.5 ms on 20,000 leaves with a call per leaf
+        objects, offsets, crcs = self.leaf_object, self.leaf_offset, self.leaf_crc
+        base_object, base_offset, base_crc = base.leaf_object, base.leaf_offset, base.leaf_crc
         for leaf, j in reused:
-            self.place(leaf, position[base.leaf_object[j]], base.leaf_offset[j], base.leaf_crc[j])
+            objects[leaf] = position[base_object[j]]
+            offsets[leaf] = base_offset[j]
+            crcs[leaf] = base_crc[j]
 
     # ------------------------------------------------------------------ the manifest
 
