@@ -20,6 +20,11 @@ alternating the systems; figures are medians over the rounds of:
   whose writes outlast three quarters of the interval (DCP on the 1 GiB state) has its loss
   understated, so the comparison with it errs in its favour.
 * **blocking call**: median time the training thread spent inside the save call.
+* **where the loss lies** (in each system's line): the time beyond the pace of the save's
+  own step (an eager save's copy), of each of the three steps after it (a lazy snapshot's
+  fence is in the first) and of the rest of the interval (the background write), per save,
+  medians over rounds; the loop without saves has its own, its save step changing one
+  element of every tensor.
 * **peak extra memory**: the child's peak RSS minus its RSS once the state and model exist,
   over a warm-up save and the timed saves, as a multiple of the state size.
 
@@ -379,6 +384,13 @@ def child(
     # The undisturbed pace: steps in the last quarter of each interval (step k sits at
     # position k % every; the save is at position 0).
     late = [t for k, t in enumerate(steps, start=1) if k % every >= every * 3 // 4]
+    pace = statistics.median(late)
+    # Where the excess lies: per position in the interval after a timed save (0: the save's
+    # own step), the steps' time beyond the pace, summed over the saves.
+    after = [0.0] * every
+    for k, t in enumerate(steps, start=1):
+        if every <= k < (saves + 1) * every:
+            after[k % every] += t - pace
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     t1 = time.perf_counter()
     if saver is not None:
@@ -389,7 +401,9 @@ def child(
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {
         "loop": loop,
-        "excess": sum(steps) - len(steps) * statistics.median(late),
+        "excess": sum(steps) - len(steps) * pace,
+        # per save: the save's step, each of the three after it, and the rest of the interval
+        "after_save": [x / saves for x in after[:4]] + [sum(after[4:]) / saves],
         "done_after": done_after,
         "every": every,
         "tail": tail,
@@ -469,6 +483,18 @@ def lost_per_save(
     """Per round, the time a system's loop lost per save: its steps' excess over their own
     pace, less that of the loop without saves in the same round (see the module docstring)."""
     return [(r["excess"] - base["excess"]) / saves for r, base in zip(runs, without, strict=True)]
+
+
+def _after_save(runs: list[dict[str, Any]]) -> str:
+    """Where a system's loop lost its time, medians over rounds: the save's own step (an
+    eager save's copy), each of the next three (a lazy snapshot's fence is in the first), and
+    the rest of the interval (the background write), each beyond the loop's pace; the loop
+    without saves changes one element of every tensor in its save's step too."""
+    ms = [statistics.median(r["after_save"][i] for r in runs) * 1e3 for i in range(5)]
+    return (
+        f"steps beyond the pace: the save's {ms[0]:.0f} ms, the next three {ms[1]:.0f}, "
+        f"{ms[2]:.0f} and {ms[3]:.0f} ms, the rest of the interval {ms[4]:.0f} ms"
+    )
 
 
 def _done_range(runs: list[dict[str, Any]]) -> str:
@@ -600,7 +626,8 @@ def measure(ctx: Context, suite: str, device: str, every: int, saves: int) -> li
                 f"loop wall-time difference {statistics.median(wall) * 1e3:.0f} ms/save, "
                 f"median step {statistics.median(r['median_step'] for r in runs[system]) * 1e3:.1f}"
                 f" ms, {statistics.median(r['faults_per_step'] for r in runs[system]):.0f} page "
-                f"faults a step, write seen done {_done_range(runs[system])}"
+                f"faults a step, write seen done {_done_range(runs[system])}, "
+                f"{_after_save(runs[system])}"
             )
         memcpy = statistics.median(lost["memcpy"])
         memcpy_block = statistics.median(statistics.median(r["blocked"]) for r in runs["memcpy"])
