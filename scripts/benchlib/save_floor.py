@@ -2,7 +2,7 @@
 
 The format suite holds ``ckptstore.save`` of 20,000 float32 leaves of 4 KiB (80 MiB) against one
 pre-serialized blob written with ``write`` and ``fsync`` (issue 31's goal: within 1.05x). This
-script splits that gap into what the disk costs and what the commit rules cost, by timing
+suite splits that gap into what the disk costs and what the commit rules cost, by timing
 these alternately in one process, each into a fresh directory after ``os.sync()``:
 
 * **ceiling**: the format suite's, the same bytes as one blob, written and fsynced;
