@@ -42,7 +42,7 @@ def _state(count: int) -> dict[str, np.ndarray]:
     return {f"w{i:05d}": rng.standard_normal(1024, dtype=np.float32) for i in range(count)}
 
 
-def test_the_minimal_save_writes_every_leaf_checksummed_and_commits_after_the_lease(
+def test_the_minimal_save_writes_every_leaf_checksummed_and_removes_its_lease(
     tmp_path: Path,
 ) -> None:
     state = _state(3000)  # two packs of 8 MiB: more than one write in flight

@@ -51,21 +51,13 @@ import orjson
 
 import ckptstore
 from benchlib import Context, Result, Suite, interleave
-from benchlib.format import CEILING, _write_fsync
+from benchlib.format import CEILING, _fsync_path, _write_fsync
 from benchlib.workloads import small
 from ckptstore.layout.plan import PackPlan
 from ckptstore.store.checksum import as_uint8, crc32c
 from ckptstore.store.local import LocalStore
 
 IO_THREADS = 8
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _put(path: str, data: Any, direct: bool) -> None:
@@ -124,7 +116,7 @@ class Floor:
         ]
         for write in writes:
             write.result()
-        _fsync_dir(root)
+        _fsync_path(root)
 
     @staticmethod
     def lease(root: str, attempt: str) -> None:
@@ -133,12 +125,12 @@ class Floor:
         os.makedirs(attempt)
         _put(f"{attempt}/lease.json", b'{"expires": 0}', False)
         for directory in (attempt, os.path.dirname(attempt), root):
-            _fsync_dir(directory)
+            _fsync_path(directory)
 
     def commit(self, step_dir: str) -> None:
         """Put the last minimal save's manifest bytes, as its commit does."""
         _put(f"{step_dir}/manifest.json", self.manifest, False)
-        _fsync_dir(step_dir)
+        _fsync_path(step_dir)
 
     def save(self, root: str) -> None:
         t0 = time.perf_counter()
@@ -202,7 +194,7 @@ class Floor:
         )
         for write in writes:
             write.result()
-        _fsync_dir(attempt)
+        _fsync_path(attempt)
         mark("last pack durable")
         self.manifest = encoded
         self.commit(f"{root}/1")
